@@ -1,0 +1,110 @@
+"""Means kept as numerator and denominator, so that they can be combined exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+__all__ = ["Mean", "as_mean", "token_cross_entropy"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Mean:
+    """A mean kept as its numerator ``total`` and denominator ``count``.
+
+    A loss that averages over a variable number of items (tokens that are not
+    padding, weighted examples) cannot be averaged again per micro-batch: the mean
+    of means over-weights short micro-batches. Return a ``Mean`` instead and jaxga
+    adds totals and counts over micro-batches, devices and accumulation calls, and
+    divides once. ``count`` is treated as a constant: no gradient flows through it.
+
+    Means add exactly: ``Mean(a, n) + Mean(b, m) == Mean(a + b, n + m)``.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxga
+        >>> m = jaxga.Mean.of(jnp.array([1.0, 2.0, 9.0]), where=jnp.array([1, 1, 0]))
+        >>> float(m.value), float((m + jaxga.Mean(6.0, 1.0)).value)
+        (1.5, 3.0)
+    """
+
+    total: jax.Array
+    count: jax.Array
+
+    @property
+    def value(self) -> jax.Array:
+        """The mean itself, ``total / count``."""
+        return self.total / self.count
+
+    def __add__(self, other: Mean) -> Mean:
+        if not isinstance(other, Mean):
+            return NotImplemented
+        return Mean(self.total + other.total, self.count + other.count)
+
+    @classmethod
+    def of(cls, values: jax.Array, where: jax.Array | None = None) -> Mean:
+        """Returns the mean of ``values``, counting only items where ``where`` is non-zero.
+
+        ``where`` may be a boolean mask or non-negative per-item weights, broadcastable
+        to ``values``; the count is then the sum of the weights.
+
+        Example:
+            >>> import jax.numpy as jnp, jaxga
+            >>> float(jaxga.Mean.of(jnp.array([2.0, 4.0])).value)
+            3.0
+        """
+        values = jnp.asarray(values)
+        if where is None:
+            return cls(jnp.sum(values), jnp.asarray(values.size, values.dtype))
+        weights = jnp.broadcast_to(jnp.asarray(where), values.shape).astype(values.dtype)
+        return cls(jnp.sum(values * weights), jnp.sum(weights))
+
+
+def as_mean(value: Mean | jax.Array) -> Mean:
+    """Returns ``value`` as a :class:`Mean`; a plain scalar is a mean over one item.
+
+    Example:
+        >>> import jaxga
+        >>> jaxga.as_mean(2.5)
+        Mean(total=2.5, count=1.0)
+    """
+    if isinstance(value, Mean):
+        return value
+    return Mean(value, 1.0)
+
+
+def token_cross_entropy(
+    logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None
+) -> Mean:
+    """Returns the softmax cross-entropy of integer ``labels`` as a :class:`Mean` over tokens.
+
+    Args:
+        logits: ``[..., vocab]`` unnormalised log-probabilities.
+        labels: ``[...]`` integer targets.
+        mask: ``[...]`` optional; tokens where it is zero (padding) are not counted.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxga
+        >>> logits = jnp.zeros((2, 3, 5))
+        >>> labels = jnp.zeros((2, 3), jnp.int32)
+        >>> m = jaxga.token_cross_entropy(logits, labels, mask=jnp.array([[1, 1, 0], [1, 0, 0]]))
+        >>> float(m.count), round(float(m.value), 4)
+        (3.0, 1.6094)
+    """
+    logits = jnp.asarray(logits)
+    labels = jnp.asarray(labels)
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"token_cross_entropy: `logits` has shape {logits.shape}, so `labels` must have "
+            f"shape {logits.shape[:-1]}; got {labels.shape}."
+        )
+    if mask is not None and jnp.shape(mask) != labels.shape:
+        raise ValueError(
+            f"token_cross_entropy: `mask` must have the shape of `labels` {labels.shape}; "
+            f"got {jnp.shape(mask)}."
+        )
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    return Mean.of(losses, where=mask)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv beside the project (once) and installs jaxga with its extras into it.
+# Reinstalls only when pyproject.toml changes. Set JAXGA_EXTRAS=examples,dev,cuda12 on a GPU box.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+extras=${JAXGA_EXTRAS:-examples,dev}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+stamp=.venv/.jaxga-installed
+want="$(cat pyproject.toml) $extras"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing jaxga[$extras] into .venv (first run only)" >&2
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$extras]"
+  printf '%s' "$want" > "$stamp"
+fi

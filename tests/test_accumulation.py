@@ -1,0 +1,373 @@
+"""jaxga.value_and_grad / grad against jax.value_and_grad on the whole batch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxga
+
+RTOL = 2e-5
+ATOL = 1e-6
+BATCH = 24
+
+
+def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        assert jnp.shape(a) == jnp.shape(e)
+        assert jnp.result_type(a) == jnp.result_type(e)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(e, np.float32), rtol=rtol, atol=atol
+        )
+
+
+def mlp_params(key, sizes=(6, 16, 16, 3)):
+    keys = jax.random.split(key, len(sizes) - 1)
+    return [
+        {"w": jax.random.normal(k, (m, n)) / jnp.sqrt(m), "b": jnp.zeros(n)}
+        for k, m, n in zip(keys, sizes[:-1], sizes[1:])
+    ]
+
+
+def mlp(params, x):
+    for layer in params[:-1]:
+        x = jnp.tanh(x @ layer["w"] + layer["b"])
+    return x @ params[-1]["w"] + params[-1]["b"]
+
+
+def mlp_scalar_loss(params, batch):
+    return jnp.mean(optax_xent(mlp(params, batch["x"]), batch["y"]))
+
+
+def mlp_mean_loss(params, batch):
+    return jaxga.Mean.of(optax_xent(mlp(params, batch["x"]), batch["y"]), where=batch["w"])
+
+
+def optax_xent(logits, labels):
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0]
+
+
+def mlp_batch(key, n=BATCH):
+    kx, ky, kw = jax.random.split(key, 3)
+    return {
+        "x": jax.random.normal(kx, (n, 6)),
+        "y": jax.random.randint(ky, (n,), 0, 3),
+        "w": jax.random.uniform(kw, (n,)) * (jax.random.uniform(kw, (n,)) > 0.3),
+    }
+
+
+def embed_params(key, vocab=11, dim=8):
+    k1, k2 = jax.random.split(key)
+    return {
+        "embed": jax.random.normal(k1, (vocab, dim)),
+        "out": jax.random.normal(k2, (dim, vocab)),
+    }
+
+
+def embed_loss(params, batch):
+    logits = params["embed"][batch["tokens"]] @ params["out"]
+    return jaxga.token_cross_entropy(logits, batch["labels"], batch["mask"])
+
+
+def token_batch(key, n=BATCH, length=10, vocab=11, skew=True):
+    k1, k2, k3 = jax.random.split(key, 3)
+    if skew:  # one long sequence per four, the rest very short: the mean of means is off
+        lengths = jnp.where(jnp.arange(n) % 4 == 0, length, 1 + jnp.arange(n) % 2)
+    else:
+        lengths = jax.random.randint(k3, (n,), 1, length + 1)
+    return {
+        "tokens": jax.random.randint(k1, (n, length), 0, vocab),
+        "labels": jax.random.randint(k2, (n, length), 0, vocab),
+        "mask": (jnp.arange(length)[None, :] < lengths[:, None]).astype(jnp.float32),
+    }
+
+
+def full_batch(loss):
+    def value_and_grad(params, batch):
+        out = loss(params, batch)
+        return out.value if isinstance(out, jaxga.Mean) else out
+
+    return jax.value_and_grad(value_and_grad)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8, BATCH])
+@pytest.mark.parametrize(
+    "loss, make_params, make_batch",
+    [
+        (mlp_scalar_loss, mlp_params, mlp_batch),
+        (mlp_mean_loss, mlp_params, mlp_batch),
+        (embed_loss, embed_params, token_batch),
+    ],
+    ids=["mlp-scalar", "mlp-mean", "embedding-mean"],
+)
+def test_matches_full_batch(k, loss, make_params, make_batch):
+    params = make_params(jax.random.key(0))
+    batch = make_batch(jax.random.key(1))
+    expected = full_batch(loss)(params, batch)
+    actual = jax.jit(jaxga.value_and_grad(loss, k))(params, batch)
+    assert_trees_close(actual, expected)
+
+
+def test_grad_matches_jax_grad():
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1))
+    expected = jax.grad(mlp_scalar_loss)(params, batch)
+    assert_trees_close(jaxga.grad(mlp_scalar_loss, 4)(params, batch), expected)
+
+
+def test_mean_of_means_is_wrong_and_jaxga_is_exact():
+    params, batch = embed_params(jax.random.key(0)), token_batch(jax.random.key(1))
+    k = 8
+    expected_value, expected_grads = full_batch(embed_loss)(params, batch)
+
+    def naive(params, batch):  # the bug jaxga exists to kill: average of per-micro-batch means
+        return embed_loss(params, batch).value
+
+    naive_value, naive_grads = jaxga.value_and_grad(naive, k)(params, batch)
+    assert abs(float(naive_value) - float(expected_value)) > 1e-2 * abs(float(expected_value))
+    gap = jnp.linalg.norm(naive_grads["out"] - expected_grads["out"])
+    assert gap > 1e-2 * jnp.linalg.norm(expected_grads["out"])
+
+    value, grads = jaxga.value_and_grad(embed_loss, k)(params, batch)
+    assert_trees_close((value, grads), (expected_value, expected_grads))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    k=st.sampled_from([1, 2, 3, 4, 6]),
+    per_micro=st.integers(1, 3),
+    length=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_property_masked_tokens(k, per_micro, length, seed):
+    key = jax.random.key(seed)
+    params = embed_params(key)
+    batch = token_batch(jax.random.fold_in(key, 1), n=k * per_micro, length=length, skew=False)
+    keep = jax.random.bernoulli(jax.random.fold_in(key, 2), 0.6, batch["mask"].shape)
+    batch["mask"] = batch["mask"] * keep
+    batch["mask"] = batch["mask"].at[0, 0].set(1.0)  # at least one counted token
+    expected = full_batch(embed_loss)(params, batch)
+    assert_trees_close(jaxga.value_and_grad(embed_loss, k)(params, batch), expected, rtol=5e-5)
+
+
+def test_tuple_argnums_and_several_batch_args():
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1))
+    first, rest = params[:1], params[1:]
+
+    def loss(first, rest, x, y):
+        return jnp.mean(optax_xent(mlp(first + rest, x), y))
+
+    expected = jax.value_and_grad(loss, argnums=(0, 1))(first, rest, batch["x"], batch["y"])
+    actual = jaxga.value_and_grad(loss, 3, argnums=(0, 1), batch_argnums=(2, 3))(
+        first, rest, batch["x"], batch["y"]
+    )
+    assert isinstance(actual[1], tuple) and len(actual[1]) == 2
+    assert_trees_close(actual, expected)
+
+
+def test_has_aux_is_stacked_per_microbatch():
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1))
+
+    def loss(params, batch):
+        logits = mlp(params, batch["x"])
+        return jnp.mean(optax_xent(logits, batch["y"])), {"logits": logits}
+
+    k = 4
+    (value, aux), grads = jaxga.value_and_grad(loss, k, has_aux=True)(params, batch)
+    (expected_value, expected_aux), expected_grads = jax.value_and_grad(loss, has_aux=True)(
+        params, batch
+    )
+    assert_trees_close((value, grads), (expected_value, expected_grads))
+    assert aux["logits"].shape == (k, BATCH // k, 3)
+    split = jaxga.split_microbatches(expected_aux["logits"], k)
+    np.testing.assert_allclose(aux["logits"], split, rtol=1e-5, atol=1e-6)
+
+
+def test_rng_key_per_microbatch():
+    k = 4
+    x = jnp.ones((8, 64))
+
+    def loss(w, x, key):
+        keep = jax.random.bernoulli(key, 0.5, x.shape)
+        return jnp.mean(jnp.where(keep, x * w, 0.0)), keep
+
+    key = jax.random.key(42)
+    (_, masks), grads = jaxga.value_and_grad(loss, k, has_aux=True, rng_argnums=2)(2.0, x, key)
+    # Reference: a Python loop drawing fold_in(key, i) for micro-batch i.
+    parts = jaxga.split_microbatches(x, k)
+    expected = [
+        jax.random.bernoulli(jax.random.fold_in(key, i), 0.5, parts[i].shape) for i in range(k)
+    ]
+    np.testing.assert_array_equal(masks, jnp.stack(expected))
+    assert len({np.asarray(m).tobytes() for m in masks}) == k  # every micro-batch differs
+    expected_grad = np.mean([np.mean(np.where(m, p, 0.0)) for m, p in zip(expected, parts)])
+    np.testing.assert_allclose(grads, expected_grad, rtol=1e-6)
+
+
+def test_state_is_threaded_through_microbatches():
+    k = 4
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1))
+
+    def loss(params, batch, stats):
+        h = batch["x"] @ params[0]["w"]
+        new_stats = {
+            "mean": 0.9 * stats["mean"] + 0.1 * jnp.mean(h, 0),
+            "steps": stats["steps"] + 1,
+        }
+        return jnp.mean(optax_xent(mlp(params, batch["x"]), batch["y"])), new_stats
+
+    stats = {"mean": jnp.zeros(16), "steps": jnp.zeros((), jnp.int32)}
+    (value, grads), new_stats = jax.jit(jaxga.value_and_grad(loss, k, state_argnums=2))(
+        params, batch, stats
+    )
+    # Reference: a Python loop over the same micro-batches.
+    parts = jaxga.split_microbatches(batch, k)
+    expected_stats, values, all_grads = stats, [], []
+    for i in range(k):
+        micro = jax.tree.map(lambda x: x[i], parts)
+        (v, expected_stats), g = jax.value_and_grad(loss, has_aux=True)(
+            params, micro, expected_stats
+        )
+        values.append(v)
+        all_grads.append(g)
+    assert int(new_stats["steps"]) == k
+    assert_trees_close(new_stats, expected_stats)
+    mean_grads = jax.tree.map(lambda *g: sum(g) / k, *all_grads)
+    assert_trees_close((value, grads), (sum(values) / k, mean_grads))
+
+
+def test_state_with_aux_output_structure():
+    def loss(w, x, state):
+        return (jnp.mean(w * x), jnp.sum(x)), state + 1.0
+
+    ((value, aux), grads), state = jaxga.value_and_grad(loss, 2, has_aux=True, state_argnums=2)(
+        1.0, jnp.arange(4.0), 0.0
+    )
+    assert float(value) == 1.5 and aux.shape == (2,) and float(state) == 2.0
+    (g, aux2), state2 = jaxga.grad(loss, 2, has_aux=True, state_argnums=2)(
+        1.0, jnp.arange(4.0), 0.0
+    )
+    assert float(g) == float(grads) == 1.5 and float(state2) == 2.0
+    np.testing.assert_array_equal(aux, aux2)
+
+
+def test_low_precision_params_accumulate_in_float32():
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), mlp_params(jax.random.key(0)))
+    batch = mlp_batch(jax.random.key(1))
+    grads = jaxga.grad(mlp_scalar_loss, 8)(params, batch)
+    assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
+    # The float32 accumulator makes the result match a float32 sum of bfloat16 micro-gradients.
+    parts = jaxga.split_microbatches(batch, 8)
+    micro = [
+        jax.grad(mlp_scalar_loss)(params, jax.tree.map(lambda x: x[i], parts)) for i in range(8)
+    ]
+    expected = jax.tree.map(
+        lambda *g: (sum(x.astype(jnp.float32) for x in g) / 8).astype(jnp.bfloat16), *micro
+    )
+    assert_trees_close(grads, expected, rtol=1e-2, atol=1e-3)
+
+
+def test_works_inside_user_jit_and_vmap_free_of_retracing():
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1))
+    grad_fn = jaxga.value_and_grad(mlp_mean_loss, 4)
+
+    @jax.jit
+    def step(params, batch):
+        value, grads = grad_fn(params, batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+    new_params, value = step(params, batch)
+    expected_value, expected_grads = full_batch(mlp_mean_loss)(params, batch)
+    expected_params = jax.tree.map(lambda p, g: p - 0.1 * g, params, expected_grads)
+    assert_trees_close((new_params, value), (expected_params, expected_value))
+
+
+def deep_mlp_loss(params, x):
+    for w in params:
+        x = jnp.tanh(x @ w)
+    return jnp.mean(x**2)
+
+
+def test_memory_of_eight_microbatches_is_under_half_of_one():
+    depth, width, batch = 16, 256, 512
+    params = [jax.ShapeDtypeStruct((width, width), jnp.float32)] * depth
+    x = jax.ShapeDtypeStruct((batch, width), jnp.float32)
+
+    def temp_bytes(k):
+        f = jax.jit(jaxga.value_and_grad(deep_mlp_loss, k))
+        return f.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+
+    one, eight = temp_bytes(1), temp_bytes(8)
+    assert eight < 0.5 * one, (one, eight)
+
+
+@pytest.mark.parametrize(
+    "num_microbatches, error, match",
+    [
+        (0, ValueError, r"`num_microbatches` must be a positive int; got 0"),
+        (-2, ValueError, r"`num_microbatches` must be a positive int; got -2"),
+        (2.0, TypeError, r"`num_microbatches` must be a positive int; got 2.0 of type float"),
+        (True, TypeError, r"`num_microbatches` must be a positive int; got True"),
+    ],
+)
+def test_bad_num_microbatches(num_microbatches, error, match):
+    with pytest.raises(error, match=match):
+        jaxga.value_and_grad(mlp_scalar_loss, num_microbatches)
+
+
+def test_indivisible_batch_names_both_numbers():
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1), n=10)
+    with pytest.raises(ValueError, match=r"batch size 10 .* not divisible by num_microbatches=4"):
+        jaxga.value_and_grad(mlp_scalar_loss, 4)(params, batch)
+
+
+def test_mismatched_leading_sizes_are_listed():
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1))
+    batch["y"] = batch["y"][:20]
+    with pytest.raises(ValueError, match=r"different leading sizes .*\['x'\]: 24.*\['y'\]: 20"):
+        jaxga.value_and_grad(mlp_scalar_loss, 4)(params, batch)
+
+
+def test_scalar_batch_leaf_is_rejected():
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1))
+    batch["temperature"] = jnp.float32(1.0)
+    with pytest.raises(ValueError, match=r"args\[1\]\['temperature'\] is a scalar"):
+        jaxga.value_and_grad(mlp_scalar_loss, 4)(params, batch)
+
+
+def test_overlapping_argnums():
+    with pytest.raises(ValueError, match=r"`argnums`=\(1,\) and `batch_argnums`=\(1,\)"):
+        jaxga.value_and_grad(mlp_scalar_loss, 2, argnums=1)
+    with pytest.raises(ValueError, match=r"`batch_argnums`=\(1,\) and `rng_argnums`=\(1,\)"):
+        jaxga.value_and_grad(mlp_scalar_loss, 2, rng_argnums=1)
+
+
+def test_out_of_range_batch_argnums():
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1))
+    with pytest.raises(
+        ValueError,
+        match=r"`batch_argnums`=\(3,\) refers to positional argument 3"
+        r", but the function was called with 2",
+    ):
+        jaxga.value_and_grad(mlp_scalar_loss, 2, batch_argnums=3)(params, batch)
+
+
+def test_bad_argnums_type():
+    with pytest.raises(TypeError, match=r"`argnums` must be a non-negative int"):
+        jaxga.value_and_grad(mlp_scalar_loss, 2, argnums="0")
+    with pytest.raises(ValueError, match=r"`argnums` must name at least one"):
+        jaxga.value_and_grad(mlp_scalar_loss, 2, argnums=())
+
+
+def test_non_scalar_loss_is_rejected():
+    with pytest.raises(TypeError, match=r"float scalar .* shape \(3,\)"):
+        jaxga.value_and_grad(lambda w, x: w * x, 1)(1.0, jnp.ones(3))
+
+
+def test_changed_state_structure_is_rejected():
+    with pytest.raises(TypeError, match=r"new_state with tree structure"):
+        jaxga.value_and_grad(lambda w, x, s: (jnp.mean(w * x), (s, s)), 1, state_argnums=2)(
+            1.0, jnp.ones(3), 0.0
+        )
