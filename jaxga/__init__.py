@@ -9,16 +9,30 @@ from jaxga.accumulation import (
     value_and_grad,
 )
 from jaxga.loss import Mean, as_mean, token_cross_entropy
+from jaxga.memory import MemoryReport, memory_report
+from jaxga.multistep import MultiSteps, MultiStepsState, skip_not_finite
+from jaxga.remat import checkpoint_policy, remat_scan
+from jaxga.train import TrainState, make_train_step, nnx_loss
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Accumulated",
     "Mean",
+    "MemoryReport",
+    "MultiSteps",
+    "MultiStepsState",
+    "TrainState",
     "accumulate",
     "as_mean",
+    "checkpoint_policy",
     "grad",
+    "make_train_step",
+    "memory_report",
+    "nnx_loss",
+    "remat_scan",
     "sharding",
+    "skip_not_finite",
     "split_microbatches",
     "token_cross_entropy",
     "value_and_grad",

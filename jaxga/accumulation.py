@@ -270,7 +270,9 @@ def accumulate(
     carry = sharding.varying(carry, axis_name)
     (_, grads, total, count, state), aux = jax.lax.scan(body, carry, micro)
     if axis_name is not None:
-        grads, total, count = jax.lax.psum((grads, total, count), axis_name)
+        grads, total, count = sharding.psum_invariant(
+            (grads, total, count), (primals, 0.0, 0.0), axis_name
+        )
     grads = jax.tree.map(lambda g, p: (g / count).astype(jnp.result_type(p)), grads, primals)
     return Accumulated(Mean(total, count), grads, aux if has_aux else None, state)
 

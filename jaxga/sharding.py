@@ -1,12 +1,49 @@
-"""Helpers for running jaxga inside ``shard_map``/``pmap`` over a named mesh axis."""
+"""Data parallelism: running jaxga inside ``shard_map``/``pmap`` over a named mesh axis.
+
+``jaxga.value_and_grad(..., axis_name="data")`` called inside ``jax.shard_map`` (or
+``jax.pmap``) scans each device's local micro-batches and reduces gradients, loss
+totals and counts across the axis **once**, after the loop. This module holds the
+pieces that make that work (:func:`check_axis_bound`, :func:`varying`), helpers to
+put data on a mesh from one or many processes (:func:`shard_batch`,
+:func:`replicate`), and :func:`hlo_collectives`, which finds the collectives of a
+compiled step and tells whether each one runs inside a loop. See
+``docs/distributed.md``.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, NamedTuple
 
 import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["check_axis_bound", "varying"]
+__all__ = [
+    "Collective",
+    "check_axis_bound",
+    "hlo_collectives",
+    "indivisible_error",
+    "psum_invariant",
+    "replicate",
+    "shard_batch",
+    "varying",
+]
+
+
+def _axes(axis_name: Any) -> tuple[Any, ...]:
+    """Returns ``axis_name`` as a tuple of axis names (a name, or a tuple of names)."""
+    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+
+
+def _varying_axes(x: Any) -> frozenset:
+    """Returns the mesh axes over which ``x`` varies (empty outside ``shard_map``)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # recent jax (0.10): ShapedArray.mat.varying
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))  # older jax: ShapedArray.vma
 
 
 def check_axis_bound(axis_name: Any) -> None:
@@ -37,16 +74,73 @@ def varying(tree: Any, axis_name: Any) -> Any:
     over the axis makes JAX insert a ``psum`` into the gradient. Inside a micro-batch
     loop that would be one all-reduce per micro-batch; marking the value as varying
     first keeps the gradient local, so the caller can reduce once after the loop.
+    ``axis_name`` may be a tuple of axis names; leaves already varying over some of
+    them are cast over the others only.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((1,), ("data",))
+        >>> def f(w):
+        ...     print(jax.typeof(w), jax.typeof(jaxga.sharding.varying(w, "data")))
+        ...     return w
+        >>> _ = jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P())(jnp.ones(2))
+        float32[2] float32[2]{V:data}
+        >>> jaxga.sharding.varying(1.0, None)
+        1.0
     """
     if axis_name is None:
         return tree
+    axes = _axes(axis_name)
 
     def cast(x):
-        if axis_name in getattr(jax.typeof(x), "vma", frozenset()):
-            return x
-        return jax.lax.pcast(x, axis_name, to="varying")
+        vma = _varying_axes(x)
+        for axis in axes:
+            if axis not in vma:
+                x = jax.lax.pcast(x, axis, to="varying")
+        return x
 
     return jax.tree.map(cast, tree)
+
+
+def psum_invariant(tree: Any, like: Any, axis_name: Any) -> Any:
+    """Sums ``tree`` over ``axis_name``, skipping axes where the matching leaf of ``like`` varies.
+
+    This is how gradients are reduced after the micro-batch loop: a parameter that is
+    replicated over the axis gets the sum of every device's gradient, while one that
+    already varies over it (sharded FSDP-style, or per device) keeps its own — the
+    gradient JAX itself would give it. ``like`` has the structure of ``tree`` (leaves
+    may be placeholders such as ``0.0``). Leaves summed over the same axes are summed
+    in one ``psum``. Under ``pmap`` and ``shard_map(..., check_vma=False)`` nothing is
+    known to vary, so everything is summed.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((1,), ("data",))
+        >>> def f(replicated, sharded):
+        ...     grads = jaxga.sharding.varying((replicated, sharded), "data")  # local sums
+        ...     out = jaxga.sharding.psum_invariant(grads, (replicated, sharded), "data")
+        ...     print(*(jax.typeof(x) for x in out))
+        ...     return out
+        >>> sharded = jaxga.sharding.shard_batch(jnp.ones(2), mesh)
+        >>> _ = jax.shard_map(f, mesh=mesh, in_specs=(P(), P("data")),
+        ...                   out_specs=(P(), P("data")))(jnp.ones(2), sharded)
+        float32[2] float32[2]{V:data}
+    """
+    axes = _axes(axis_name)
+    leaves, treedef = jax.tree.flatten(tree)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, like_leaf in enumerate(treedef.flatten_up_to(like)):
+        vma = _varying_axes(like_leaf)
+        groups.setdefault(tuple(a for a in axes if a not in vma), []).append(i)
+    out = list(leaves)
+    for over, indices in groups.items():
+        if over:
+            summed = jax.lax.psum([leaves[i] for i in indices], over if len(over) > 1 else over[0])
+            for i, x in zip(indices, summed):
+                out[i] = x
+    return jax.tree.unflatten(treedef, out)
 
 
 def indivisible_error(batches: Any, num_microbatches: int, axis_name: Any) -> ValueError:
@@ -58,3 +152,151 @@ def indivisible_error(batches: Any, num_microbatches: int, axis_name: Any) -> Va
         f"axis {axis_name!r}) is not divisible by devices × num_microbatches = {devices} × "
         f"{num_microbatches} = {devices * num_microbatches}."
     )
+
+
+def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
+    """Places this process's rows of a batch on ``mesh``, split over ``axis_name``.
+
+    Every leaf's leading axis is sharded over the mesh axis (or tuple of axes)
+    ``axis_name`` and replicated over the other axes. On one process, ``batch`` is the
+    whole global batch. Under ``jax.distributed`` each process passes its own rows
+    (the ones its data loader produced) and gets back global arrays whose leading
+    axis concatenates all processes' rows in process order (for the usual
+    mesh from ``jax.make_mesh``, whose devices are ordered by process); this is
+    :func:`jax.make_array_from_process_local_data` applied to every leaf.
+
+    Example:
+        >>> import jax, numpy as np, jaxga
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        >>> batch = jaxga.sharding.shard_batch({"x": np.ones((8, 3))}, mesh)
+        >>> batch["x"].shape, batch["x"].sharding.spec
+        ((8, 3), P('data',))
+    """
+    sharding = NamedSharding(mesh, P(axis_name))
+    local_mesh = mesh.local_mesh.shape
+    shards = int(np.prod([local_mesh[a] for a in _axes(axis_name)]))
+
+    def place(path, x):
+        shape = np.shape(x)
+        where = f"batch{jax.tree_util.keystr(path)}"
+        if not shape or shape[0] % shards:
+            got = f"shape {shape}" if shape else "a scalar"
+            raise ValueError(
+                f"shard_batch: {where} has {got}; its leading axis (this process's rows) must "
+                f"be divisible by the {shards} shard(s) of mesh axis {axis_name!r} held by "
+                f"this process's devices."
+            )
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+    return jax.tree_util.tree_map_with_path(place, batch)
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """Places ``tree`` (e.g. parameters, optimiser state) on every device of ``mesh``.
+
+    Under ``jax.distributed`` every process must pass the same values (for instance
+    parameters initialised from the same seed).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        >>> params = jaxga.sharding.replicate({"w": jnp.zeros(3)}, mesh)
+        >>> params["w"].sharding.is_fully_replicated
+        True
+    """
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+class Collective(NamedTuple):
+    """A collective operation in compiled HLO text; see :func:`hlo_collectives`.
+
+    Attributes:
+        opcode: ``"all-reduce"``, ``"reduce-scatter"``, ``"all-gather"``,
+            ``"collective-permute"``, ``"all-to-all"``, ... (without ``-start``).
+        computation: name of the HLO computation that holds it.
+        in_loop: whether that computation runs inside a ``while`` loop (is a loop
+            body or condition, or is called from one, directly or not).
+        line: the HLO instruction.
+    """
+
+    opcode: str
+    computation: str
+    in_loop: bool
+    line: str
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
+_COLLECTIVE = re.compile(
+    r"(?<=\s)(all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all|"
+    r"ragged-all-to-all|collective-broadcast)(?:-start)?\("
+)
+_WHILE = re.compile(r"(?<=\s)while\(")
+_ATTRIBUTE = re.compile(r"\b\w+=(\{[^{}]*\}|%[\w.\-]+)")
+_NAME = re.compile(r"%([\w.\-]+)")
+
+
+def _parse_computations(hlo_text: str) -> dict[str, list[str]]:
+    computations: dict[str, list[str]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        if line.startswith("}"):
+            current = None
+        elif not line[:1].isspace() and (match := _COMPUTATION.match(line)):
+            current = computations.setdefault(match.group(1), [])
+        elif current is not None and line.strip():
+            current.append(line.strip())
+    return computations
+
+
+def hlo_collectives(hlo_text: str) -> list[Collective]:
+    """Lists the collectives in compiled HLO text, each marked as inside a loop or not.
+
+    Pass the text of a compiled function, ``jax.jit(f).lower(*args).compile().as_text()``.
+    A computation is *in a loop* if it is the body or condition of a ``while``
+    instruction or is called (as a fusion, call, reducer, branch, ...) from such a
+    computation, directly or through others. With ``axis_name`` set, jaxga's
+    micro-batch loop has no collective inside it and one all-reduce after it.
+
+    Example:
+        >>> import jaxga
+        >>> hlo = '''
+        ... %body (p: f32[]) -> f32[] {
+        ...   %p = f32[] parameter(0)
+        ...   ROOT %r = f32[] all-reduce(%p), replica_groups={}, to_apply=%add
+        ... }
+        ... ENTRY %main (x: f32[]) -> f32[] {
+        ...   %x = f32[] parameter(0)
+        ...   %w = f32[] while(%x), condition=%cond, body=%body
+        ...   ROOT %s = f32[] all-reduce-start(%w), replica_groups={}, to_apply=%add
+        ... }'''
+        >>> [(c.opcode, c.in_loop) for c in jaxga.sharding.hlo_collectives(hlo)]
+        [('all-reduce', True), ('all-reduce', False)]
+    """
+    computations = _parse_computations(hlo_text)
+
+    def callees(name: str) -> set[str]:
+        found = set()
+        for line in computations.get(name, ()):
+            for value in _ATTRIBUTE.findall(line):
+                found.update(n for n in _NAME.findall(value) if n in computations)
+        return found
+
+    in_loop: set[str] = set()
+    pending = [
+        callee
+        for lines in computations.values()
+        for line in lines
+        if _WHILE.search(line)
+        for _, callee in re.findall(r"\b(body|condition)=%?([\w.\-]+)", line)
+    ]
+    while pending:
+        name = pending.pop()
+        if name not in in_loop:
+            in_loop.add(name)
+            pending.extend(callees(name))
+    return [
+        Collective(match.group(1), name, name in in_loop, line)
+        for name, lines in computations.items()
+        for line in lines
+        if (match := _COLLECTIVE.search(line))
+    ]

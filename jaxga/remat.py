@@ -1,0 +1,262 @@
+"""Rematerialised scans over stacked layers: per-layer and two-level (√L) checkpointing."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["POLICIES", "checkpoint_policy", "remat_scan", "resolve_segments", "stack_length"]
+
+Policy = str | Sequence[str] | Callable[..., Any]
+
+# Known policy names and what each keeps from a layer's forward pass for the backward pass.
+POLICIES: dict[str, str] = {
+    "none": "everything (no rematerialisation)",
+    "full": "nothing but the layer's input; the whole layer is recomputed",
+    "dots": "the outputs of matrix multiplications and convolutions",
+    "dots_no_batch": "the outputs of matrix multiplications without batch dimensions",
+    "offload_dots": "as 'dots_no_batch', but offloaded to pinned host memory (GPU/TPU only)",
+}
+
+
+def checkpoint_policy(policy: Policy) -> Callable[..., Any] | None:
+    """Returns the ``jax.checkpoint`` policy for a policy name, list of names or callable.
+
+    ``"none"`` gives ``None``: do not checkpoint at all. A list (or tuple) of strings
+    saves exactly the values tagged with those names by
+    :func:`jax.ad_checkpoint.checkpoint_name`. A callable is taken to be a
+    :data:`jax.checkpoint_policies` policy and is returned as it is. The known names
+    are the keys of :data:`POLICIES`.
+
+    Example:
+        >>> import jax, jaxga
+        >>> jaxga.checkpoint_policy("full") is jax.checkpoint_policies.nothing_saveable
+        True
+        >>> jaxga.checkpoint_policy("none") is None
+        True
+    """
+    cp = jax.checkpoint_policies
+    if isinstance(policy, str):
+        named = {
+            "none": None,
+            "full": cp.nothing_saveable,
+            "dots": cp.dots_saveable,
+            "dots_no_batch": cp.dots_with_no_batch_dims_saveable,
+        }
+        if policy in named:
+            return named[policy]
+        if policy == "offload_dots":
+            return cp.offload_dot_with_no_batch_dims("device", "pinned_host")
+        raise ValueError(
+            f"`policy`={policy!r} is not a known policy name; expected one of "
+            f"{', '.join(map(repr, POLICIES))}, a list of checkpoint_name names, or a "
+            f"jax.checkpoint_policies callable."
+        )
+    if callable(policy):
+        return policy
+    if isinstance(policy, (list, tuple)) and all(isinstance(n, str) for n in policy):
+        return cp.save_only_these_names(*policy)
+    raise TypeError(
+        f"`policy` must be a policy name, a list of checkpoint_name names or a "
+        f"jax.checkpoint_policies callable; got {policy!r} of type {type(policy).__name__}."
+    )
+
+
+def stack_length(stacked_params: Any) -> int:
+    """Returns the number of layers L: the common leading size of every leaf.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxga
+        >>> jaxga.stack_length({"w": jnp.zeros((6, 3, 3)), "b": jnp.zeros((6, 3))})
+        6
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(stacked_params)[0]
+    if not leaves:
+        raise ValueError(
+            "`stacked_params` has no array leaves; it must be a pytree of arrays that "
+            "share a leading layer axis of size L."
+        )
+    sizes = {}
+    for path, leaf in leaves:
+        where = f"stacked_params{jax.tree_util.keystr(path)}"
+        shape = jnp.shape(leaf)
+        if len(shape) == 0:
+            raise ValueError(
+                f"{where} is a scalar; every leaf of `stacked_params` needs a leading "
+                f"layer axis of size L."
+            )
+        sizes[where] = shape[0]
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{k}: {v}" for k, v in sizes.items())
+        raise ValueError(
+            f"The leaves of `stacked_params` have different leading sizes ({listed}); "
+            f"every leaf must stack the same number of layers L along axis 0."
+        )
+    return next(iter(sizes.values()))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resolve_segments(segments: int | str, num_layers: int) -> int:
+    """Returns the number of segments for ``segments`` (an int, or ``"sqrt"``) and L layers.
+
+    ``"sqrt"`` picks the divisor of L nearest to √L (the smaller one on a tie), which
+    balances the segment inputs kept during the forward pass against the layers
+    recomputed at once in the backward pass.
+
+    Example:
+        >>> import jaxga
+        >>> jaxga.resolve_segments("sqrt", 64), jaxga.resolve_segments("sqrt", 12)
+        (8, 3)
+    """
+    if isinstance(segments, str):
+        if segments != "sqrt":
+            raise ValueError(f"`segments` must be a positive int or 'sqrt'; got {segments!r}.")
+        root = math.sqrt(num_layers)
+        return min(_divisors(num_layers), key=lambda d: (abs(d - root), d))
+    if isinstance(segments, bool) or not isinstance(segments, int):
+        raise TypeError(
+            f"`segments` must be a positive int or 'sqrt'; got {segments!r} of type "
+            f"{type(segments).__name__}."
+        )
+    if segments < 1:
+        raise ValueError(f"`segments` must be a positive int or 'sqrt'; got {segments}.")
+    if num_layers % segments:
+        below = max(d for d in _divisors(num_layers) if d < segments)
+        above = [d for d in _divisors(num_layers) if d > segments]
+        nearest = f"{below} and {above[0]}" if above else f"{below}"
+        raise ValueError(
+            f"`segments`={segments} does not divide the number of layers L={num_layers}; "
+            f"the nearest divisors of {num_layers} are {nearest}."
+        )
+    return segments
+
+
+def _carry_checked(layer_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def step(params: Any, x: Any) -> Any:
+        y = layer_fn(params, x)
+        x_struct, y_struct = jax.tree.structure(x), jax.tree.structure(y)
+        if x_struct != y_struct:
+            raise TypeError(
+                f"`layer_fn` must return a carry with the structure of its input "
+                f"{x_struct}; got {y_struct}."
+            )
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(x)[0], jax.tree.leaves(y)):
+            if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b):
+                raise TypeError(
+                    f"`layer_fn` changed the carry x{jax.tree_util.keystr(path)} from "
+                    f"{jnp.result_type(a).name}{list(jnp.shape(a))} to "
+                    f"{jnp.result_type(b).name}{list(jnp.shape(b))}; a layer must return "
+                    f"its input's shape and dtype."
+                )
+        return y
+
+    return step
+
+
+def _scan_layers(step: Callable[[Any, Any], Any], x: Any, stacked_params: Any) -> Any:
+    return jax.lax.scan(lambda carry, params: (step(params, carry), None), x, stacked_params)[0]
+
+
+def remat_scan(
+    layer_fn: Callable[[Any, Any], Any],
+    stacked_params: Any,
+    x: Any,
+    *,
+    policy: Policy = "full",
+    segments: int | str = 1,
+) -> Any:
+    """Applies ``layer_fn`` once per stacked layer in a ``lax.scan``, rematerialised.
+
+    Computes ``for i in range(L): x = layer_fn(params[i], x)``, where ``params[i]`` is
+    the i-th slice along the leading axis of every leaf of ``stacked_params``, with the
+    same result and gradients as that Python loop, but compiled once whatever L, and
+    with activations recomputed in the backward pass instead of stored:
+
+    * ``segments=1``: each layer is a ``jax.checkpoint`` with ``policy`` (per-layer
+      remat): the backward pass keeps the L layer inputs, plus what ``policy`` saves,
+      for at most one extra forward pass (``"full"``; less for ``"dots"``).
+    * ``segments=s`` (a divisor of L): two levels. An outer scan over s segments keeps
+      only the s segment inputs; in the backward pass each segment of L/s layers is
+      recomputed as a whole, its layers checkpointed with ``policy``. With
+      ``policy="full"`` the activation memory is O(s + L/s) layer inputs (O(√L) for
+      ``"sqrt"``) for at most two extra forward passes; with ``policy="none"`` a
+      segment's layers store everything while it is recomputed (Chen et al., 2016):
+      one extra forward pass, and memory of s layer inputs plus L/s whole layers.
+    * ``segments="sqrt"``: s is the divisor of L nearest to √L (see
+      :func:`resolve_segments`).
+
+    Random layers: put one PRNG key per layer into ``stacked_params`` (e.g.
+    ``jax.random.split(key, L)``), so that recomputation draws the same numbers.
+
+    **Flax NNX.** Create the blocks with stacked parameters, split once, merge per layer::
+
+        @nnx.split_rngs(splits=L)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(rngs):
+            return Block(dim, rngs=rngs)
+
+        graphdef, params = nnx.split(make_blocks(nnx.Rngs(0)))   # leaves: [L, ...]
+        y = jaxga.remat_scan(lambda p, x: nnx.merge(graphdef, p)(x), params, x)
+
+    Inside a module, store the stacked blocks as an attribute and call
+    ``nnx.split(self.blocks)`` in ``__call__``. **Flax Linen**: stack parameters with
+    ``jax.vmap(block.init, in_axes=(0, None))(jax.random.split(key, L), x)`` and use
+    ``lambda p, x: block.apply(p, x)`` as ``layer_fn``.
+
+    Args:
+        layer_fn: ``layer_fn(params_i, x) -> x``; must return a pytree with the
+            structure, shapes and dtypes of ``x``.
+        stacked_params: pytree of arrays sharing a leading layer axis of size L.
+        x: the initial carry (an array or pytree of arrays).
+        policy: what a layer keeps for the backward pass: ``"none"`` (everything),
+            ``"full"`` (nothing), ``"dots"``, ``"dots_no_batch"``, ``"offload_dots"``
+            (where the backend has pinned host memory), a list of
+            :func:`jax.ad_checkpoint.checkpoint_name` names to save, or any
+            ``jax.checkpoint_policies`` callable. See :data:`POLICIES`.
+        segments: 1 (per-layer remat), a divisor s of L (two-level remat over s
+            segments), or ``"sqrt"``.
+
+    Returns:
+        The carry after the last layer.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> w = jnp.full((16, 4, 4), 0.1)
+        >>> layer = lambda w, x: jnp.tanh(x @ w)
+        >>> x = jnp.ones((2, 4))
+        >>> y = jaxga.remat_scan(layer, w, x, segments="sqrt")
+        >>> loop = x
+        >>> for i in range(16):
+        ...     loop = layer(w[i], loop)
+        >>> bool(jnp.allclose(y, loop))
+        True
+    """
+    num_layers = stack_length(stacked_params)
+    save = checkpoint_policy(policy)
+    num_segments = resolve_segments(segments, num_layers)
+    if not callable(layer_fn):
+        raise TypeError(f"`layer_fn` must be callable; got {type(layer_fn).__name__}.")
+
+    step = _carry_checked(layer_fn)
+    if save is not None:
+        # Inside a scan the loop itself keeps XLA from merging forward and recomputation.
+        step = jax.checkpoint(step, policy=save, prevent_cse=False)
+    if num_segments == 1:
+        return _scan_layers(step, x, stacked_params)
+
+    def segment(carry: Any, params: Any) -> Any:
+        return _scan_layers(step, carry, params)
+
+    segment = jax.checkpoint(segment, prevent_cse=False)
+    per_segment = num_layers // num_segments
+    grouped = jax.tree.map(
+        lambda p: jnp.reshape(p, (num_segments, per_segment, *jnp.shape(p)[1:])), stacked_params
+    )
+    return jax.lax.scan(lambda carry, params: (segment(carry, params), None), x, grouped)[0]

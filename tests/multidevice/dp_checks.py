@@ -1,0 +1,393 @@
+"""Data-parallel checks on 8 host devices, against single-device references.
+
+Run by ``tests/test_data_parallel.py`` in a subprocess with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and ``JAXGA_MULTIDEVICE=1``
+(the flag must be set before jax is imported, so these cannot run in the main pytest
+process). By hand::
+
+    JAXGA_MULTIDEVICE=1 XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+        .venv/bin/python -m pytest tests/multidevice/dp_checks.py
+"""
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("JAXGA_MULTIDEVICE") != "1":
+    pytest.skip(
+        "run by tests/test_data_parallel.py in a subprocess with 8 host devices",
+        allow_module_level=True,
+    )
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import jaxga
+from jaxga.sharding import hlo_collectives, replicate, shard_batch
+
+DEVICES = 8
+K = 4  # micro-batches per device
+ROWS = 2  # rows per micro-batch
+LOCAL = K * ROWS  # rows per device
+GLOBAL = DEVICES * LOCAL
+SEQ, VOCAB, DIM = 12, 11, 8
+RTOL, ATOL = 2e-5, 1e-6
+
+assert jax.device_count() == DEVICES, jax.devices()
+MESH = jax.make_mesh((DEVICES,), ("data",))
+
+
+# ----------------------------------------------------------------------------- data, model
+
+
+def make_params(seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {
+        "embed": jax.random.normal(k1, (VOCAB, DIM)),
+        "out": jax.random.normal(k2, (DIM, VOCAB)) / np.sqrt(DIM),
+        "bias": jnp.zeros(VOCAB),
+    }
+
+
+def make_batch(seed=0, rows=GLOBAL):
+    """Token sequences whose lengths grow with the device that holds them (skewed)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, VOCAB, (rows, SEQ + 1)).astype(np.int32)
+    device = np.arange(rows) // (rows // DEVICES)
+    lengths = np.clip(1 + device * SEQ // DEVICES + rng.integers(0, 3, rows), 1, SEQ)
+    mask = (np.arange(SEQ)[None] < lengths[:, None]).astype(np.float32)
+    return {"inputs": tokens[:, :-1], "labels": tokens[:, 1:], "mask": mask}
+
+
+def logits_fn(params, inputs, shift=0.0):
+    hidden = jnp.tanh(params["embed"][inputs] + shift)
+    return hidden @ params["out"] + params["bias"]
+
+
+def mean_loss(params, batch):
+    return jaxga.token_cross_entropy(
+        logits_fn(params, batch["inputs"]), batch["labels"], batch["mask"]
+    )
+
+
+def scalar_loss(params, batch):
+    return mean_loss(params, {**batch, "mask": jnp.ones_like(batch["mask"])}).value
+
+
+def microbatch(batch, device, index):
+    """Rows of global micro-batch ``device * K + index``, as jaxga splits them."""
+    local = jax.tree.map(lambda x: x[device * LOCAL : (device + 1) * LOCAL], batch)
+    return jax.tree.map(lambda x: x[index::K], local)
+
+
+def microbatches(batch, index):
+    """Micro-batch ``index`` of every device, stacked: leaves ``[DEVICES, ROWS, ...]``."""
+    return jax.tree.map(lambda x: x.reshape(DEVICES, LOCAL, *x.shape[1:])[:, index::K], batch)
+
+
+def data_parallel(fun, in_specs, out_specs, **options):
+    return jax.jit(jax.shard_map(fun, mesh=MESH, in_specs=in_specs, out_specs=out_specs, **options))
+
+
+def assert_close(actual, expected, rtol=RTOL, atol=ATOL):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        assert np.shape(a) == np.shape(e)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+def assert_reduces_once_after_the_loop(compiled_text):
+    assert " while(" in compiled_text, "no while loop in the compiled HLO"
+    found = hlo_collectives(compiled_text)
+    inside = [c.line for c in found if c.in_loop]
+    assert not inside, "collectives inside the micro-batch loop:\n" + "\n".join(inside)
+    assert any(c.opcode == "all-reduce" for c in found), "no all-reduce after the loop"
+    return found
+
+
+PARAMS = make_params()
+BATCH = make_batch()
+SHARDED = shard_batch(BATCH, MESH)
+REPLICATED = replicate(PARAMS, MESH)
+
+
+@pytest.fixture(scope="module")
+def mean_reference():
+    return jax.jit(jax.value_and_grad(lambda p, b: mean_loss(p, b).value))(PARAMS, BATCH)
+
+
+@pytest.fixture(scope="module")
+def mean_step():
+    vg = jaxga.value_and_grad(mean_loss, K, axis_name="data")
+    return data_parallel(vg, (P(), P("data")), P()).lower(REPLICATED, SHARDED).compile()
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_shard_batch_places_rows_on_devices():
+    assert SHARDED["inputs"].sharding.spec == P("data")
+    for shard in SHARDED["inputs"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), BATCH["inputs"][shard.index])
+        assert shard.data.shape == (LOCAL, SEQ)
+
+
+def test_mean_loss_with_skewed_lengths_matches_full_batch(mean_step, mean_reference):
+    assert_close(mean_step(REPLICATED, SHARDED), mean_reference)
+
+    # The skew matters: the gradient of the mean of micro-batch means is far off.
+    def mean_of_means(params):
+        values = [jax.vmap(mean_loss, (None, 0))(params, microbatches(BATCH, i)) for i in range(K)]
+        return jnp.mean(jnp.stack([v.value for v in values]))
+
+    naive, expected = jax.jit(jax.grad(mean_of_means))(PARAMS), mean_reference[1]
+    error = global_norm(jax.tree.map(jnp.subtract, naive, expected))
+    assert error > 0.1 * global_norm(expected)
+
+
+def global_norm(tree):
+    return jnp.sqrt(sum(jnp.sum(x**2) for x in jax.tree.leaves(tree)))
+
+
+def test_grad_matches_full_batch(mean_reference):
+    g = jaxga.grad(mean_loss, K, axis_name="data")
+    assert_close(data_parallel(g, (P(), P("data")), P())(REPLICATED, SHARDED), mean_reference[1])
+
+
+def test_scalar_loss_matches_full_batch():
+    vg = jaxga.value_and_grad(scalar_loss, K, axis_name="data")
+    expected = jax.jit(jax.value_and_grad(scalar_loss))(PARAMS, BATCH)
+    assert_close(data_parallel(vg, (P(), P("data")), P())(REPLICATED, SHARDED), expected)
+
+
+def test_has_aux_is_local_and_stacked(mean_reference):
+    def loss(params, batch):
+        mean = mean_loss(params, batch)
+        return mean, {"count": mean.count, "tokens": jnp.sum(batch["inputs"])}
+
+    vg = jaxga.value_and_grad(loss, K, axis_name="data", has_aux=True)
+    (value, aux), grads = data_parallel(vg, (P(), P("data")), ((P(), P("data")), P()))(
+        REPLICATED, SHARDED
+    )
+    assert_close((value, grads), mean_reference)
+    # Device d's aux holds its K micro-batches: global micro-batch d * K + i.
+    expected_count, expected_tokens = [], []
+    for d in range(DEVICES):
+        for i in range(K):
+            mb = microbatch(BATCH, d, i)
+            expected_count.append(mb["mask"].sum())
+            expected_tokens.append(mb["inputs"].sum())
+    np.testing.assert_allclose(aux["count"], expected_count)
+    np.testing.assert_array_equal(aux["tokens"], expected_tokens)
+
+
+def test_state_is_threaded_per_device():
+    def loss(params, batch, state):
+        mean = jaxga.token_cross_entropy(
+            logits_fn(params, batch["inputs"], state), batch["labels"], batch["mask"]
+        )
+        new_state = 0.5 * state + 0.5 * jnp.mean(params["embed"][batch["inputs"]], axis=(0, 1))
+        return mean, jax.lax.stop_gradient(new_state)
+
+    state0 = jax.random.normal(jax.random.key(7), (DEVICES, DIM))  # one state per device
+
+    def local(params, batch, state):
+        (value, grads), new_state = jaxga.value_and_grad(
+            loss, K, axis_name="data", state_argnums=2
+        )(params, batch, state[0])
+        return value, grads, new_state[None]
+
+    step = data_parallel(local, (P(), P("data"), P("data")), (P(), P(), P("data")))
+    value, grads, state = step(REPLICATED, SHARDED, shard_batch(state0, MESH))
+
+    def reference(params):  # a Python loop over micro-batches, vmapped over devices
+        total, count, state = 0.0, 0.0, state0
+        for i in range(K):
+            mean, state = jax.vmap(loss, (None, 0, 0))(params, microbatches(BATCH, i), state)
+            total, count = total + mean.total.sum(), count + mean.count.sum()
+        return total / count, state
+
+    (ref_value, ref_state), ref_grads = jax.jit(jax.value_and_grad(reference, has_aux=True))(PARAMS)
+    assert_close((value, grads, state), (ref_value, ref_grads, ref_state))
+
+
+def test_rng_keys_distinct_across_devices_and_microbatches():
+    def loss(params, batch, key):
+        # A noise scale drawn from the key (cheaper to compile than dropout masks).
+        scale = 0.5 + (jax.random.key_data(key)[-1] % 16).astype(jnp.float32) / 16
+        hidden = jnp.tanh(params["embed"][batch["inputs"]]) * scale
+        logits = hidden @ params["out"] + params["bias"]
+        mean = jaxga.token_cross_entropy(logits, batch["labels"], batch["mask"])
+        return mean, jax.random.key_data(key)
+
+    key = jax.random.key(42)
+    vg = jaxga.value_and_grad(loss, K, axis_name="data", has_aux=True, rng_argnums=2)
+    step = data_parallel(vg, (P(), P("data"), P()), ((P(), P("data")), P()))
+    step = step.lower(REPLICATED, SHARDED, key).compile()
+    (value, key_data), grads = step(REPLICATED, SHARDED, key)
+
+    def reference(params):  # micro-batch i of device d gets fold_in(key, d * K + i)
+        total, count = 0.0, 0.0
+        for i in range(K):
+            keys = jax.vmap(lambda d: jax.random.fold_in(key, d * K + i))(jnp.arange(DEVICES))
+            mean, _ = jax.vmap(loss, (None, 0, 0))(params, microbatches(BATCH, i), keys)
+            total, count = total + mean.total.sum(), count + mean.count.sum()
+        return total / count
+
+    expected_keys = [jax.random.key_data(jax.random.fold_in(key, g)) for g in range(DEVICES * K)]
+    np.testing.assert_array_equal(key_data, np.stack(expected_keys))
+    assert len({tuple(np.asarray(k)) for k in key_data}) == DEVICES * K
+    assert_close((value, grads), jax.jit(jax.value_and_grad(reference))(PARAMS))
+    assert_reduces_once_after_the_loop(step.as_text())
+
+
+def test_hlo_reduces_once_after_the_microbatch_loop(mean_step):
+    text = mean_step.as_text()
+    found = assert_reduces_once_after_the_loop(text)
+    print("\n".join(f"jaxga: in_loop={c.in_loop} {c.line[:160]}" for c in found))
+
+
+def test_naive_shard_map_reduces_inside_the_loop(mean_reference):
+    """Without jaxga, jax.grad of replicated params in a scan all-reduces per micro-batch."""
+
+    def naive(params, batch):
+        micro = jax.tree.map(lambda x: x.reshape(LOCAL // K, K, *x.shape[1:]).swapaxes(0, 1), batch)
+
+        def body(carry, mb):
+            (total, count), grads = carry
+            (t, c), g = jax.value_and_grad(
+                lambda p: (mean_loss(p, mb).total, mean_loss(p, mb).count), has_aux=True
+            )(params)
+            return ((total + t, count + c), jax.tree.map(jnp.add, grads, g)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        totals = jax.lax.pcast((jnp.zeros(()), jnp.zeros(())), "data", to="varying")
+        ((total, count), grads), _ = jax.lax.scan(body, (totals, zeros), micro)
+        total, count = jax.lax.psum((total, count), "data")
+        return total / count, jax.tree.map(lambda g: g / count, grads)
+
+    step = data_parallel(naive, (P(), P("data")), P()).lower(REPLICATED, SHARDED).compile()
+    assert_close(step(REPLICATED, SHARDED), mean_reference)  # right, but slow:
+    text = step.as_text()
+    found = hlo_collectives(text)
+    print("\n".join(f"naive: in_loop={c.in_loop} {c.line[:160]}" for c in found))
+    assert any(c.opcode == "all-reduce" and c.in_loop for c in found)
+
+
+def test_check_vma_false(mean_reference):
+    vg = jaxga.value_and_grad(mean_loss, K, axis_name="data")
+    step = data_parallel(vg, (P(), P("data")), P(), check_vma=False)
+    step = step.lower(REPLICATED, SHARDED).compile()
+    assert_close(step(REPLICATED, SHARDED), mean_reference)
+    assert_reduces_once_after_the_loop(step.as_text())
+
+
+def test_pmap(mean_reference):
+    vg = jaxga.value_and_grad(mean_loss, K, axis_name="data")
+    step = jax.pmap(vg, axis_name="data", in_axes=(None, 0))
+    per_device = jax.tree.map(lambda x: x.reshape(DEVICES, LOCAL, *x.shape[1:]), BATCH)
+    step = step.lower(PARAMS, per_device).compile()
+    value, grads = step(PARAMS, per_device)
+    for d in range(DEVICES):
+        assert_close((value[d], jax.tree.map(lambda g: g[d], grads)), mean_reference)
+    assert_reduces_once_after_the_loop(step.as_text())
+
+
+def test_two_dimensional_mesh_and_tuple_axis_name(mean_reference):
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    for axis_name, spec in (("data", P("data")), (("data", "model"), P(("data", "model")))):
+        batch = shard_batch(BATCH, mesh, axis_name)
+        vg = jaxga.value_and_grad(mean_loss, 2, axis_name=axis_name)
+        step = jax.jit(jax.shard_map(vg, mesh=mesh, in_specs=(P(), spec), out_specs=P()))
+        params = replicate(PARAMS, mesh)
+        step = step.lower(params, batch).compile()
+        assert_close(step(params, batch), mean_reference)
+        assert_reduces_once_after_the_loop(step.as_text())
+
+
+def test_indivisible_global_batch_names_all_three_numbers():
+    batch = shard_batch(make_batch(rows=DEVICES * 6), MESH)  # 6 rows per device, K = 4
+    vg = jaxga.value_and_grad(mean_loss, K, axis_name="data")
+    with pytest.raises(ValueError) as error:
+        data_parallel(vg, (P(), P("data")), P())(REPLICATED, batch)
+    message = str(error.value)
+    assert "global batch of 48" in message
+    assert "6 per device on 8 devices" in message
+    assert "8 × 4 = 32" in message
+
+
+def test_unbound_axis_name_inside_shard_map():
+    vg = jaxga.value_and_grad(mean_loss, K, axis_name="batch")
+    with pytest.raises(ValueError, match="`axis_name`='batch' is not bound"):
+        data_parallel(vg, (P(), P("data")), P())(REPLICATED, SHARDED)
+
+
+def test_docs_quick_start_on_eight_devices(capsys):
+    """The quick start of docs/distributed.md, as tests/test_data_parallel.py runs it."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "distributed.md").read_text()
+    namespace = {}
+    for block in re.findall(r"```python\n(.*?)```", text, re.S)[:3]:
+        exec(block, namespace)
+    assert np.isfinite(float(capsys.readouterr().out))
+    assert namespace["mesh"].size == DEVICES
+    assert [(c.opcode, c.in_loop) for c in namespace["found"]] == [("all-reduce", False)]
+    # The FSDP recipe gives the gradients of the replicated quick start.
+    ns = namespace
+    specs = {"w": P("data"), "b": P()}
+    fsdp = data_parallel(ns["fsdp_grads"], (specs, P("data")), (P(), specs))
+    batch = ns["shard_batch"](ns["host_batch"], MESH)
+    params = {
+        "w": shard_batch(ns["host_params"]["w"], MESH),
+        "b": replicate(ns["host_params"]["b"], MESH),
+    }
+    expected = ns["compiled"](replicate(ns["host_params"], MESH), batch)
+    assert_close(fsdp(params, batch), expected)
+
+
+def test_fsdp_sharded_parameters_get_their_own_gradient_shard(mean_reference):
+    """A parameter sharded over the axis (all-gathered in the loss) is not summed again."""
+
+    def loss(params, batch):
+        full = {**params, "out": jax.lax.all_gather(params["out"], "data", tiled=True)}
+        return mean_loss(full, batch)
+
+    specs = {"embed": P(), "out": P("data"), "bias": P()}
+    params = {
+        k: shard_batch(v, MESH) if k == "out" else replicate(v, MESH) for k, v in PARAMS.items()
+    }
+    vg = jaxga.value_and_grad(loss, K, axis_name="data")
+    step = data_parallel(vg, (specs, P("data")), (P(), specs))
+    step = step.lower(params, SHARDED).compile()
+    assert_close(step(params, SHARDED), mean_reference)
+    found = hlo_collectives(step.as_text())
+    print("\n".join(f"fsdp-gather-in-loss: in_loop={c.in_loop} {c.line[:160]}" for c in found))
+    # The gradient of the all-gather, a reduce-scatter, runs once per micro-batch (and
+    # keeps the accumulator sharded); the one all-reduce still follows the loop.
+    assert any(c.opcode == "all-reduce" and not c.in_loop for c in found)
+    assert not any(c.opcode == "all-reduce" and c.in_loop for c in found)
+
+
+def test_fsdp_gather_once_reduce_scatter_once(mean_reference):
+    """Sharded parameters gathered before jaxga, gradients reduce-scattered after it."""
+    specs = {"embed": P(), "out": P("data"), "bias": P()}
+    vg = jaxga.value_and_grad(mean_loss, K, axis_name="data")
+
+    def fsdp(params, batch):
+        full = {**params, "out": jax.lax.all_gather(params["out"], "data", tiled=True)}
+        value, grads = vg(full, batch)
+        out = jax.lax.psum_scatter(grads["out"], "data", scatter_dimension=0, tiled=True)
+        return value, {**grads, "out": out}
+
+    params = {
+        k: shard_batch(v, MESH) if k == "out" else replicate(v, MESH) for k, v in PARAMS.items()
+    }
+    step = data_parallel(fsdp, (specs, P("data")), (P(), specs))
+    step = step.lower(params, SHARDED).compile()
+    assert_close(step(params, SHARDED), mean_reference)
+    found = assert_reduces_once_after_the_loop(step.as_text())
+    print("\n".join(f"fsdp-gather-once: in_loop={c.in_loop} {c.line[:160]}" for c in found))
+    assert {c.opcode for c in found} == {"all-gather", "all-reduce", "reduce-scatter"}

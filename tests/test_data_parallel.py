@@ -1,0 +1,236 @@
+"""Data parallelism: ``jaxga.value_and_grad(..., axis_name=...)`` across devices and processes.
+
+The main pytest process has one CPU device, and the host device count can only be
+set before jax is imported, so the 8-device checks (``tests/multidevice/dp_checks.py``)
+run in one pytest subprocess and the multi-host check runs two processes of
+``tests/multidevice/two_process.py`` joined by ``jax.distributed`` on localhost.
+The tests here that need no extra devices run in this process.
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxga
+from jaxga.sharding import hlo_collectives, replicate, shard_batch
+
+ROOT = Path(__file__).resolve().parent.parent
+MULTIDEVICE = ROOT / "tests" / "multidevice"
+TIMEOUT_S = 240
+
+
+def child_env(**extra):
+    """The environment of a child process: CPU only, no pytest/xdist variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XLA_FLAGS"))}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- subprocesses
+
+
+@pytest.mark.multidevice
+def test_eight_devices(tmp_path):
+    """Runs tests/multidevice/dp_checks.py on 8 host devices and requires it to pass."""
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "pytest", str(MULTIDEVICE / "dp_checks.py"), "-q", "-rfEs"),
+            *("-p", "no:cacheprovider", "-o", "addopts=", "--basetemp", str(tmp_path / "inner")),
+        ],
+        cwd=ROOT,
+        env=child_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAXGA_MULTIDEVICE="1"),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    summary = output.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and "skipped" not in summary, output
+
+
+def run_processes(commands, logs, timeout):
+    """Runs commands concurrently; kills all of them once one fails or time is up."""
+    procs = []
+    try:
+        for command, log in zip(commands, logs):
+            with open(log, "w") as f:
+                procs.append(
+                    subprocess.Popen(
+                        command, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT
+                    )
+                )
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    return [p.returncode for p in procs]
+
+
+@pytest.mark.multidevice
+def test_two_processes_match_single_process(tmp_path):
+    """Two jax.distributed processes (2 CPU devices each, gloo) train like one process."""
+    script = str(MULTIDEVICE / "two_process.py")
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    outs = [tmp_path / f"process{i}.json" for i in range(2)]
+    for _attempt in range(3):  # another program may take the free port before we bind it
+        port = str(free_port())
+        commands = [
+            [sys.executable, script, str(i), "2", port, "2", str(outs[i])] for i in range(2)
+        ]
+        codes = run_processes(commands, logs, timeout=TIMEOUT_S / 2)
+        if "Failed to add port" not in logs[0].read_text():
+            break
+    output = "\n".join(
+        f"--- process {i} (exit {code}):\n{log.read_text()}"
+        for i, (code, log) in enumerate(zip(codes, logs))
+    )
+    assert codes == [0, 0], output
+    results = [json.loads(out.read_text()) for out in outs]
+    # Both processes hold the same replicated result (each also checked it against the
+    # single-process reference before exiting 0).
+    assert results[0]["losses"] == results[1]["losses"], output
+    assert results[0]["params"] == results[1]["params"], output
+
+
+# ----------------------------------------------------------------------------- in process
+
+
+def run_docs_quick_start():
+    """Runs the quick start, FSDP and HLO blocks of docs/distributed.md."""
+    text = (ROOT / "docs" / "distributed.md").read_text()
+    namespace = {}
+    for block in re.findall(r"```python\n(.*?)```", text, re.S)[:3]:
+        exec(block, namespace)
+    return namespace
+
+
+def test_docs_quick_start_runs_and_reduces_once(capsys):
+    namespace = run_docs_quick_start()
+    assert np.isfinite(float(capsys.readouterr().out))
+    found = namespace["found"]
+    assert [(c.opcode, c.in_loop) for c in found] == [("all-reduce", False)]
+
+
+def mean_loss(w, batch):
+    return jaxga.Mean.of((batch["x"] @ w - batch["y"]) ** 2, where=batch["mask"])
+
+
+def small_batch(rows):
+    rng = np.random.default_rng(0)
+    return {
+        "x": rng.normal(size=(rows, 3)).astype(np.float32),
+        "y": rng.normal(size=rows).astype(np.float32),
+        "mask": (rng.uniform(size=rows) > 0.3).astype(np.float32),
+    }
+
+
+def test_unbound_axis_name_outside_shard_map():
+    vg = jaxga.value_and_grad(mean_loss, 2, axis_name="data")
+    with pytest.raises(ValueError) as error:
+        jax.jit(vg)(jnp.ones(3), small_batch(4))
+    message = str(error.value)
+    assert "`axis_name`='data' is not bound" in message
+    assert "shard_map" in message and "axis_name=None" in message
+
+
+def test_unbound_axis_name_under_a_mesh_context():
+    """A mesh set with jax.set_mesh does not bind the axis: shard_map is still needed."""
+    mesh = jax.make_mesh((1,), ("data",))
+    vg = jaxga.value_and_grad(mean_loss, 2, axis_name="data")
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="is not bound"):
+        jax.jit(vg)(jnp.ones(3), small_batch(4))
+
+
+def test_one_device_mesh_matches_full_batch():
+    mesh = jax.make_mesh((1,), ("data",))
+    batch = small_batch(8)
+    vg = jaxga.value_and_grad(mean_loss, 4, axis_name="data")
+    step = jax.jit(jax.shard_map(vg, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+    w = jnp.arange(3.0)
+    value, grads = step(replicate(w, mesh), shard_batch(batch, mesh))
+    expected = jax.value_and_grad(lambda w: mean_loss(w, batch).value)(w)
+    np.testing.assert_allclose(value, expected[0], rtol=2e-5)
+    np.testing.assert_allclose(grads, expected[1], rtol=2e-5, atol=1e-6)
+
+
+def test_indivisible_batch_on_one_device_names_all_numbers():
+    mesh = jax.make_mesh((1,), ("data",))
+    vg = jaxga.value_and_grad(mean_loss, 4, axis_name="data")
+    step = jax.jit(jax.shard_map(vg, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+    with pytest.raises(ValueError) as error:
+        step(replicate(jnp.ones(3), mesh), shard_batch(small_batch(6), mesh))
+    message = str(error.value)
+    assert "global batch of 6" in message and "1 × 4 = 4" in message
+
+
+def test_shard_batch_rejects_a_scalar_leaf():
+    mesh = jax.make_mesh((1,), ("data",))
+    with pytest.raises(ValueError, match=r"batch\['step'\] has a scalar"):
+        shard_batch({"x": np.ones((2, 3)), "step": np.int32(3)}, mesh)
+
+
+HLO = """HloModule m
+
+%fused_inner (p: f32[]) -> f32[] {
+  %p = f32[] parameter(0)
+  ROOT %ag = f32[2]{0} all-gather(%p), dimensions={0}
+}
+
+%body.1 (t: (s32[], f32[])) -> (s32[], f32[]) {
+  %t = (s32[], f32[]) parameter(0)
+  %f = f32[] fusion(%t), kind=kLoop, calls=%fused_inner
+  ROOT %out = (s32[], f32[]) tuple(%t, %f)
+}
+
+%cond.1 (t: (s32[], f32[])) -> pred[] {
+  %t = (s32[], f32[]) parameter(0)
+  ROOT %lt = pred[] constant(true)
+}
+
+%while_wrapper (t: (s32[], f32[])) -> (s32[], f32[]) {
+  %t = (s32[], f32[]) parameter(0)
+  ROOT %w = (s32[], f32[]) while(%t), condition=%cond.1, body=%body.1
+}
+
+ENTRY %main (x: (s32[], f32[])) -> (f32[], f32[]) {
+  %x = (s32[], f32[]) parameter(0)
+  %c = (s32[], f32[]) call(%x), to_apply=%while_wrapper
+  %all-reduce = f32[] get-tuple-element(%c), index=1
+  %ars = (f32[], f32[]) all-reduce-start(%all-reduce), to_apply=%add
+  %ard = (f32[], f32[]) all-reduce-done(%ars)
+  ROOT %cp = f32[] collective-permute(%ard), source_target_pairs={{0,1}}
+}
+"""
+
+
+def test_hlo_collectives_follows_calls_out_of_and_into_loops():
+    found = [(c.opcode, c.computation, c.in_loop) for c in hlo_collectives(HLO)]
+    assert found == [
+        ("all-gather", "fused_inner", True),  # a fusion called from the loop body
+        ("all-reduce", "main", False),  # -start counted once, -done and names ignored
+        ("collective-permute", "main", False),
+    ]

@@ -1,0 +1,94 @@
+"""The examples run, resume exactly and reject bad input (tiny sizes, so they never rot)."""
+
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+
+import digits_cnn  # noqa: E402
+import normalization  # noqa: E402
+import train_lm  # noqa: E402
+
+TINY = ["--batch-size", "4", "--microbatches", "2", "--seq-len", "16", "--dim", "16"]
+TINY += ["--heads", "2", "--layers", "2", "--sample", "0", "--quiet", "--save-every", "2"]
+
+
+def test_train_lm_resume_is_bit_for_bit(tmp_path, capsys):
+    straight = train_lm.train(
+        train_lm.parse_args([*TINY, "--steps", "4", "--checkpoint-dir", str(tmp_path / "a")])
+    )
+    first = train_lm.train(
+        train_lm.parse_args([*TINY, "--steps", "2", "--checkpoint-dir", str(tmp_path / "b")])
+    )
+    resumed = train_lm.train(
+        train_lm.parse_args(
+            [*TINY, "--steps", "4", "--checkpoint-dir", str(tmp_path / "b"), "--resume"]
+            + ["--sample", "8"]
+        )
+    )
+    assert first["losses"] + resumed["losses"] == straight["losses"]
+    for a, b in zip(jax.tree.leaves(straight["params"]), jax.tree.leaves(resumed["params"])):
+        np.testing.assert_array_equal(a, b)
+    out = capsys.readouterr().out
+    assert "compiled step: peak" in out and "sample:" in out
+
+
+def test_train_lm_on_user_text(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"{i}.txt").write_text(f"document {i} " * (3 + i) + "\n\nsecond part" * i)
+    args = [*TINY, "--steps", "1", "--data", str(corpus), "--checkpoint-dir", str(tmp_path / "c")]
+    result = train_lm.train(train_lm.parse_args(args))
+    assert np.isfinite(result["losses"][0])
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--data", "/no/such/path"], "--data /no/such/path: no such file or folder"),
+        (["--data", "{empty}"], "holds no UTF-8 text"),
+        (["--batch-size", "6", "--microbatches", "4"], "--batch-size 6 is not divisible by"),
+        (["--microbatches", "two"], "--microbatches must be a positive int or 'auto'"),
+    ],
+)
+def test_train_lm_bad_input(tmp_path, capsys, extra, message):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    extra = [str(empty) if e == "{empty}" else e for e in extra]
+    checkpoints = tmp_path / "checkpoints"
+    code = train_lm.main([*TINY, "--steps", "2", "--checkpoint-dir", str(checkpoints), *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert message in err and err.startswith("train_lm.py: error:") and "\n" not in err
+    assert not checkpoints.exists()
+
+
+def test_digits_cnn_runs(capsys):
+    assert digits_cnn.main(["--steps", "2", "--batch-size", "16", "--microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    delta = float(out.split("max |Δparam| = ")[1].split()[0])
+    assert delta < 1e-5
+    assert "test accuracy" in out
+
+
+def test_digits_cnn_bad_input(capsys):
+    assert digits_cnn.main(["--batch-size", "10", "--microbatches", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-size 10 must be divisible by --microbatches 4" in err
+
+
+def test_normalization_figure(tmp_path, capsys):
+    out = tmp_path / "norm.png"
+    assert normalization.main(["--steps", "3", "--seq-len", "32", "--out", str(out)]) == 0
+    assert out.exists() and out.with_suffix(".json").exists()
+    text = capsys.readouterr().out
+    naive = float(text.split("naive: max |loss(k=1) − loss(k=16)| over 3 steps = ")[1].split()[0])
+    exact = float(
+        text.split("jaxga.Mean: max |loss(k=1) − loss(k=16)| over 3 steps = ")[1].split()[0]
+    )
+    assert exact < 1e-4 < naive

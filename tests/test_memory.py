@@ -1,0 +1,181 @@
+"""jaxga.memory_report against the arrays it sizes and XLA's own FLOP counts."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxga
+from jaxga.memory import dot_flops
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+
+import remat_memory
+
+
+def nbytes(tree):
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def xla_flops(fn, *args):
+    cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+
+
+def matmul_and_sum(a, b):
+    return jnp.tanh(a @ b) + jnp.sum(a)
+
+
+A = jax.ShapeDtypeStruct((32, 16), jnp.float32)
+B = jax.ShapeDtypeStruct((16, 8), jnp.bfloat16)
+
+
+def test_sizes_are_those_of_the_arguments_and_outputs():
+    report = jaxga.memory_report(matmul_and_sum, A, B)
+    assert report.argument_bytes == nbytes((A, B))
+    assert report.output_bytes == nbytes(jax.eval_shape(matmul_and_sum, A, B))
+    assert report.peak_bytes == (
+        report.argument_bytes + report.output_bytes + report.temp_bytes - report.alias_bytes
+    )
+    assert report.backend == jax.default_backend()
+
+
+def test_arrays_and_shape_structs_give_the_same_report():
+    arrays = (jnp.ones(A.shape, A.dtype), jnp.ones(B.shape, B.dtype))
+    assert jaxga.memory_report(matmul_and_sum, *arrays) == jaxga.memory_report(matmul_and_sum, A, B)
+
+
+def test_compiles_without_running():
+    calls = []
+
+    def fn(x):
+        jax.debug.callback(lambda: calls.append(1))
+        return x * 2
+
+    jaxga.memory_report(fn, jnp.ones(4))
+    assert calls == []
+    jax.block_until_ready(jax.jit(fn)(jnp.ones(4)))  # the callback does fire when run
+    assert calls == [1]
+
+
+def test_donated_argument_is_aliased():
+    x = jax.ShapeDtypeStruct((256,), jnp.float32)
+    report = jaxga.memory_report(jax.jit(lambda x: x * 2, donate_argnums=0), x)
+    if report.alias_bytes == 0:
+        pytest.skip(f"the {report.backend} backend ignores donation")
+    assert report.alias_bytes == nbytes(x)
+    assert report.peak_bytes == report.argument_bytes + report.temp_bytes
+
+
+def test_jitted_function_keeps_its_static_arguments():
+    fn = jax.jit(lambda x, n: jnp.concatenate([x] * n), static_argnums=1)
+    x = jax.ShapeDtypeStruct((8,), jnp.float32)
+    assert jaxga.memory_report(fn, x, 3).output_bytes == 3 * nbytes(x)
+    assert jaxga.memory_report(lambda x, *, n: x * n, x, n=2.0).output_bytes == nbytes(x)
+
+
+def matmul_chain(ws, x):
+    for w in ws:
+        x = x @ w
+    return x
+
+
+def conv_net(k1, k2, x):
+    dims = ("NCHW", "OIHW", "NCHW")
+    y = jax.lax.conv_general_dilated(x, k1, (2, 1), ((1, 2), (1, 1)), dimension_numbers=dims)
+    return jax.lax.conv_general_dilated(
+        y, k2, (1, 1), "SAME", rhs_dilation=(2, 1), feature_group_count=2, dimension_numbers=dims
+    )
+
+
+def test_dot_flops_equal_xla_flops_for_loop_free_programs():
+    ws = [jnp.ones((16, 16))] * 3
+    x = jnp.ones((5, 16))
+    assert jaxga.memory_report(matmul_chain, ws, x).dot_flops == xla_flops(matmul_chain, ws, x)
+    k1, k2, x = jnp.ones((6, 3, 3, 3)), jnp.ones((4, 3, 3, 3)), jnp.ones((2, 3, 11, 10))
+    report = jaxga.memory_report(conv_net, k1, k2, x)
+    assert report.dot_flops == xla_flops(conv_net, k1, k2, x)
+    # The gradient adds transposed convolutions (dilated inputs, batch groups).
+    loss = lambda k1, k2, x: jnp.sum(conv_net(k1, k2, x))
+    grads = jax.grad(loss, argnums=(0, 1, 2))
+    assert jaxga.memory_report(grads, k1, k2, x).dot_flops == xla_flops(grads, k1, k2, x)
+
+
+def test_dot_flops_count_every_scan_iteration():
+    """A scan over L matmuls does the work of the unrolled Python loop; XLA counts one."""
+    ws = jnp.ones((7, 16, 16))
+    x = jnp.ones((5, 16))
+    scanned = lambda ws, x: jax.lax.scan(lambda x, w: (x @ w, None), x, ws)[0]
+    report = jaxga.memory_report(scanned, ws, x)
+    unrolled = xla_flops(matmul_chain, list(ws), x)
+    assert report.dot_flops == unrolled
+    assert report.dot_flops_exact
+    assert report.flops is None or report.flops < unrolled
+
+
+def test_dot_flops_count_rematerialised_recomputation():
+    """Per layer: forward x@w, two backward matmuls, and, rematerialised, x@w again."""
+    layers, rows, dim = 6, 5, 16
+    ws = jax.ShapeDtypeStruct((layers, dim, dim), jnp.float32)
+    x = jax.ShapeDtypeStruct((rows, dim), jnp.float32)
+    matmul = 2 * rows * dim * dim
+
+    def grad_flops(policy):
+        apply = lambda ws, x: jaxga.remat_scan(lambda w, x: jnp.tanh(x @ w), ws, x, policy=policy)
+        step = jax.grad(lambda ws, x: jnp.sum(apply(ws, x)), argnums=(0, 1))
+        return jaxga.memory_report(step, ws, x).dot_flops
+
+    assert grad_flops("none") == layers * 3 * matmul
+    assert grad_flops("full") == layers * 4 * matmul
+
+
+def test_while_loop_is_flagged_and_cond_counts_its_costliest_branch():
+    x = jnp.ones((4, 4))
+    body = lambda c: (c[0] @ c[0], c[1] + 1)
+    looped = jaxga.memory_report(lambda x: jax.lax.while_loop(lambda c: c[1] < 3, body, (x, 0)), x)
+    assert (looped.dot_flops, looped.dot_flops_exact) == (2 * 4**3, False)
+    branches = lambda p, x: jax.lax.cond(p, lambda x: x @ x @ x, lambda x: x, x)
+    assert jaxga.memory_report(branches, True, x).dot_flops == xla_flops(lambda x: x @ x @ x, x)
+
+
+def test_doctest_style_dot_flops_accepts_open_and_closed_jaxprs():
+    closed = jax.make_jaxpr(lambda a: a @ a)(jnp.ones((3, 3)))
+    assert dot_flops(closed) == dot_flops(closed.jaxpr) == (54, True)
+
+
+def test_str_is_a_readable_table():
+    text = str(jaxga.memory_report(jax.grad(lambda w, x: jnp.sum(x @ w)), jnp.ones((16, 8)), A))
+    for word in ("arguments", "outputs", "temporaries", "peak", "matmul FLOPs", "KiB"):
+        assert word in text
+    assert "loop bodies once" in text or "XLA FLOPs" not in text
+
+
+def test_measure_on_cpu_gives_none_and_needs_arrays():
+    fn = lambda x: x * 2
+    if jax.devices()[0].memory_stats() is None:
+        assert jaxga.memory_report(fn, jnp.ones(4), measure=True).measured_peak_bytes is None
+    with pytest.raises(TypeError, match=r"`measure=True` runs the function.*ShapeDtypeStruct"):
+        jaxga.memory_report(fn, jax.ShapeDtypeStruct((4,), jnp.float32), measure=True)
+
+
+def test_error_on_fn_not_callable():
+    with pytest.raises(TypeError, match="`fn` must be callable; got int"):
+        jaxga.memory_report(3, A)
+
+
+def test_remat_memory_example_writes_figure_and_table(tmp_path, capsys):
+    png, table = tmp_path / "fig.png", tmp_path / "fig.json"
+    result = remat_memory.main(
+        depths=(4, 16), tokens=32, dim=8, hidden=32, png=png, json_path=table
+    )
+    assert png.stat().st_size > 0
+    assert json.loads(table.read_text())["rows"] == result["rows"]
+    temp = {(r["label"], r["depth"]): r["temp_bytes"] for r in result["rows"]}
+    for depth in (4, 16):
+        assert temp["per layer (policy='full')", depth] < temp["no remat", depth]
+    assert "Goal:" in capsys.readouterr().out

@@ -1,0 +1,596 @@
+"""jaxga.MultiSteps against optax.MultiSteps, full-batch optax steps and Python loops."""
+
+import copy
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxga
+
+RTOL = 2e-5
+ATOL = 1e-6
+
+
+def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        assert jnp.shape(a) == jnp.shape(e)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(e, np.float32), rtol=rtol, atol=atol
+        )
+
+
+def max_abs_diff(a, b):
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in pairs)
+
+
+def as_numpy(tree):
+    """Host copies: slicing them and computing references with them compiles nothing."""
+    return jax.tree.map(np.asarray, tree)
+
+
+# ---------------------------------------------------------------- models and data
+
+
+def init_params(seed=0, sizes=(5, 8, 3)):
+    keys = jax.random.split(jax.random.key(seed), len(sizes) - 1)
+    return as_numpy(
+        [
+            {"w": jax.random.normal(k, (m, n)) / jnp.sqrt(m), "b": jnp.zeros(n)}
+            for k, m, n in zip(keys, sizes[:-1], sizes[1:])
+        ]
+    )
+
+
+def mlp(params, x):
+    for layer in params[:-1]:
+        x = jnp.tanh(x @ layer["w"] + layer["b"])
+    return x @ params[-1]["w"] + params[-1]["b"]
+
+
+def mse(params, batch):
+    return jnp.mean((mlp(params, batch["x"]) - batch["y"]) ** 2)
+
+
+def mlp_batches(calls, seed=1, rows=4):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    return as_numpy(
+        {"x": jax.random.normal(kx, (calls, rows, 5)), "y": jax.random.normal(ky, (calls, rows, 3))}
+    )
+
+
+def embed_params(seed=2, vocab=7, dim=4):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return as_numpy(
+        {"embed": jax.random.normal(k1, (vocab, dim)), "out": jax.random.normal(k2, (dim, vocab))}
+    )
+
+
+def token_loss(params, batch):
+    logits = params["embed"][batch["tokens"]] @ params["out"]
+    return jaxga.token_cross_entropy(logits, batch["labels"], batch["mask"])
+
+
+def token_batches(calls, seed=3, rows=3, length=6, vocab=7):
+    """Batches whose token counts differ a lot from call to call."""
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    lengths = np.where(np.arange(calls * rows) % 5 == 0, length, 1).reshape(calls, rows)
+    return as_numpy(
+        {
+            "tokens": jax.random.randint(k1, (calls, rows, length), 0, vocab),
+            "labels": jax.random.randint(k2, (calls, rows, length), 0, vocab),
+            "mask": (np.arange(length) < lengths[..., None]).astype(np.float32),
+        }
+    )
+
+
+@jax.jit
+def mse_grads(params, data):
+    """The gradient of ``mse`` for every call of ``data``, at the same params."""
+    return jax.vmap(jax.grad(mse), in_axes=(None, 0))(params, data)
+
+
+@jax.jit
+def token_mean_grad(params, batch):
+    """The gradient of the token mean of ``batch`` (leading axes: calls, rows)."""
+    flat = jax.tree.map(lambda x: x.reshape(-1, x.shape[-1]), batch)
+    return jax.grad(lambda p: token_loss(p, flat).value)(params)
+
+
+def call_axis(batch):
+    """Gives every call of ``batch`` a leading axis of one row group, for vmap."""
+    return jax.tree.map(lambda x: np.asarray(x)[:, None], batch)
+
+
+def unstack(tree, n):
+    return [call(i, tree) for i in range(n)]
+
+
+def call(i, tree):
+    """Call ``i`` of per-call data; numpy indexing, so that no op is compiled for it."""
+    return jax.tree.map(lambda x: np.asarray(x)[i], tree)
+
+
+# ---------------------------------------------------------------- training loops
+
+
+def grads_and_weight(loss, params, batch):
+    """Gradient of the loss value and, for a jaxga.Mean loss, its count as the weight."""
+    out, grads = jax.value_and_grad(lambda p: jaxga.as_mean(loss(p, batch)).value)(params)
+    del out
+    count = jaxga.as_mean(loss(params, batch)).count
+    return grads, count
+
+
+@functools.partial(jax.jit, static_argnames=("tx", "loss", "weighted"))
+def train_step(params, state, batch, given, extra, *, tx, loss, weighted):
+    """One training call: gradient (or the ``given`` one), ``tx.update``, apply."""
+    grads, count = grads_and_weight(loss, params, batch)
+    grads = grads if given is None else given
+    kwargs = {"weight": count} if weighted else {}
+    updates, state = tx.update(grads, state, params, **kwargs, **extra)
+    return optax.apply_updates(params, updates), state, updates
+
+
+def train_calls(tx, params, data, calls, loss=mse, *, weighted=False, extras=None, grads=None):
+    """Runs ``calls`` training calls; returns per-call params, states and updates.
+
+    ``grads`` (one per call) replaces the computed gradients when given.
+    """
+    state = tx.init(params)
+    out = {"params": [], "states": [], "updates": []}
+    for i in range(calls):
+        given = None if grads is None else grads[i]
+        extra = extras[i] if extras else {}
+        params, state, updates = train_step(
+            params, state, call(i, data), given, extra, tx=tx, loss=loss, weighted=weighted
+        )
+        out["params"].append(params)
+        out["states"].append(state)
+        out["updates"].append(updates)
+    return out
+
+
+def clip_adamw():
+    return optax.chain(optax.clip_by_global_norm(0.3), optax.adamw(3e-2, weight_decay=0.1))
+
+
+# ---------------------------------------------------------------- equivalence
+
+
+@pytest.mark.parametrize(
+    "inner, every_k",
+    [
+        (clip_adamw(), 4),
+        # a learning-rate schedule and a schedule of k: both advance once per group
+        (optax.adam(optax.linear_schedule(0.05, 0.0, 6)), lambda step: jnp.minimum(step + 1, 3)),
+    ],
+    ids=["clip_adamw_k4", "schedules"],
+)
+def test_matches_optax_multisteps(inner, every_k):
+    calls = 22
+    params, data = init_params(), mlp_batches(calls)
+    tx = jaxga.MultiSteps(inner, every_k)
+    ours = train_calls(tx, params, data, calls)
+    reference = optax.MultiSteps(inner, every_k_schedule=every_k, use_grad_mean=True)
+    theirs = train_calls(reference, params, data, calls)
+    applied = [bool(reference.has_updated(s)) for s in theirs["states"]]
+    assert sum(applied) >= 5
+    for i in range(calls):
+        assert_trees_close(ours["params"][i], theirs["params"][i])
+        assert bool(tx.has_updated(ours["states"][i])) == applied[i]
+        if not applied[i]:
+            assert not any(np.any(u) for u in jax.tree.leaves(ours["updates"][i]))
+    final = ours["states"][-1]
+    assert int(final.gradient_step) == sum(applied)
+    counts = [x for x in jax.tree.leaves(final.inner_opt_state) if x.dtype == jnp.int32]
+    assert counts and all(int(c) == sum(applied) for c in counts)
+
+
+def test_weighted_calls_equal_one_step_on_the_global_token_mean():
+    k, groups = 4, 2
+    params, data = embed_params(), token_batches(k * groups)
+    inner = optax.adam(0.1)
+    tx = jaxga.MultiSteps(inner, k, weighted=True)
+    ours = train_calls(tx, params, data, k * groups, token_loss, weighted=True)
+
+    @jax.jit
+    def adam_step(params, state, grads):
+        updates, state = inner.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    reference, state = params, inner.init(params)
+    for group in range(groups):
+        batch = call(slice(group * k, (group + 1) * k), data)
+        if group == 0:  # equal weights, the mean of the per-call means, would be far off
+            per_call = jax.vmap(token_mean_grad, in_axes=(None, 0))(params, call_axis(batch))
+            mean_of_means = jax.tree.map(lambda g: np.mean(g, 0), as_numpy(per_call))
+            wrong, _ = adam_step(params, state, mean_of_means)
+        reference, state = adam_step(reference, state, token_mean_grad(reference, batch))
+        assert_trees_close(ours["params"][(group + 1) * k - 1], reference, rtol=1e-5)
+    assert max_abs_diff(wrong, ours["params"][k - 1]) > 1e-3
+    counts = data["mask"][-k:].sum()
+    assert float(ours["states"][-1].weight_sum) == pytest.approx(float(counts))
+
+
+# ---------------------------------------------------------------- the inner optimiser
+
+
+def counting(inner, counter):
+    """``inner``, plus a host-side count of how many times its update executes."""
+
+    def record():
+        counter.append(1)
+
+    def update(updates, state, params=None, **extra_args):
+        jax.debug.callback(record)
+        return optax.with_extra_args_support(inner).update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+def test_inner_optimiser_runs_once_per_group():
+    k, calls = 4, 12
+    params, data = init_params(), mlp_batches(calls)
+    ours, theirs = [], []
+    train_calls(jaxga.MultiSteps(counting(optax.adam(0.01), ours), k), params, data, calls)
+    train_calls(optax.MultiSteps(counting(optax.adam(0.01), theirs), k), params, data, calls)
+    jax.effects_barrier()
+    assert len(theirs) == calls  # optax runs it on every call and discards k - 1 results
+    assert len(ours) == calls // k
+
+
+def test_extra_args_reach_the_inner_optimiser_on_the_applying_call():
+    k, calls = 2, 12
+    params, data = init_params(), mlp_batches(calls)
+    inner = optax.chain(
+        optax.sgd(0.05), optax.contrib.reduce_on_plateau(factor=0.5, patience=1, cooldown=0)
+    )
+    values = [2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5]
+    extras = [{"value": jnp.float32(v)} for v in values]
+    ours = train_calls(jaxga.MultiSteps(inner, k), params, data, calls, extras=extras)
+    theirs = train_calls(optax.MultiSteps(inner, k), params, data, calls, extras=extras)
+    assert_trees_close(ours["params"][-1], theirs["params"][-1])
+    assert_trees_close(ours["states"][-1].inner_opt_state, theirs["states"][-1].inner_opt_state)
+    scale = ours["states"][-1].inner_opt_state[1].scale
+    assert float(scale) < 1.0  # the plateau was seen: the value did reach the inner state
+
+
+# ---------------------------------------------------------------- skipping
+
+
+def test_non_finite_calls_are_skipped_as_if_they_never_happened():
+    k, calls, bad = 3, 11, (2, 6)
+    params, data = init_params(), mlp_batches(calls)
+    tx = jaxga.MultiSteps(optax.adam(0.05), k)
+    grads = unstack(as_numpy(mse_grads(params, data)), calls)
+    poison = [jnp.nan, jnp.inf]
+    with_bad = [
+        jax.tree.map(lambda g: np.where(np.arange(g.shape[-1]) == 0, poison[bad.index(i)], g), g)
+        if i in bad
+        else g
+        for i, g in enumerate(grads)
+    ]
+    # feed fixed gradients, so that both runs see the same ones whatever the params
+    ours = train_calls(tx, params, data, calls, grads=with_bad)
+    good = [i for i in range(calls) if i not in bad]
+    clean = train_calls(
+        tx, params, call(jnp.array(good), data), len(good), grads=[grads[i] for i in good]
+    )
+    for j, i in enumerate(good):
+        mine, ref = ours["states"][i], clean["states"][j]
+        assert_trees_close(ours["params"][i], clean["params"][j], rtol=0, atol=0)
+        for field in ("mini_step", "gradient_step", "acc_grads", "weight_sum", "inner_opt_state"):
+            assert_trees_close(getattr(mine, field), getattr(ref, field), rtol=0, atol=0)
+        assert bool(mine.applied) == bool(ref.applied)
+    for i in bad:
+        before = ours["states"][i - 1]
+        state = ours["states"][i]
+        assert bool(state.skip_state["should_skip"]) and int(state.skip_state["num_not_finite"]) > 0
+        assert not bool(tx.has_updated(state))
+        assert int(state.num_skipped) == bad.index(i) + 1
+        for field in ("mini_step", "gradient_step", "acc_grads", "weight_sum", "inner_opt_state"):
+            assert_trees_close(getattr(state, field), getattr(before, field), rtol=0, atol=0)
+        assert_trees_close(ours["params"][i], ours["params"][i - 1], rtol=0, atol=0)
+    # the predicate is what protects: without it the NaN reaches the parameters
+    unprotected = jaxga.MultiSteps(optax.adam(0.05), k, should_skip_update_fn=None)
+    out = train_calls(unprotected, params, data, calls, grads=with_bad)
+    assert not np.isfinite(np.asarray(out["params"][-1][0]["w"])).all()
+
+
+def test_custom_skip_predicate_from_optax():
+    calls = 6
+    params, data = init_params(), mlp_batches(calls)
+    grads = unstack(as_numpy(mse_grads(params, data)), calls)
+    grads[3] = jax.tree.map(lambda g: 1e3 * g, grads[3])
+    skip_large = lambda g, step, p: optax.skip_large_updates(g, step, p, max_squared_norm=100.0)
+    tx = jaxga.MultiSteps(optax.sgd(0.1), 2, should_skip_update_fn=skip_large)
+    out = train_calls(tx, params, data, calls, grads=grads)
+    skipped = [bool(s.skip_state["should_skip"]) for s in out["states"]]
+    assert skipped == [False, False, False, True, False, False]
+    # the reference: plain SGD on the pairwise means of the calls that were kept
+    kept = [grads[i] for i in (0, 1, 2, 4, 5)][:4]
+    reference = params
+    for a, b in (kept[0:2], kept[2:4]):
+        reference = jax.tree.map(lambda p, x, y: p - 0.1 * (x + y) / 2, reference, a, b)
+    assert_trees_close(out["params"][4], reference)
+
+
+def test_a_traced_negative_weight_skips_its_call():
+    params, data = embed_params(), token_batches(3)
+    tx = jaxga.MultiSteps(optax.sgd(0.1), 2, weighted=True)
+    update = jax.jit(lambda g, s, p, w: tx.update(g, s, p, weight=w))
+    grads = jax.vmap(token_mean_grad, in_axes=(None, 0))(params, call_axis(data))
+    grads = unstack(as_numpy(grads), 3)
+    state = tx.init(params)
+    _, state = update(grads[0], state, params, 2.0)
+    _, skipped = update(grads[1], state, params, -1.0)
+    assert int(skipped.num_skipped) == 1
+    for field in ("mini_step", "acc_grads", "weight_sum", "inner_opt_state"):
+        assert_trees_close(getattr(skipped, field), getattr(state, field), rtol=0, atol=0)
+    updates, done = update(grads[2], skipped, params, 1.0)
+    expected = jax.tree.map(lambda a, b: -0.1 * (2 * a + b) / 3, grads[0], grads[2])
+    assert bool(tx.has_updated(done))
+    assert_trees_close(updates, expected)
+    # a group without any weight gives the inner optimiser a zero gradient, not 0 / 0
+    _, state = update(grads[0], done, params, 0.0)
+    updates, state = update(grads[1], state, params, 0.0)
+    assert bool(tx.has_updated(state))
+    assert all(not np.any(u) for u in jax.tree.leaves(updates))
+
+
+# ---------------------------------------------------------------- accumulator dtype
+
+
+def test_bfloat16_accumulator_halves_the_buffer_and_stays_close():
+    k, calls = 4, 8
+    params, data = init_params(), mlp_batches(calls)
+    f32 = train_calls(jaxga.MultiSteps(optax.sgd(0.1), k), params, data, calls)
+    bf16 = train_calls(
+        jaxga.MultiSteps(optax.sgd(0.1), k, accumulator_dtype=jnp.bfloat16), params, data, calls
+    )
+    acc32, acc16 = f32["states"][-1].acc_grads, bf16["states"][-1].acc_grads
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(acc16))
+    nbytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))
+    assert nbytes(acc16) * 2 == nbytes(acc32)
+    for u in bf16["updates"]:  # updates keep the gradients' dtype
+        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(u))
+    assert_trees_close(bf16["params"][-1], f32["params"][-1], rtol=2e-2, atol=2e-3)
+    assert max_abs_diff(bf16["params"][-1], f32["params"][-1]) > 0  # it is really bfloat16
+
+
+# ---------------------------------------------------------------- transforms and composition
+
+
+def test_vmap_over_an_ensemble_matches_separate_runs():
+    k, calls, members = 3, 7, 3
+    params = [init_params(10 + m) for m in range(members)]
+    data = [mlp_batches(calls, 20 + m) for m in range(members)]
+    tx = jaxga.MultiSteps(optax.adam(0.05), k)
+
+    def step(params, state, batch):
+        updates, state = tx.update(jax.grad(mse)(params, batch), state, params)
+        return optax.apply_updates(params, updates), state
+
+    stack = lambda trees: jax.tree.map(lambda *x: np.stack(x), *trees)
+    batched_params = stack(params)
+    batched_state = jax.jit(jax.vmap(tx.init))(batched_params)
+    vstep = jax.jit(jax.vmap(step))
+    stacked_data = stack(data)
+    for i in range(calls):
+        batched_params, batched_state = vstep(
+            batched_params,
+            batched_state,
+            call(i, jax.tree.map(lambda x: np.swapaxes(x, 0, 1), stacked_data)),
+        )
+    for m in range(members):
+        separate = train_calls(tx, params[m], data[m], calls)
+        assert_trees_close(call(m, batched_params), separate["params"][-1])
+
+
+def test_shard_map_with_replicated_and_with_sharded_gradients():
+    k, calls = 2, 5
+    mesh = jax.make_mesh((1,), ("data",))
+    params, data = init_params(), mlp_batches(calls)
+    grads = unstack(as_numpy(mse_grads(params, data)), calls)
+    tx = jaxga.MultiSteps(optax.adam(0.05), k)
+    reference = train_calls(tx, params, data, calls, grads=grads)["params"][-1]
+
+    def place(tree, specs):
+        return jax.tree.map(
+            lambda spec, x: jax.device_put(x, NamedSharding(mesh, spec)),
+            specs,
+            tree,
+            is_leaf=lambda x: isinstance(x, P),
+        )
+
+    def run(tx, p_spec, s_spec):
+        def step(params, state, grads):
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        specs = (p_spec, s_spec)
+        step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(*specs, p_spec), out_specs=specs))
+        p, s = place((params, tx.init(params)), specs)
+        for g in grads:
+            p, s = step(p, s, place(g, p_spec))
+        return p, s
+
+    # data parallel: gradients already reduced, the same on every device
+    p, _ = run(tx, P(), P())
+    assert_trees_close(p, reference)
+    # FSDP-like: the arrays of params, gradients and state are sharded; axis_name makes
+    # the skip decision (and so the step counters) the same on every device
+    fsdp = jaxga.MultiSteps(optax.adam(0.05), k, axis_name="data")
+    spec = lambda tree: jax.tree.map(lambda x: P("data") if jnp.ndim(x) else P(), tree)
+    p, s = run(fsdp, spec(params), spec(fsdp.init(params)))
+    assert_trees_close(p, reference)
+    assert int(s.gradient_step) == calls // k
+
+
+def test_composes_in_optax_chain_and_receives_weight_through_it():
+    k, calls = 2, 4
+    params, data = embed_params(), token_batches(calls)
+    alone = jaxga.MultiSteps(optax.adam(0.1), k, weighted=True)
+    chained = optax.chain(optax.identity(), jaxga.MultiSteps(optax.adam(0.1), k, weighted=True))
+    a = train_calls(alone, params, data, calls, token_loss, weighted=True)
+    b = train_calls(chained, params, data, calls, token_loss, weighted=True)
+    assert_trees_close(b["params"][-1], a["params"][-1], rtol=0, atol=0)
+    # and as the first element of a chain, followed by a scaling
+    c = train_calls(
+        optax.chain(jaxga.MultiSteps(optax.scale_by_adam(), k, weighted=True), optax.scale(-0.1)),
+        params,
+        data,
+        calls,
+        token_loss,
+        weighted=True,
+    )
+    assert_trees_close(c["params"][-1], a["params"][-1])
+
+
+def test_is_a_gradient_transformation_and_a_static_pytree():
+    tx = jaxga.MultiSteps(optax.adam(0.1), 4)
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    assert jax.tree.leaves(tx) == [] and jax.tree.map(lambda x: x, tx) is tx
+    assert isinstance(tx.gradient_transformation(), optax.GradientTransformationExtraArgs)
+    for clone in (copy.copy, copy.deepcopy):
+        other = clone(jaxga.MultiSteps(optax.identity(), 3, weighted=True))
+        assert isinstance(other, jaxga.MultiSteps) and "every_k=3, weighted=True" in repr(other)
+
+
+def test_flax_nnx_optimizer_passes_weight_through():
+    from flax import nnx
+
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(
+        model, jaxga.MultiSteps(optax.sgd(1.0), 2, weighted=True), wrt=nnx.Param
+    )
+    x = jnp.arange(12.0).reshape(4, 3) / 10
+
+    @nnx.jit
+    def step(model, optimizer, x, weight):
+        grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, grads, weight=weight)
+        return grads
+
+    params = lambda: jax.tree.map(jnp.copy, nnx.as_pure(nnx.state(model, nnx.Param)))
+    start = params()
+    g1 = nnx.as_pure(step(model, optimizer, x[:2], 1.0))
+    assert_trees_close(params(), start, rtol=0, atol=0)
+    g2 = nnx.as_pure(step(model, optimizer, x[2:], 3.0))
+    expected = jax.tree.map(lambda p, a, b: p - (a + 3 * b) / 4, start, g1, g2)
+    assert_trees_close(params(), expected)
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "every_k, error, match",
+    [
+        (0, ValueError, "at least 1; got 0"),
+        (-3, ValueError, "at least 1; got -3"),
+        (2.0, TypeError, "positive int .* got 2.0 of type float"),
+        (True, TypeError, "got True of type bool"),
+        ("4", TypeError, "got '4' of type str"),
+    ],
+)
+def test_bad_every_k(every_k, error, match):
+    with pytest.raises(error, match=f"`every_k` must .*{match}"):
+        jaxga.MultiSteps(optax.sgd(0.1), every_k)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"inner": "adam"}, TypeError, "`inner` must be an optax GradientTransformation .* str"),
+        ({"weighted": 1}, TypeError, "`weighted` must be a bool; got 1"),
+        ({"accumulator_dtype": jnp.int32}, TypeError, "`accumulator_dtype` .* got int32"),
+        ({"accumulator_dtype": "nope"}, TypeError, "`accumulator_dtype` .* got 'nope'"),
+        ({"should_skip_update_fn": 3}, TypeError, "`should_skip_update_fn` .* got int"),
+    ],
+)
+def test_bad_construction_arguments(kwargs, error, match):
+    options = {"inner": optax.sgd(0.1), "every_k": 2, **kwargs}
+    with pytest.raises(error, match=match):
+        jaxga.MultiSteps(**options)
+
+
+def test_bad_schedule_outputs():
+    params = jnp.zeros(3)
+    for schedule, error, match in [
+        (lambda step: 2.5, TypeError, "schedule must return an int scalar; .* float32"),
+        (lambda step: jnp.array([2, 2]), TypeError, "schedule .* returned shape \\(2,\\)"),
+        (lambda step: 0, ValueError, "schedule must return at least 1; it returned 0"),
+    ]:
+        tx = jaxga.MultiSteps(optax.sgd(0.1), schedule)
+        with pytest.raises(error, match=f"The `every_k` {match}"):
+            tx.update(params, tx.init(params), params)
+    # under jit a schedule value cannot raise, and one below 1 counts as 1
+    tx = jaxga.MultiSteps(optax.sgd(0.1), lambda step: step * 0)
+    _, state = jax.jit(tx.update)(params, tx.init(params), params)
+    assert bool(tx.has_updated(state))
+
+
+@pytest.mark.parametrize(
+    "weighted, weight, error, match",
+    [
+        (
+            False,
+            3.0,
+            ValueError,
+            "`weight` was given, but this MultiSteps was built with weighted=False",
+        ),
+        (True, None, ValueError, "weighted=True, so every call needs `weight=`.*got none"),
+        (True, jnp.ones(2), ValueError, "`weight` must be a scalar; got shape \\(2,\\)"),
+        (True, -1.0, ValueError, "`weight` must be finite and non-negative; got -1.0"),
+        (True, float("nan"), ValueError, "finite and non-negative; got nan"),
+        (True, "ten", TypeError, "`weight` must be a number; got 'ten'"),
+        (True, True, TypeError, "`weight` must be an int or float scalar; got dtype bool"),
+    ],
+)
+def test_bad_weight(weighted, weight, error, match):
+    tx = jaxga.MultiSteps(optax.sgd(0.1), 2, weighted=weighted)
+    params = jnp.zeros(3)
+    with pytest.raises(error, match=match):
+        tx.update(params, tx.init(params), params, weight=weight)
+
+
+def test_weight_given_on_some_calls_only_fails_at_trace_time():
+    params = jnp.zeros(3)
+    weighted = jaxga.MultiSteps(optax.sgd(0.1), 2, weighted=True)
+    update = jax.jit(lambda g, s, **kw: weighted.update(g, s, params, **kw))
+    _, state = update(params, weighted.init(params), weight=2.0)
+    with pytest.raises(ValueError, match="needs `weight=`"):
+        update(params, state)
+
+
+def test_bad_grads_and_state():
+    params = {"a": jnp.zeros(3), "b": jnp.zeros(2)}
+    tx = jaxga.MultiSteps(optax.sgd(0.1), 2)
+    state = tx.init(params)
+    with pytest.raises(TypeError, match=r"`grads` has tree structure .* initialised for"):
+        tx.update({"a": jnp.zeros(3)}, state, params)
+    with pytest.raises(ValueError, match=r"`grads\['b'\]` has shape \(4,\), .* shape \(2,\)"):
+        tx.update({"a": jnp.zeros(3), "b": jnp.zeros(4)}, state, params)
+    with pytest.raises(TypeError, match=r"`state` must be the MultiStepsState .* got tuple"):
+        tx.update(params, tuple(state), params)
+    with pytest.raises(TypeError, match="`state` must be a MultiStepsState; got dict"):
+        tx.has_updated({})
+
+
+def test_bad_skip_predicate_and_unbound_axis():
+    params = jnp.zeros(3)
+    tx = jaxga.MultiSteps(optax.sgd(0.1), 2, should_skip_update_fn=lambda g, s, p: (0, ()))
+    with pytest.raises(ValueError, match="`should_skip_update_fn` must return a bool scalar"):
+        tx.update(params, tx.init(params), params)
+    tx = jaxga.MultiSteps(optax.sgd(0.1), 2, axis_name="data")
+    with pytest.raises(ValueError, match="`axis_name`='data' is not bound"):
+        tx.update(params, tx.init(params), params)

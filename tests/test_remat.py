@@ -1,0 +1,265 @@
+"""jaxga.remat_scan against a plain Python loop over the layers, and its memory."""
+
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.ad_checkpoint import checkpoint_name
+
+import jaxga
+from jaxga.remat import POLICIES, resolve_segments, stack_length
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+
+import flax_remat
+
+RTOL = 2e-5
+ATOL = 2e-6
+LAYERS = 4
+
+
+def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        assert jnp.shape(a) == jnp.shape(e)
+        assert jnp.result_type(a) == jnp.result_type(e)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+def attention_block(p, x):
+    """A tiny attention-like block: unbatched (``x @ w``) and batched (einsum) matmuls."""
+    q = checkpoint_name(x @ p["w"], "query")
+    scores = checkpoint_name(jnp.tanh(jnp.einsum("btd,bsd->bts", q, x)), "scores")
+    return x + 0.3 * jnp.einsum("bts,bsd->btd", scores, x) * p["g"]
+
+
+def block_params(key, layers=LAYERS, dim=6):
+    k1, k2 = jax.random.split(key)
+    return {
+        "w": jax.random.normal(k1, (layers, dim, dim)) / math.sqrt(dim),
+        "g": 1 + 0.1 * jax.random.normal(k2, (layers, dim)),
+    }
+
+
+def python_loop(layer_fn, stacked, x):
+    for i in range(stack_length(stacked)):
+        x = layer_fn(jax.tree.map(lambda p: p[i], stacked), x)
+    return x
+
+
+def loss_of(apply):
+    return lambda params, x: jnp.mean(jnp.sin(apply(params, x)))
+
+
+@pytest.fixture(scope="module")
+def problem():
+    params = block_params(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 3, 6))
+    reference = jax.jit(
+        jax.value_and_grad(loss_of(lambda p, x: python_loop(attention_block, p, x)), argnums=(0, 1))
+    )
+    return params, x, reference(params, x)
+
+
+POLICY_CASES = {
+    "none": "none",
+    "full": "full",
+    "dots": "dots",
+    "dots_no_batch": "dots_no_batch",
+    "names": ["scores", "query"],
+    "callable": jax.checkpoint_policies.save_only_these_names("scores"),
+}
+
+
+@pytest.mark.parametrize("segments", [1, "sqrt", LAYERS])
+@pytest.mark.parametrize("policy", list(POLICY_CASES))
+def test_value_and_grads_match_python_loop(problem, policy, segments):
+    params, x, expected = problem
+    apply = lambda p, x: jaxga.remat_scan(
+        attention_block, p, x, policy=POLICY_CASES[policy], segments=segments
+    )
+    actual = jax.jit(jax.value_and_grad(loss_of(apply), argnums=(0, 1)))(params, x)
+    assert_trees_close(actual, expected)
+
+
+def test_forward_matches_python_loop_without_jit(problem):
+    params, x, _ = problem
+    expected = python_loop(attention_block, params, x)
+    assert_trees_close(jaxga.remat_scan(attention_block, params, x, segments=2), expected)
+
+
+def test_offload_policy_matches_python_loop(problem):
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    if "pinned_host" not in kinds:
+        pytest.skip(f"the {jax.default_backend()} backend has no pinned_host memory")
+    params, x, expected = problem
+    apply = lambda p, x: jaxga.remat_scan(
+        attention_block, p, x, policy="offload_dots", segments="sqrt"
+    )
+    actual = jax.jit(jax.value_and_grad(loss_of(apply), argnums=(0, 1)))(params, x)
+    assert_trees_close(actual, expected)
+
+
+def test_pytree_carry_and_per_layer_keys_match_python_loop():
+    """A dict carry, and dropout whose per-layer keys make recomputation reproducible."""
+
+    def layer(p, carry):
+        keep = jax.random.bernoulli(p["key"], 0.8, carry["x"].shape)
+        x = jnp.tanh(carry["x"] @ p["w"]) * keep / 0.8
+        return {"x": x, "total": carry["total"] + jnp.sum(x)}
+
+    stacked = {
+        "w": jax.random.normal(jax.random.key(2), (4, 4, 4)) / 2,
+        "key": jax.random.split(jax.random.key(3), 4),
+    }
+    carry = {"x": jnp.ones((3, 4)), "total": jnp.zeros(())}
+
+    def loss(apply):
+        return lambda w, carry: apply({"w": w, "key": stacked["key"]}, carry)["total"]
+
+    expected = jax.grad(loss(lambda p, c: python_loop(layer, p, c)), argnums=(0, 1))(
+        stacked["w"], carry
+    )
+    for segments in (1, 2):
+        apply = lambda p, c: jaxga.remat_scan(layer, p, c, segments=segments)
+        assert_trees_close(jax.grad(loss(apply), argnums=(0, 1))(stacked["w"], carry), expected)
+
+
+def test_composes_with_microbatch_accumulation(problem):
+    params, _, _ = problem
+    batch = jax.random.normal(jax.random.key(4), (8, 3, 6))
+    whole = loss_of(lambda p, x: python_loop(attention_block, p, x))
+    remat = loss_of(lambda p, x: jaxga.remat_scan(attention_block, p, x, segments="sqrt"))
+    expected = jax.value_and_grad(whole)(params, batch)
+    actual = jax.jit(jaxga.value_and_grad(remat, num_microbatches=4))(params, batch)
+    assert_trees_close(actual, expected)
+
+
+def mlp_block(p, x):
+    return x + jax.nn.gelu(x @ p["w1"] + p["b1"]) @ p["w2"]
+
+
+def mlp_temp_bytes(layers, policy, segments, tokens=256, dim=64, hidden=256):
+    shapes = {"w1": (dim, hidden), "b1": (hidden,), "w2": (hidden, dim)}
+    params = {k: jax.ShapeDtypeStruct((layers, *s), jnp.float32) for k, s in shapes.items()}
+    x = jax.ShapeDtypeStruct((tokens, dim), jnp.float32)
+    apply = lambda p, x: jaxga.remat_scan(mlp_block, p, x, policy=policy, segments=segments)
+    step = jax.grad(lambda p, x: jnp.sum(apply(p, x)), argnums=(0, 1))
+    return jaxga.memory_report(step, params, x).temp_bytes
+
+
+def test_sqrt_segments_need_less_memory_than_per_layer_than_none():
+    none = mlp_temp_bytes(64, "none", 1)
+    per_layer = mlp_temp_bytes(64, "full", 1)
+    sqrt = mlp_temp_bytes(64, "full", "sqrt")
+    assert sqrt < per_layer < none
+    assert sqrt <= none / 5
+
+
+@given(st.integers(1, 400))
+@settings(max_examples=60, deadline=None)
+def test_sqrt_segments_is_the_divisor_nearest_sqrt(layers):
+    s = resolve_segments("sqrt", layers)
+    assert layers % s == 0
+    nearest = min(abs(d - math.sqrt(layers)) for d in range(1, layers + 1) if layers % d == 0)
+    assert abs(s - math.sqrt(layers)) == nearest
+
+
+def test_checkpoint_policy_names():
+    cp = jax.checkpoint_policies
+    assert jaxga.checkpoint_policy("none") is None
+    assert jaxga.checkpoint_policy("full") is cp.nothing_saveable
+    assert jaxga.checkpoint_policy("dots") is cp.dots_saveable
+    assert jaxga.checkpoint_policy("dots_no_batch") is cp.dots_with_no_batch_dims_saveable
+    assert callable(jaxga.checkpoint_policy("offload_dots"))
+    assert jaxga.checkpoint_policy(cp.everything_saveable) is cp.everything_saveable
+    assert set(POLICIES) == {"none", "full", "dots", "dots_no_batch", "offload_dots"}
+
+
+# --- errors -------------------------------------------------------------------------
+
+
+def layer(w, x):
+    return jnp.tanh(x @ w)
+
+
+W = jnp.ones((6, 3, 3))
+X = jnp.ones((2, 3))
+
+
+def test_error_on_leaves_with_different_leading_sizes():
+    params = {"w": jnp.ones((6, 3, 3)), "b": jnp.ones((5, 3))}
+    with pytest.raises(ValueError, match=r"different leading sizes.*\['b'\]: 5.*\['w'\]: 6"):
+        jaxga.remat_scan(lambda p, x: layer(p["w"], x) + p["b"], params, X)
+
+
+def test_error_on_scalar_leaf_and_empty_params():
+    with pytest.raises(ValueError, match=r"stacked_params\['s'\] is a scalar"):
+        jaxga.remat_scan(layer, {"w": W, "s": jnp.ones(())}, X)
+    with pytest.raises(ValueError, match="`stacked_params` has no array leaves"):
+        jaxga.remat_scan(layer, {}, X)
+
+
+@pytest.mark.parametrize(("segments", "nearest"), [(4, "3 and 6"), (5, "3 and 6"), (7, "6")])
+def test_error_on_segments_not_dividing_layers(segments, nearest):
+    with pytest.raises(
+        ValueError, match=rf"`segments`={segments} does not divide .* L=6.*{nearest}"
+    ):
+        jaxga.remat_scan(layer, W, X, segments=segments)
+
+
+@pytest.mark.parametrize(
+    ("segments", "error"),
+    [(0, ValueError), (-2, ValueError), ("cube", ValueError), (2.0, TypeError), (True, TypeError)],
+)
+def test_error_on_bad_segments(segments, error):
+    with pytest.raises(error, match="`segments` must be a positive int or 'sqrt'"):
+        jaxga.remat_scan(layer, W, X, segments=segments)
+
+
+def test_error_on_unknown_policy_name_lists_known_ones():
+    with pytest.raises(ValueError, match=r"'dot'.*'none', 'full', 'dots', 'dots_no_batch'"):
+        jaxga.remat_scan(layer, W, X, policy="dot")
+
+
+@pytest.mark.parametrize("policy", [3, ["hidden", 3], None])
+def test_error_on_policy_of_wrong_type(policy):
+    with pytest.raises(TypeError, match="`policy` must be a policy name"):
+        jaxga.remat_scan(layer, W, X, policy=policy)
+
+
+@pytest.mark.parametrize(
+    ("bad_layer", "match"),
+    [
+        (
+            lambda w, x: (x @ w)[:, :2],
+            r"changed the carry x from float32\[2, 3\] to float32\[2, 2\]",
+        ),
+        (lambda w, x: (x @ w).astype(jnp.float16), r"from float32\[2, 3\] to float16\[2, 3\]"),
+        (lambda w, x: (x, x), "must return a carry with the structure"),
+    ],
+)
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_error_when_layer_changes_the_carry(bad_layer, match, policy):
+    with pytest.raises(TypeError, match=match):
+        jaxga.remat_scan(bad_layer, W, X, policy=policy)
+
+
+def test_error_on_layer_fn_not_callable():
+    with pytest.raises(TypeError, match="`layer_fn` must be callable"):
+        jaxga.remat_scan("layer", W, X)
+
+
+# --- the Flax example ---------------------------------------------------------------
+
+
+def test_flax_example_gradients_match(capsys):
+    diffs = flax_remat.main(depth=4, dim=8, batch=2, segments=2)
+    assert diffs["nnx"] < 1e-5 and diffs["linen"] < 1e-5
+    assert "match" in capsys.readouterr().out

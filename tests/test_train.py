@@ -1,0 +1,237 @@
+"""jaxga.make_train_step against hand-written full-batch optax steps."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxga
+
+BATCH = 16
+
+
+def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+def batches(n, seed=0, size=BATCH):
+    out = []
+    for i in range(n):
+        kx, ky, kw = jax.random.split(jax.random.key(seed * 1000 + i), 3)
+        out.append(
+            {
+                "x": jax.random.normal(kx, (size, 4)),
+                "y": jax.random.randint(ky, (size,), 0, 3),
+                # Skewed per-example weights: a mean of micro-batch means would be wrong.
+                "w": jnp.where(jnp.arange(size) % 4 == 0, 5.0, 0.5)
+                * jax.random.bernoulli(kw, 0.8, (size,)),
+            }
+        )
+    return out
+
+
+def xent(logits, batch):
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return jaxga.Mean.of(losses, where=batch["w"])
+
+
+class NNXMLP(nnx.Module):
+    def __init__(self, rate: float, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(4, 16, rngs=rngs)
+        self.drop = nnx.Dropout(rate)
+        self.out = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x, rng=None):
+        h = jax.nn.relu(self.hidden(x))
+        return self.out(self.drop(h, deterministic=rng is None, rngs=rng))
+
+
+def nnx_setup(rate=0.0):
+    model = NNXMLP(rate, nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss = jaxga.nnx_loss(graphdef, lambda m, b, rng: xent(m(b["x"], rng if rate else None), b))
+    return params, rest, loss
+
+
+class LinenBN(nn.Module):
+    train: bool
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16)(x)
+        x = nn.BatchNorm(use_running_average=not self.train, momentum=0.8)(x)
+        return nn.Dense(3)(nn.relu(x))
+
+
+def linen_setup(train):
+    model = LinenBN(train)
+    variables = LinenBN(True).init(jax.random.key(0), jnp.ones((2, 4)))
+    params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
+
+    def loss(params, batch, model_state, rng):
+        logits, updates = model.apply(
+            {"params": params, **model_state}, batch["x"], mutable=list(model_state)
+        )
+        return xent(logits, batch), {**model_state, **updates}
+
+    return params, model_state, loss
+
+
+def reference_run(loss, params, model_state, optimizer, data):
+    """A hand-written full-batch loop: jax.value_and_grad on the whole batch, then optax."""
+    opt_state = optimizer.init(params)
+    for batch in data:
+
+        def value(p):
+            mean, new_state = loss(p, batch, model_state, None)
+            return mean.value, new_state
+
+        (_, model_state), grads = jax.value_and_grad(value, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params, model_state
+
+
+def optimizer():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=1e-2))
+
+
+@pytest.mark.parametrize("setup", ["nnx", "linen-eval"])
+def test_matches_full_batch_training(setup):
+    params, model_state, loss = nnx_setup() if setup == "nnx" else linen_setup(train=False)
+    data = batches(3)
+    expected_params, expected_state = reference_run(loss, params, model_state, optimizer(), data)
+
+    step = jaxga.make_train_step(loss, optimizer(), num_microbatches=4)
+    # Copies: the step donates the state's buffers, and the reference still holds these.
+    params, model_state = jax.tree.map(jnp.copy, (params, model_state))
+    state = jaxga.TrainState.create(params, optimizer(), model_state=model_state)
+    for batch in data:
+        state, metrics = step(state, batch)
+    assert_trees_close(state.params, expected_params)
+    assert_trees_close(state.model_state, expected_state)
+    assert int(state.step) == 3 and bool(metrics["applied"])
+    np.testing.assert_allclose(metrics["count"], jnp.sum(data[-1]["w"]), rtol=1e-6)
+
+
+def test_metrics_are_exact():
+    params, rest, loss = nnx_setup()
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=optax.linear_schedule(0.1, 0.0, 10))
+    batch = batches(1)[0]
+    state = jaxga.TrainState.create(params, tx, model_state=rest)
+    _, metrics = jaxga.make_train_step(loss, tx, 8, donate=False)(state, batch)
+
+    def value(p):
+        return loss(p, batch, rest, None)[0].value
+
+    expected_loss, expected_grads = jax.value_and_grad(value)(params)
+    np.testing.assert_allclose(metrics["loss"], expected_loss, rtol=1e-5)
+    np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(expected_grads), rtol=1e-5)
+    np.testing.assert_allclose(metrics["learning_rate"], 0.1, rtol=1e-6)
+
+
+def test_dropout_key_per_microbatch():
+    k, rate = 4, 0.5
+    params, rest, loss = nnx_setup(rate)
+    batch = batches(1)[0]
+    tx = optax.sgd(0.1)
+    state = jaxga.TrainState.create(params, tx, model_state=rest, rng=7)
+    new_state, _ = jaxga.make_train_step(loss, tx, k, donate=False)(state, batch)
+
+    # Reference: micro-batch i of step 0 uses fold_in(fold_in(key, 0), i).
+    key = jax.random.fold_in(jax.random.key(7), 0)
+    parts = jaxga.split_microbatches(batch, k)
+    total, count = 0.0, 0.0
+    for i in range(k):
+        micro = jax.tree.map(lambda x: x[i], parts)
+        g = jax.grad(lambda p: loss(p, micro, rest, jax.random.fold_in(key, i))[0].total)(params)
+        total = jax.tree.map(lambda a, b: a + b, total, g) if i else g
+        count += float(jnp.sum(micro["w"]))
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g / count, params, total)
+    assert_trees_close(new_state.params, expected)
+
+    # The same key for every micro-batch (the bug) gives different parameters.
+    same_key_grads = [
+        jax.grad(lambda p: loss(p, jax.tree.map(lambda x: x[i], parts), rest, key)[0].total)(params)
+        for i in range(k)
+    ]
+    wrong = jax.tree.map(lambda p, *g: p - 0.1 * sum(g) / count, params, *same_key_grads)
+    diffs = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(wrong), jax.tree.leaves(expected))]
+    assert max(diffs) > 1e-4
+
+
+def test_batchnorm_statistics_are_threaded():
+    k = 4
+    params, model_state, loss = linen_setup(train=True)
+    batch = batches(1)[0]
+    tx = optax.sgd(0.1)
+    state = jaxga.TrainState.create(params, tx, model_state=model_state)
+    new_state, _ = jaxga.make_train_step(loss, tx, k, donate=False)(state, batch)
+
+    # Reference: a Python loop that threads batch_stats from one micro-batch to the next.
+    parts = jaxga.split_microbatches(batch, k)
+    stats, grads, count = model_state, [], 0.0
+    for i in range(k):
+        micro = jax.tree.map(lambda x: x[i], parts)
+        (_, stats), g = jax.value_and_grad(
+            lambda p, micro=micro, stats=stats: (lambda m, s: (m.total, s))(
+                *loss(p, micro, stats, None)
+            ),
+            has_aux=True,
+        )(params)
+        grads.append(g)
+        count += float(jnp.sum(micro["w"]))
+    assert_trees_close(new_state.model_state, stats)
+    expected = jax.tree.map(lambda p, *g: p - 0.1 * sum(g) / count, params, *grads)
+    assert_trees_close(new_state.params, expected)
+    # Four updates of the running mean, not one.
+    one_update = loss(params, batch, model_state, None)[1]
+    assert not np.allclose(
+        stats["batch_stats"]["BatchNorm_0"]["mean"],
+        one_update["batch_stats"]["BatchNorm_0"]["mean"],
+    )
+
+
+def test_mismatched_batch_structure_is_named():
+    params, rest, loss = nnx_setup()
+    tx = optax.sgd(0.1)
+    step = jaxga.make_train_step(loss, tx, 2, donate=False)
+    state = jaxga.TrainState.create(params, tx, model_state=rest)
+    batch = batches(1)[0]
+    step(state, batch)
+    with pytest.raises(ValueError, match=r"missing batch\['w'\]"):
+        step(state, {"x": batch["x"], "y": batch["y"]})
+    with pytest.raises(ValueError, match=r"batch\['x'\] has per-example shape \(5,\)"):
+        step(state, {**batch, "x": jnp.ones((BATCH, 5))})
+
+
+def test_multisteps_train_step_matches_full_batch():
+    """k=2 micro-batches in each call × MultiSteps over 2 calls == one step on both batches.
+
+    The examples' weights differ between calls, so this only holds because the step
+    hands MultiSteps the call's total weight (its Mean.count) as ``weight``.
+    """
+    params, rest, loss = nnx_setup()
+    halves = batches(6, seed=3, size=BATCH // 2)
+    wholes = [
+        jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *halves[i : i + 2])
+        for i in range(0, 6, 2)
+    ]
+    expected_params, _ = reference_run(loss, params, rest, optimizer(), wholes)
+
+    with pytest.raises(ValueError, match="weighted=True"):
+        jaxga.make_train_step(loss, jaxga.MultiSteps(optimizer(), every_k=2), 2)
+    tx = jaxga.MultiSteps(optimizer(), every_k=2, weighted=True)
+    step = jaxga.make_train_step(loss, tx, num_microbatches=2)
+    state = jaxga.TrainState.create(jax.tree.map(jnp.copy, params), tx, model_state=rest)
+    applied = []
+    for batch in halves:
+        state, metrics = step(state, batch)
+        applied.append(bool(metrics["applied"]))
+    assert applied == [False, True] * 3
+    assert_trees_close(state.params, expected_params)
