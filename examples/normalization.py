@@ -31,7 +31,7 @@ from flax import nnx
 import jaxga
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_lm import batch_at, documents, pack  # noqa: E402
+from train_lm import batch_at, documents, pack
 
 
 class BigramMLP(nnx.Module):

@@ -138,13 +138,6 @@ def _check_tree(grads: Any, acc_grads: Any) -> None:
             )
 
 
-def _varying_axes(x: jax.Array) -> frozenset:
-    """The ``shard_map`` axes over which ``x`` may differ (JAX ≥ 0.9 and before)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
-
-
 def _reduce_over_shards(tree: Any, axis_name: Any) -> Any:
     """Sums the leaves of ``tree`` that vary over ``axis_name`` (bools: any device true).
 
@@ -154,7 +147,7 @@ def _reduce_over_shards(tree: Any, axis_name: Any) -> Any:
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
     def reduce(x):
-        axes = tuple(a for a in names if a in _varying_axes(x))
+        axes = tuple(a for a in names if a in sharding._varying_axes(x))
         if not axes:
             return x
         if x.dtype == jnp.bool_:
@@ -237,7 +230,7 @@ class _MultiStepsFns:
 
         def accumulate(acc, g):
             dtype = jnp.promote_types(jnp.promote_types(acc.dtype, g.dtype), jnp.float32)
-            term = g.astype(dtype)
+            term = g.astype(dtype) if w is None else w.astype(dtype) * g.astype(dtype)
             new = (jnp.where(first, 0, acc).astype(dtype) + term).astype(acc.dtype)
             return jnp.where(keep, new, acc)
 
@@ -451,6 +444,11 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     def inner(self) -> optax.GradientTransformation:
         """The wrapped optimiser."""
         return self._inner
+
+    @property
+    def weighted(self) -> bool:
+        """Whether every call passes ``weight=`` (fixed at construction)."""
+        return self._fns.weighted
 
     def has_updated(self, state: MultiStepsState) -> jax.Array:
         """Returns whether the call that produced ``state`` ran the inner optimiser.

@@ -31,6 +31,13 @@ class TrainState(struct.PyTreeNode):
             state of an NNX model); ``{}`` when there is none.
         rng: raw ``uint32`` PRNG key data; step ``s``, micro-batch ``i`` gets
             ``fold_in(fold_in(rng, s), i)``, so a resumed run draws the same keys.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jaxga
+        >>> state = jaxga.TrainState.create({"w": jnp.zeros(3)}, optax.adam(1e-3))
+        >>> state = state.replace(params={"w": jnp.ones(3)})  # a pytree: save it, map over it
+        >>> int(state.step), state.params["w"].tolist()
+        (0, [1.0, 1.0, 1.0])
     """
 
     step: jax.Array
@@ -245,9 +252,7 @@ def make_train_step(
     donate_argnums = (0,) if donate else ()
     if mesh is None:
         return jax.jit(step, donate_argnums=donate_argnums)
-    sharded = jax.shard_map(
-        step, mesh=mesh, in_specs=(P(), P(axis_name)), out_specs=(P(), P())
-    )
+    sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(axis_name)), out_specs=(P(), P()))
     return jax.jit(
         sharded,
         donate_argnums=donate_argnums,

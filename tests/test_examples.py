@@ -9,9 +9,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 
-import digits_cnn  # noqa: E402
-import normalization  # noqa: E402
-import train_lm  # noqa: E402
+import digits_cnn
+import normalization
+import train_lm
 
 TINY = ["--batch-size", "4", "--microbatches", "2", "--seq-len", "16", "--dim", "16"]
 TINY += ["--heads", "2", "--layers", "2", "--sample", "0", "--quiet", "--save-every", "2"]
@@ -26,8 +26,16 @@ def test_train_lm_resume_is_bit_for_bit(tmp_path, capsys):
     )
     resumed = train_lm.train(
         train_lm.parse_args(
-            [*TINY, "--steps", "4", "--checkpoint-dir", str(tmp_path / "b"), "--resume"]
-            + ["--sample", "8"]
+            [
+                *TINY,
+                "--steps",
+                "4",
+                "--checkpoint-dir",
+                str(tmp_path / "b"),
+                "--resume",
+                "--sample",
+                "8",
+            ]
         )
     )
     assert first["losses"] + resumed["losses"] == straight["losses"]
