@@ -14,6 +14,7 @@ import argparse
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import jaxga
@@ -52,7 +53,7 @@ class Stack(nnx.Module):
         """The reference: the same blocks in a Python loop, nothing rematerialised."""
         graphdef, params = nnx.split(self.blocks)
         for i in range(jaxga.remat.stack_length(params)):
-            x = nnx.merge(graphdef, jax.tree.map(lambda p: p[i], params))(x)
+            x = nnx.merge(graphdef, jax.tree.map(lambda p, i=i: p[i], params))(x)
         return x
 
 
@@ -89,14 +90,13 @@ def linen_loop(dim: int, variables, x: jax.Array) -> jax.Array:
     """The reference for LinenStack: its blocks in a Python loop."""
     stacked = variables["params"]["blocks"]
     for i in range(jaxga.remat.stack_length(stacked)):
-        x = LinenBlock(dim).apply(jax.tree.map(lambda p: p[i], stacked), x)
+        x = LinenBlock(dim).apply(jax.tree.map(lambda p, i=i: p[i], stacked), x)
     return x
 
 
 def max_abs_diff(a, b) -> float:
-    return max(
-        float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    )
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in pairs)
 
 
 def main(depth: int = 8, dim: int = 32, batch: int = 8, policy="full", segments="sqrt") -> dict:

@@ -1,4 +1,4 @@
-"""Activation memory and compute against depth, for four rematerialisation strategies.
+"""Activation memory and compute against depth, for five rematerialisation strategies.
 
 The classic figure of the gradient-checkpointing literature (Chen et al., 2016;
 cybertronai/gradient-checkpointing), made with ``jaxga.remat_scan`` and

@@ -11,6 +11,7 @@ from jaxga.accumulation import (
 from jaxga.loss import Mean, as_mean, token_cross_entropy
 from jaxga.memory import MemoryReport, memory_report
 from jaxga.multistep import MultiSteps, MultiStepsState, skip_not_finite
+from jaxga.planner import Plan, parse_bytes, plan
 from jaxga.remat import checkpoint_policy, remat_scan
 from jaxga.train import TrainState, make_train_step, nnx_loss
 
@@ -22,6 +23,7 @@ __all__ = [
     "MemoryReport",
     "MultiSteps",
     "MultiStepsState",
+    "Plan",
     "TrainState",
     "accumulate",
     "as_mean",
@@ -30,6 +32,8 @@ __all__ = [
     "make_train_step",
     "memory_report",
     "nnx_loss",
+    "parse_bytes",
+    "plan",
     "remat_scan",
     "sharding",
     "skip_not_finite",

@@ -33,8 +33,9 @@ class MemoryReport:
         dot_flops: FLOPs of every matrix multiplication and convolution (2 per
             multiply-add) in the program JAX hands to XLA, counted from its jaxpr: a scan
             body counts once per iteration, and a rematerialised recomputation counts
-            again where it runs in the backward pass. A ``while_loop`` with a trip count
-            unknown at compile time counts once (see ``dot_flops_exact``).
+            again where it runs in the backward pass; dead code is skipped, as XLA
+            drops it. A ``while_loop`` with a trip count unknown at compile time counts
+            once (see ``dot_flops_exact``). See :func:`dot_flops`.
         dot_flops_exact: ``False`` when the jaxpr has a ``while_loop``, whose body is
             counted once.
         measured_peak_bytes: with ``measure=True`` on a backend with memory statistics
@@ -186,11 +187,6 @@ def _xla_flops(compiled: Any) -> float | None:
 
 def _measure(jitted: Callable[..., Any], args: tuple, kwargs: dict) -> int | None:
     leaves = jax.tree.leaves((args, kwargs))
-    if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-        raise TypeError(
-            "`measure=True` runs the function, so it needs arrays; got a "
-            "jax.ShapeDtypeStruct among the arguments."
-        )
     device = jax.devices()[0]
     before = device.memory_stats()
     if not before or "peak_bytes_in_use" not in before:
@@ -221,7 +217,8 @@ def memory_report(
             (``MemoryReport.measured_peak_bytes``); needs arrays, and a backend with
             memory statistics (GPU, TPU; on CPU the field stays ``None``). The peak is
             the device's high-water mark, so measure in a fresh process or the largest
-            run first: a run below an earlier peak also gives ``None``.
+            run first: a run below an earlier peak also gives ``None``. (This keyword is
+            memory_report's own: wrap ``fn`` if it takes a ``measure`` argument.)
         **kwargs: its keyword arguments.
 
     Returns:
@@ -237,6 +234,13 @@ def memory_report(
     """
     if not callable(fn):
         raise TypeError(f"`fn` must be callable; got {type(fn).__name__}.")
+    if measure and any(
+        isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((args, kwargs))
+    ):
+        raise TypeError(
+            "`measure=True` runs the function, so it needs arrays; got a "
+            "jax.ShapeDtypeStruct among the arguments."
+        )
     jitted = fn if hasattr(fn, "trace") and hasattr(fn, "lower") else jax.jit(fn)
     traced = jitted.trace(*args, **kwargs)
     compiled = traced.lower().compile()

@@ -19,7 +19,7 @@ POLICIES: dict[str, str] = {
     "full": "nothing but the layer's input; the whole layer is recomputed",
     "dots": "the outputs of matrix multiplications and convolutions",
     "dots_no_batch": "the outputs of matrix multiplications without batch dimensions",
-    "offload_dots": "as 'dots_no_batch', but offloaded to pinned host memory (GPU/TPU only)",
+    "offload_dots": "as 'dots_no_batch', offloaded to pinned host memory where the backend has it",
 }
 
 
@@ -70,8 +70,9 @@ def stack_length(stacked_params: Any) -> int:
     """Returns the number of layers L: the common leading size of every leaf.
 
     Example:
-        >>> import jax.numpy as jnp, jaxga
-        >>> jaxga.stack_length({"w": jnp.zeros((6, 3, 3)), "b": jnp.zeros((6, 3))})
+        >>> import jax.numpy as jnp
+        >>> from jaxga.remat import stack_length
+        >>> stack_length({"w": jnp.zeros((6, 3, 3)), "b": jnp.zeros((6, 3))})
         6
     """
     leaves = jax.tree_util.tree_flatten_with_path(stacked_params)[0]
@@ -111,8 +112,8 @@ def resolve_segments(segments: int | str, num_layers: int) -> int:
     recomputed at once in the backward pass.
 
     Example:
-        >>> import jaxga
-        >>> jaxga.resolve_segments("sqrt", 64), jaxga.resolve_segments("sqrt", 12)
+        >>> from jaxga.remat import resolve_segments
+        >>> resolve_segments("sqrt", 64), resolve_segments("sqrt", 12)
         (8, 3)
     """
     if isinstance(segments, str):
