@@ -5,6 +5,7 @@ from jaxga.accumulation import (
     Accumulated,
     accumulate,
     grad,
+    merge_microbatches,
     split_microbatches,
     value_and_grad,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "checkpoint_policy",
     "grad",
     "make_train_step",
+    "merge_microbatches",
     "memory_report",
     "nnx_loss",
     "parse_bytes",

@@ -12,7 +12,14 @@ import jax.numpy as jnp
 from jaxga import sharding
 from jaxga.loss import Mean, as_mean
 
-__all__ = ["Accumulated", "accumulate", "grad", "split_microbatches", "value_and_grad"]
+__all__ = [
+    "Accumulated",
+    "accumulate",
+    "grad",
+    "merge_microbatches",
+    "split_microbatches",
+    "value_and_grad",
+]
 
 ArgNums = int | Sequence[int]
 
@@ -124,6 +131,31 @@ def split_microbatches(batch: Any, num_microbatches: int, *, name: str = "batch"
     return jax.tree_util.tree_unflatten(treedef, [split(leaf) for _, leaf in leaves])
 
 
+def merge_microbatches(tree: Any) -> Any:
+    """Undoes :func:`split_microbatches`: ``[k, B // k, ...]`` leaves back to ``[B, ...]``.
+
+    Use it on the stacked ``aux`` of :func:`value_and_grad` to get per-example outputs
+    in the batch's own row order.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxga
+        >>> x = jnp.arange(6)
+        >>> jaxga.merge_microbatches(jaxga.split_microbatches(x, 3)).tolist()
+        [0, 1, 2, 3, 4, 5]
+    """
+
+    def merge(x):
+        x = jnp.asarray(x)
+        if x.ndim < 2:
+            raise ValueError(
+                f"merge_microbatches: every leaf needs a micro-batch axis and a batch axis; "
+                f"got a leaf of shape {x.shape}."
+            )
+        return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+    return jax.tree.map(merge, tree)
+
+
 def _parse_output(out: Any, has_aux: bool, has_state: bool) -> tuple[Mean, Any, Any]:
     state = None
     if has_state:
@@ -142,13 +174,18 @@ def _parse_output(out: Any, has_aux: bool, has_state: bool) -> tuple[Mean, Any, 
             )
         out, aux = out
     mean = as_mean(out)
-    for part, x in (("total", mean.total), ("count", mean.count)):
-        if jnp.shape(x) != () or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-            what = "the value" if not isinstance(out, Mean) else f"Mean.{part}"
-            raise TypeError(
-                f"`fun` must return a float scalar or a jaxga.Mean of float scalars; "
-                f"{what} has shape {jnp.shape(x)} and dtype {jnp.result_type(x)}."
-            )
+    total, count = mean.total, mean.count
+    if jnp.shape(total) != () or not jnp.issubdtype(jnp.result_type(total), jnp.floating):
+        what = "Mean.total" if isinstance(out, Mean) else "the value"
+        raise TypeError(
+            f"`fun` must return a float scalar or a jaxga.Mean with a float scalar total; "
+            f"{what} has shape {jnp.shape(total)} and dtype {jnp.result_type(total)}."
+        )
+    if jnp.shape(count) != () or not jnp.issubdtype(jnp.result_type(count), jnp.number):
+        raise TypeError(
+            f"`fun` returned a jaxga.Mean whose count has shape {jnp.shape(count)} and dtype "
+            f"{jnp.result_type(count)}; expected a scalar number of items (or total weight)."
+        )
     return mean, aux, state
 
 
@@ -231,6 +268,8 @@ def accumulate(
             raise sharding.indivisible_error(batches, num_microbatches, axis_name) from e
         raise
     primals = tuple(args[i] for i in diff_pos)
+    # Loss totals and counts are summed at least in float32, and in float64 under x64.
+    sum_dtype = jnp.result_type(accumulator_dtype, jnp.float32, *jax.tree.leaves(primals))
     keys = tuple(args[i] for i in rng_pos)
     state0 = jax.tree.map(jnp.asarray, tuple(args[i] for i in state_pos))
 
@@ -245,7 +284,7 @@ def accumulate(
         if state_pos:
             new_state = (new_state,) if isinstance(state_argnums, int) else tuple(new_state)
             new_state = _like(new_state, state, "new_state")
-        count = jax.lax.stop_gradient(jnp.asarray(mean.count, jnp.float32))
+        count = jax.lax.stop_gradient(jnp.asarray(mean.count, sum_dtype))
         return mean.total, (count, aux, new_state or ())
 
     grad_fn = jax.value_and_grad(loss_on, has_aux=True)
@@ -259,16 +298,15 @@ def accumulate(
         total = total + t.astype(total.dtype)
         return (index + 1, grads, total, count + c, new_state), aux
 
-    zero = jnp.zeros((), jnp.promote_types(accumulator_dtype, jnp.float32))
     carry = (
         jnp.zeros((), jnp.int32),
         _accumulator_zeros(primals, accumulator_dtype),
-        zero,
-        jnp.zeros((), jnp.float32),
+        jnp.zeros((), sum_dtype),
+        jnp.zeros((), sum_dtype),
         state0,
     )
     carry = sharding.varying(carry, axis_name)
-    (_, grads, total, count, state), aux = jax.lax.scan(body, carry, micro)
+    (_, grads, total, count, state), aux = jax.lax.scan(body, carry, micro, length=num_microbatches)
     if axis_name is not None:
         grads, total, count = sharding.psum_invariant(
             (grads, total, count), (primals, 0.0, 0.0), axis_name
@@ -312,9 +350,11 @@ def value_and_grad(
         argnums: position(s) of the argument(s) to differentiate, as in JAX.
         batch_argnums: position(s) of the argument(s) to split along their leading axis.
         has_aux: as in :func:`jax.value_and_grad`; ``aux`` comes back stacked along a
-            leading micro-batch axis, as ``lax.scan`` stacks its outputs.
+            leading micro-batch axis, as ``lax.scan`` stacks its outputs
+            (:func:`merge_microbatches` restores per-example outputs to batch order).
         rng_argnums: position(s) of PRNG key arguments (any pytree of keys); micro-batch
-            ``i`` (numbered globally across devices) receives ``fold_in(key, i)``.
+            ``i`` (numbered globally across devices) receives ``fold_in(key, i)`` — also
+            when ``num_microbatches`` is 1.
         state_argnums: position(s) of state that is not differentiated but updated, such
             as BatchNorm ``batch_stats``: ``fun`` returns ``(output, new_state)``, the
             state is carried from one micro-batch to the next, and the transformed
@@ -322,8 +362,10 @@ def value_and_grad(
         axis_name: call inside ``shard_map``/``pmap`` over this axis: each device scans its
             local micro-batches and one ``psum`` of gradients, totals and counts follows
             the loop, giving the global-batch result on every device.
-        accumulator_dtype: dtype of the gradient and loss sums (at least float32 by
-            default); gradients are returned in each argument's own dtype.
+        accumulator_dtype: the least dtype of the gradient and loss sums: each sum is
+            promoted with its argument's dtype, so bfloat16 parameters accumulate in
+            float32 and float64 ones (under x64) in float64. Gradients are returned in
+            each argument's own dtype; the value is at least float32.
 
     Returns:
         A function with ``fun``'s signature returning ``(value, grads)``, or

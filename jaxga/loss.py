@@ -57,9 +57,12 @@ class Mean:
             3.0
         """
         values = jnp.asarray(values)
+        # Sums of many low-precision items lose counts (bfloat16 has 8 bits of mantissa).
+        dtype = jnp.promote_types(values.dtype, jnp.float32)
+        values = values.astype(dtype)
         if where is None:
-            return cls(jnp.sum(values), jnp.asarray(values.size, values.dtype))
-        weights = jnp.broadcast_to(jnp.asarray(where), values.shape).astype(values.dtype)
+            return cls(jnp.sum(values), jnp.asarray(values.size, dtype))
+        weights = jnp.broadcast_to(jnp.asarray(where), values.shape).astype(dtype)
         return cls(jnp.sum(values * weights), jnp.sum(weights))
 
 
@@ -84,7 +87,8 @@ def token_cross_entropy(
     Args:
         logits: ``[..., vocab]`` unnormalised log-probabilities.
         labels: ``[...]`` integer targets.
-        mask: ``[...]`` optional; tokens where it is zero (padding) are not counted.
+        mask: optional, broadcastable to ``labels``; tokens where it is zero (padding)
+            are not counted, and non-zero values weigh tokens.
 
     Example:
         >>> import jax.numpy as jnp, jaxga
@@ -101,10 +105,10 @@ def token_cross_entropy(
             f"token_cross_entropy: `logits` has shape {logits.shape}, so `labels` must have "
             f"shape {logits.shape[:-1]}; got {labels.shape}."
         )
-    if mask is not None and jnp.shape(mask) != labels.shape:
+    if mask is not None and jnp.broadcast_shapes(jnp.shape(mask), labels.shape) != labels.shape:
         raise ValueError(
-            f"token_cross_entropy: `mask` must have the shape of `labels` {labels.shape}; "
-            f"got {jnp.shape(mask)}."
+            f"token_cross_entropy: `mask` must broadcast to the shape of `labels` "
+            f"{labels.shape}; got {jnp.shape(mask)}."
         )
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
     return Mean.of(losses, where=mask)

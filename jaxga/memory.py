@@ -42,6 +42,13 @@ class MemoryReport:
             (GPU, TPU): the device's peak bytes in use during one real run, including its
             arguments; otherwise ``None``.
         backend: the platform compiled for, e.g. ``"cpu"`` or ``"gpu"``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+        >>> report = jaxga.memory_report(lambda a: a @ a, x)
+        >>> report.argument_bytes, report.output_bytes, report.dot_flops
+        (262144, 262144, 33554432)
     """
 
     argument_bytes: int

@@ -16,6 +16,7 @@ import re
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -163,7 +164,10 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
     (the ones its data loader produced) and gets back global arrays whose leading
     axis concatenates all processes' rows in process order (for the usual
     mesh from ``jax.make_mesh``, whose devices are ordered by process); this is
-    :func:`jax.make_array_from_process_local_data` applied to every leaf.
+    :func:`jax.make_array_from_process_local_data` applied to every leaf. A leaf that
+    already is a global array on ``mesh`` (one that spans other processes' devices,
+    or, on one process, one already sharded this way) is kept as it is, resharded if
+    needed, so placing a batch twice costs nothing.
 
     Example:
         >>> import jax, numpy as np, jaxga
@@ -177,6 +181,12 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
     shards = int(np.prod([local_mesh[a] for a in _axes(axis_name)]))
 
     def place(path, x):
+        if isinstance(x, jax.Array) and x.ndim:  # already global rows: keep or reshard
+            same_mesh = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+            if same_mesh and x.sharding.is_equivalent_to(sharding, x.ndim):
+                return x
+            if not x.is_fully_addressable:
+                return jax.device_put(x, sharding)
         shape = np.shape(x)
         where = f"batch{jax.tree_util.keystr(path)}"
         if not shape or shape[0] % shards:
@@ -204,7 +214,16 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
         >>> params["w"].sharding.is_fully_replicated
         True
     """
-    return jax.device_put(tree, NamedSharding(mesh, P()))
+    sharding = NamedSharding(mesh, P())
+
+    def put(x):
+        if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
+            # device_put takes a typed key to one process's devices only; its data travels.
+            data = jax.device_put(jax.random.key_data(x), sharding)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(put, tree)
 
 
 class Collective(NamedTuple):

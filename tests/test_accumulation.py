@@ -269,19 +269,69 @@ def test_low_precision_params_accumulate_in_float32():
     assert_trees_close(grads, expected, rtol=1e-2, atol=1e-3)
 
 
-def test_works_inside_user_jit_and_vmap_free_of_retracing():
+def test_works_inside_user_jit_without_retracing():
     params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1))
     grad_fn = jaxga.value_and_grad(mlp_mean_loss, 4)
+    traces = []
 
     @jax.jit
     def step(params, batch):
+        traces.append(None)
         value, grads = grad_fn(params, batch)
         return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
 
     new_params, value = step(params, batch)
+    step(new_params, mlp_batch(jax.random.key(2)))
+    assert len(traces) == 1
     expected_value, expected_grads = full_batch(mlp_mean_loss)(params, batch)
     expected_params = jax.tree.map(lambda p, g: p - 0.1 * g, params, expected_grads)
     assert_trees_close((new_params, value), (expected_params, expected_value))
+
+
+def test_aux_merges_back_to_batch_order():
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1))
+
+    def loss(params, batch):
+        logits = mlp(params, batch["x"])
+        return jnp.mean(optax_xent(logits, batch["y"])), logits
+
+    (_, aux), _ = jaxga.value_and_grad(loss, 6, has_aux=True)(params, batch)
+    np.testing.assert_allclose(
+        jaxga.merge_microbatches(aux), mlp(params, batch["x"]), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_integer_counts_and_no_batch_argument():
+    x = jnp.arange(8.0)
+
+    def loss(w, x):
+        return jaxga.Mean(jnp.sum(w * x), jnp.int32(x.shape[0]))
+
+    value, g = jaxga.value_and_grad(loss, 4)(2.0, x)
+    np.testing.assert_allclose((value, g), (2.0 * jnp.mean(x), jnp.mean(x)), rtol=1e-6)
+    # Nothing to split: every micro-step sees the same arguments, so the mean is unchanged.
+    value, g = jaxga.value_and_grad(lambda w, x: jnp.mean(w * x), 3, batch_argnums=())(2.0, x)
+    np.testing.assert_allclose((value, g), (2.0 * jnp.mean(x), jnp.mean(x)), rtol=1e-6)
+
+
+def test_low_precision_mean_counts_exactly():
+    values = jnp.ones(1001, jnp.bfloat16)
+    mean = jaxga.Mean.of(values, where=jnp.ones(1001, bool))
+    assert float(mean.count) == 1001.0 and float(jaxga.Mean.of(values).count) == 1001.0
+
+
+def test_float64_parameters_sum_in_float64():
+    with jax.enable_x64(True):
+        w = jnp.float64(1.0 + 1e-12)
+        x = jnp.concatenate([jnp.full(4, 1e8), jnp.full(4, 1.0)])
+
+        def loss(w, x):
+            return jnp.mean(w * x)
+
+        value, g = jaxga.value_and_grad(loss, 4)(w, x)
+        expected_value, expected_g = jax.value_and_grad(loss)(w, x)
+        assert value.dtype == jnp.float64 and g.dtype == jnp.float64
+        np.testing.assert_allclose((value, g), (expected_value, expected_g), rtol=1e-14)
 
 
 def deep_mlp_loss(params, x):

@@ -16,6 +16,8 @@ BATCH = 16
 def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, e = jax.random.key_data(a), jax.random.key_data(e)
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
 
 
@@ -204,10 +206,116 @@ def test_mismatched_batch_structure_is_named():
     state = jaxga.TrainState.create(params, tx, model_state=rest)
     batch = batches(1)[0]
     step(state, batch)
-    with pytest.raises(ValueError, match=r"missing batch\['w'\]"):
-        step(state, {"x": batch["x"], "y": batch["y"]})
-    with pytest.raises(ValueError, match=r"batch\['x'\] has per-example shape \(5,\)"):
-        step(state, {**batch, "x": jnp.ones((BATCH, 5))})
+    with pytest.raises(ValueError, match=r"missing batch\['w'\]; unexpected batch\['z'\]"):
+        step(state, {"x": batch["x"], "y": batch["y"], "z": batch["w"]})
+
+
+def test_variable_sequence_length_retraces_instead_of_failing():
+    def loss(params, batch, model_state, rng):
+        return jaxga.Mean.of(batch["x"] * params, where=batch["mask"]), model_state
+
+    tx = optax.sgd(0.1)
+    step = jaxga.make_train_step(loss, tx, 2, donate=False)
+    state = jaxga.TrainState.create(jnp.ones(()), tx)
+    for length in (4, 8):  # length buckets
+        x = jnp.arange(4.0 * length).reshape(4, length)
+        mask = jnp.ones((4, length)).at[0, 1:].set(0.0)
+        _, metrics = step(state, {"x": x, "mask": mask})
+        np.testing.assert_allclose(metrics["loss"], jnp.sum(x * mask) / jnp.sum(mask))
+
+
+class NNXStateful(nnx.Module):
+    """BatchNorm in training mode and a Dropout that owns its Rngs: state that changes."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(4, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, momentum=0.8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=3))
+        self.out = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(jax.nn.relu(self.norm(self.hidden(x)))))
+
+
+def test_nnx_model_that_updates_its_state():
+    k = 4
+    model = NNXStateful(nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss = jaxga.nnx_loss(graphdef, lambda m, b, rng: xent(m(b["x"]), b))
+    batch = batches(1)[0]
+    tx = optax.sgd(0.1)
+    state = jaxga.TrainState.create(params, tx, model_state=rest)
+    new_state, _ = jaxga.make_train_step(loss, tx, k)(state, batch)
+
+    # Reference: a Python loop over the micro-batches threading the model's state.
+    parts = jaxga.split_microbatches(batch, k)
+    threaded, grads, count = rest, [], 0.0
+    for i in range(k):
+        micro = jax.tree.map(lambda x: x[i], parts)
+        (_, threaded), g = jax.value_and_grad(
+            lambda p, m=micro, s=threaded: (lambda out: (out[0].total, out[1]))(
+                loss(p, m, s, None)
+            ),
+            has_aux=True,
+        )(params)
+        grads.append(g)
+        count += float(jnp.sum(micro["w"]))
+    expected = jax.tree.map(lambda p, *g: p - 0.1 * sum(g) / count, params, *grads)
+    assert_trees_close(new_state.params, expected)
+    assert_trees_close(new_state.model_state, threaded)
+    # The user's model is untouched by the donation and still runs.
+    assert jnp.isfinite(model(batch["x"])).all()
+
+
+def test_nested_multisteps_is_rejected():
+    params, rest, loss = nnx_setup()
+    tx = optax.chain(optax.identity(), jaxga.MultiSteps(optax.sgd(0.1), 2, weighted=True))
+    step = jaxga.make_train_step(loss, tx, 2)
+    with pytest.raises(ValueError, match="outermost"):
+        step(jaxga.TrainState.create(params, tx, model_state=rest), batches(1)[0])
+
+
+@pytest.mark.parametrize(
+    "rng", [np.int64(3), jnp.int32(3), 3, jax.random.key(3), jax.random.key(3, impl="rbg")]
+)
+def test_seeds_and_keys(rng):
+    def loss(params, batch, model_state, rng):
+        noise = jax.random.normal(rng, batch["x"].shape)
+        return jaxga.Mean.of((batch["x"] + noise) * params), model_state
+
+    tx = optax.sgd(0.1)
+    state = jaxga.TrainState.create(jnp.ones(()), tx, rng=rng)
+    new_state, metrics = jaxga.make_train_step(loss, tx, 2)(state, {"x": jnp.ones((4, 3))})
+    assert jnp.isfinite(metrics["loss"]) and int(new_state.step) == 1
+
+
+def test_bad_arguments():
+    tx = optax.sgd(0.1)
+    with pytest.raises(TypeError, match="`rng` must be an integer seed or a single PRNG key"):
+        jaxga.TrainState.create(jnp.ones(()), tx, rng=1.5)
+    with pytest.raises(ValueError, match="`num_microbatches` must be a positive int; got 0"):
+        jaxga.make_train_step(lambda *a: a, tx, 0)
+    with pytest.raises(TypeError, match="`loss` must be a function"):
+        jaxga.make_train_step("loss", tx, 2)
+    with pytest.raises(TypeError, match="`optimizer` must be an optax GradientTransformation"):
+        jaxga.make_train_step(lambda *a: a, optax.sgd, 2)
+    mesh = jax.make_mesh((1,), ("batch",))
+    with pytest.raises(ValueError, match=r"`axis_name`='data' is not an axis of `mesh`"):
+        jaxga.make_train_step(lambda *a: a, tx, 2, mesh=mesh)
+
+
+def test_memory_report_of_a_step_on_a_mesh():
+    params, rest, loss = nnx_setup()
+    tx = optax.sgd(0.1)
+    mesh = jax.make_mesh((1,), ("data",))
+    step = jaxga.make_train_step(loss, tx, 2, mesh=mesh)
+    state = jaxga.TrainState.create(params, tx, model_state=rest)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batches(1)[0])
+    report = jaxga.memory_report(step, state, abstract)
+    plain = jaxga.memory_report(jaxga.make_train_step(loss, tx, 2), state, abstract)
+    assert report.argument_bytes == plain.argument_bytes > 0
+    new_state, metrics = step(state, batches(1)[0])  # and it runs
+    assert int(new_state.step) == 1 and jnp.isfinite(metrics["loss"])
 
 
 def test_multisteps_train_step_matches_full_batch():

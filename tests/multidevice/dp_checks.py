@@ -21,9 +21,13 @@ if os.environ.get("JAXGA_MULTIDEVICE") != "1":
         allow_module_level=True,
     )
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxga
@@ -327,7 +331,8 @@ def test_unbound_axis_name_inside_shard_map():
 
 
 def test_docs_quick_start_on_eight_devices(capsys):
-    """The quick start of docs/distributed.md, as tests/test_data_parallel.py runs it."""
+    """The code of docs/distributed.md: quick start, FSDP, HLO (as tests/test_data_parallel.py
+    runs them), the train step on a mesh and MultiSteps under shard_map."""
     text = (Path(__file__).resolve().parents[2] / "docs" / "distributed.md").read_text()
     namespace = {}
     for block in re.findall(r"```python\n(.*?)```", text, re.S)[:3]:
@@ -346,6 +351,34 @@ def test_docs_quick_start_on_eight_devices(capsys):
     }
     expected = ns["compiled"](replicate(ns["host_params"], MESH), batch)
     assert_close(fsdp(params, batch), expected)
+
+    # The train step and MultiSteps sections equal full-batch AdamW steps on one device
+    # (two calls of MultiSteps on the same batch: one step on their merged tokens).
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks[3].startswith("def loss(") and blocks[4].startswith("multi = ")
+    exec(blocks[3], namespace)
+    host_batch, host_params = ns["host_batch"], ns["host_params"]
+    value_and_grad = jax.value_and_grad(lambda p: ns["loss_fn"](p, host_batch).value)
+    optimizer = optax.adamw(1e-3)
+
+    @jax.jit
+    def reference_step(params, opt_state):
+        (value, grads) = value_and_grad(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    history, opt_state, values = [host_params], optimizer.init(host_params), []
+    for _ in range(3):
+        params, opt_state, value = reference_step(history[-1], opt_state)
+        history.append(params)
+        values.append(value)
+    assert_close(ns["state"].params, history[3], rtol=1e-5)
+    assert_close(ns["metrics"]["loss"], values[2], rtol=1e-5)
+    assert float(ns["metrics"]["count"]) == host_batch["mask"].sum()
+    assert np.isclose(float(capsys.readouterr().out.split()[0]), ns["metrics"]["loss"])
+    exec(blocks[4], namespace)
+    assert_close(ns["params"], history[2], rtol=1e-5)
+    assert int(ns["opt_state"].gradient_step) == 2
 
 
 def test_fsdp_sharded_parameters_get_their_own_gradient_shard(mean_reference):
@@ -391,3 +424,290 @@ def test_fsdp_gather_once_reduce_scatter_once(mean_reference):
     found = assert_reduces_once_after_the_loop(step.as_text())
     print("\n".join(f"fsdp-gather-once: in_loop={c.in_loop} {c.line[:160]}" for c in found))
     assert {c.opcode for c in found} == {"all-gather", "all-reduce", "reduce-scatter"}
+
+
+# ----------------------------------------------------------------------------- train step
+
+
+class NNXTokenModel(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
+        self.out = nnx.Linear(DIM, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.out(jnp.tanh(self.embed(tokens)))
+
+
+class LinenTokenModel(nn.Module):
+    train: bool
+
+    @nn.compact
+    def __call__(self, tokens):
+        hidden = nn.BatchNorm(use_running_average=not self.train, momentum=0.8)(
+            nn.Embed(VOCAB, DIM)(tokens)
+        )
+        return nn.Dense(VOCAB)(jnp.tanh(hidden))
+
+
+def token_mean(logits, batch):
+    return jaxga.token_cross_entropy(logits, batch["labels"], batch["mask"])
+
+
+def nnx_setup():
+    graphdef, params, rest = nnx.split(NNXTokenModel(nnx.Rngs(0)), nnx.Param, ...)
+    return params, rest, jaxga.nnx_loss(graphdef, lambda m, b, rng: token_mean(m(b["inputs"]), b))
+
+
+def linen_setup(train):
+    variables = LinenTokenModel(True).init(jax.random.key(0), BATCH["inputs"][:2])
+    # Non-trivial running statistics, so that eval mode depends on them.
+    stats = jax.tree.map(lambda x: x + 0.3, variables["batch_stats"])
+    model = LinenTokenModel(train)
+
+    def loss(params, batch, model_state, rng):
+        logits, updates = model.apply(
+            {"params": params, "batch_stats": model_state["batch_stats"]},
+            batch["inputs"],
+            mutable=["batch_stats"],
+        )
+        return token_mean(logits, batch), {**model_state, **updates}
+
+    return variables["params"], {"batch_stats": stats}, loss
+
+
+def inner_optimizer():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.05, weight_decay=1e-2))
+
+
+def full_batch_steps(loss, params, model_state, optimizer, batches):
+    """The hand-written single-device loop: jax.value_and_grad of each whole batch, optax.
+
+    Returns the parameters before the first and after every step.
+    """
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads = jax.grad(lambda p: loss(p, batch, model_state, None)[0].value)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state, history = optimizer.init(params), [params]
+    for batch in batches:
+        params, opt_state = step(params, opt_state, batch)
+        history.append(params)
+    return history
+
+
+def full_batch_metrics(loss, model_state):
+    @jax.jit
+    def metrics(params, batch):
+        def value(p):
+            mean, _ = loss(p, batch, model_state, None)
+            return mean.value, mean.count
+
+        (value, count), grads = jax.value_and_grad(value, has_aux=True)(params)
+        return {"loss": value, "count": count, "grad_norm": optax.tree.norm(grads)}
+
+    return metrics
+
+
+def merge(*batches):
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *batches)
+
+
+def copy(tree):  # the train step donates its state
+    return jax.tree.map(jnp.array, tree)
+
+
+@pytest.mark.parametrize("setup", ["nnx", "linen-eval"])
+@pytest.mark.parametrize("multisteps", [False, True], ids=["optax", "multisteps"])
+def test_train_step_on_a_mesh_matches_full_batch_training(setup, multisteps):
+    """make_train_step(mesh=...) with skewed token lengths equals a one-device full-batch loop.
+
+    With jaxga.MultiSteps(every_k=2, weighted=True), calls 2j and 2j + 1 together make
+    one full-batch step on their merged batches. The batch comes as host numpy arrays, as
+    a batch already sharded with shard_batch, and as a one-device jax array.
+    """
+    params, model_state, loss = nnx_setup() if setup == "nnx" else linen_setup(train=False)
+    calls = 4 if multisteps else 3
+    batches = [make_batch(seed) for seed in range(calls)]
+    if multisteps:
+        optimizer = jaxga.MultiSteps(inner_optimizer(), every_k=2, weighted=True)
+        merged = [merge(batches[i], batches[i + 1]) for i in range(0, calls, 2)]
+        groups = full_batch_steps(loss, params, model_state, inner_optimizer(), merged)
+        history = [params] + [groups[(call + 1) // 2] for call in range(calls)]
+    else:
+        optimizer = inner_optimizer()
+        history = full_batch_steps(loss, params, model_state, optimizer, batches)
+    metrics_of = full_batch_metrics(loss, model_state)
+
+    step = jaxga.make_train_step(loss, optimizer, K, mesh=MESH)
+    state = jaxga.TrainState.create(copy(params), optimizer, model_state=copy(model_state))
+    found = assert_reduces_once_after_the_loop(step.lower(state, batches[0]).compile().as_text())
+    assert [c.opcode for c in found] == ["all-reduce"], [c.line[:160] for c in found]
+
+    place = [lambda b: b, lambda b: shard_batch(b, MESH), lambda b: jax.tree.map(jnp.array, b)]
+    for call, batch in enumerate(batches):
+        state, metrics = step(state, place[call % 3](batch))
+        assert_close(state.params, history[call + 1], rtol=1e-5)
+        expected = metrics_of(history[call], batch)  # each call's own batch and loss
+        assert_close({k: metrics[k] for k in expected}, expected, rtol=1e-5)
+        assert bool(metrics["applied"]) == (not multisteps or call % 2 == 1)
+    assert_close(state.model_state, model_state, rtol=0, atol=0)  # eval mode: unchanged
+    assert int(state.step) == calls
+    for leaf in jax.tree.leaves(state):
+        assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == DEVICES
+
+
+def test_train_step_on_a_mesh_averages_batch_norm_statistics_over_devices():
+    """BatchNorm in train mode: each device threads its statistics through its own K
+    micro-batches; the step returns their mean over devices. Integer state (a counter)
+    takes the maximum, and a PRNG key passes through."""
+    params, model_state, bn_loss = linen_setup(train=True)
+    model_state = {**model_state, "calls": jnp.zeros((), jnp.int32), "key": jax.random.key(3)}
+
+    def loss(params, batch, model_state, rng):
+        mean, new_state = bn_loss(params, batch, model_state, rng)
+        return mean, {**new_state, "calls": model_state["calls"] + 1}
+
+    optimizer = optax.adam(0.05)
+    batches = [make_batch(seed) for seed in range(2)]
+
+    @jax.jit
+    def reference_step(params, opt_state, model_state, batch):
+        """Each device's shard on its own (vmapped), a Python loop over its micro-batches."""
+
+        def value(params):
+            total, count = 0.0, 0.0
+            stats = jax.tree.map(lambda x: jnp.stack([x] * DEVICES), model_state["batch_stats"])
+            for i in range(K):
+                mean, stats = jax.vmap(device_loss, (None, 0, 0))(
+                    params, microbatches(batch, i), stats
+                )
+                total, count = total + mean.total.sum(), count + mean.count.sum()
+            return total / count, jax.tree.map(lambda x: x.mean(0), stats)
+
+        (_, stats), grads = jax.value_and_grad(value, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (
+            optax.apply_updates(params, updates),
+            opt_state,
+            {**model_state, "batch_stats": stats},
+        )
+
+    def device_loss(params, batch, stats):
+        mean, new_state = bn_loss(params, batch, {"batch_stats": stats}, None)
+        return mean, new_state["batch_stats"]
+
+    step = jaxga.make_train_step(loss, optimizer, K, mesh=MESH)
+    state = jaxga.TrainState.create(copy(params), optimizer, model_state=copy(model_state))
+    ref_params, ref_opt_state, ref_state = params, optimizer.init(params), model_state
+    for batch in batches:
+        state, _ = step(state, batch)
+        ref_params, ref_opt_state, ref_state = reference_step(
+            ref_params, ref_opt_state, ref_state, batch
+        )
+        assert_close(state.params, ref_params, rtol=1e-5)
+        assert_close(state.model_state["batch_stats"], ref_state["batch_stats"], rtol=1e-5)
+    assert int(state.model_state["calls"]) == len(batches) * K  # max over devices
+    np.testing.assert_array_equal(
+        jax.random.key_data(state.model_state["key"]), jax.random.key_data(jax.random.key(3))
+    )
+
+
+# ----------------------------------------------------------------------------- MultiSteps
+
+
+def poisoned(grads, poison):
+    """One gradient entry set to NaN when ``poison``."""
+    first = jnp.arange(grads["bias"].size) == 0
+    return {**grads, "bias": jnp.where(poison & first, jnp.nan, grads["bias"])}
+
+
+def test_multisteps_under_shard_map_matches_optax_multisteps():
+    """Gradients reduced by jaxga.value_and_grad(axis_name=...), then jaxga.MultiSteps in the
+    same shard_map, with and without axis_name, equal optax.MultiSteps on full-batch
+    gradients; a non-finite call is skipped and counted once, not once per device."""
+    calls, poison = 5, 2
+    batches = [make_batch(seed) for seed in range(calls)]
+    tx = jaxga.MultiSteps(optax.adam(0.05), every_k=2)
+    tx_axis = jaxga.MultiSteps(optax.adam(0.05), every_k=2, axis_name="data")
+    vg = jaxga.value_and_grad(mean_loss, K, axis_name="data")
+
+    def train(params, states, batch, poison):
+        _, grads = vg(params[0], batch)
+        grads = poisoned(grads, poison)
+        new_params, new_states = [], []
+        for opt, p, s in zip((tx, tx_axis), params, states):
+            updates, s = opt.update(grads, s, p)
+            new_params.append(optax.apply_updates(p, updates))
+            new_states.append(s)
+        return new_params, new_states
+
+    step = data_parallel(train, (P(), P(), P("data"), P()), P())
+    params = [REPLICATED, REPLICATED]
+    states = [replicate(opt.init(PARAMS), MESH) for opt in (tx, tx_axis)]
+
+    reference = optax.MultiSteps(optax.adam(0.05), 2, should_skip_update_fn=optax.skip_not_finite)
+
+    @jax.jit
+    def reference_step(params, state, batch, poison):  # full-batch gradients, one device
+        grads = poisoned(jax.grad(lambda p: mean_loss(p, batch).value)(params), poison)
+        updates, state = reference.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    ref_params, ref_state = PARAMS, reference.init(PARAMS)
+    for call, batch in enumerate(batches):
+        params, states = step(params, states, shard_batch(batch, MESH), call == poison)
+        ref_params, ref_state = reference_step(ref_params, ref_state, batch, call == poison)
+        for p, s in zip(params, states):
+            assert_close(p, ref_params)
+            assert int(s.mini_step) == int(ref_state.mini_step)
+            assert int(s.skip_state["num_not_finite"]) == (call == poison)
+    for s in states:
+        assert int(s.num_skipped) == 1 and int(s.gradient_step) == (calls - 1) // 2
+
+
+def test_multisteps_axis_name_with_sharded_gradients():
+    """Gradients sharded over "data" (FSDP-style), NaN on one device only: with axis_name
+    every device skips the call, as optax.MultiSteps does on the whole gradient; without
+    it shard_map rejects the replicated step counters."""
+    size, calls, poison = 8 * DEVICES, 5, 2
+    rng = np.random.default_rng(1)
+    params0 = rng.normal(size=size).astype(np.float32)
+    grads = rng.normal(size=(calls, size)).astype(np.float32)
+    grads[poison, 3 * size // DEVICES + 1] = np.nan  # in device 3's shard only
+
+    def run(tx):
+        state0 = tx.init(params0)
+        specs = jax.tree.map(lambda x: P("data") if np.shape(x) == (size,) else P(), state0)
+
+        def update(params, state, grads):
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        step = data_parallel(update, (P("data"), specs, P("data")), (P("data"), specs))
+        place = jax.tree.map(lambda s: NamedSharding(MESH, s), specs)
+        params, state, history = shard_batch(params0, MESH), jax.device_put(state0, place), []
+        for g in grads:
+            params, state = step(params, state, shard_batch(g, MESH))
+            history.append((params, state))
+        return history
+
+    reference = optax.MultiSteps(optax.adam(0.05), 2, should_skip_update_fn=optax.skip_not_finite)
+
+    @jax.jit
+    def reference_step(params, state, grads):  # the whole gradient on one device
+        updates, state = reference.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    ref_params, ref_state = params0, reference.init(params0)
+    history = run(jaxga.MultiSteps(optax.adam(0.05), every_k=2, axis_name="data"))
+    for call, (params, state) in enumerate(history):
+        ref_params, ref_state = reference_step(ref_params, ref_state, grads[call])
+        assert_close(params, ref_params)
+        assert int(state.mini_step) == int(ref_state.mini_step)
+        assert bool(state.skip_state["should_skip"]) == (call == poison)
+        assert int(state.skip_state["num_not_finite"]) == (call == poison)  # summed
+    with pytest.raises(ValueError, match="out_specs"):
+        run(jaxga.MultiSteps(optax.adam(0.05), every_k=2))

@@ -12,8 +12,12 @@ its own rows of a global batch, trains a tiny token model for a few Adam steps w
 ``jaxga.value_and_grad(axis_name="data")`` under ``shard_map`` over the global mesh,
 and checks every step against a single-process reference computed in the same
 script without jaxga: ``jax.value_and_grad`` of the global batch on one device (with
-micro-batch ``i`` of device ``d`` given ``fold_in(key, d * K + i)``). It exits 1 on
-a mismatch and writes its losses and final parameters to the JSON file.
+micro-batch ``i`` of device ``d`` given ``fold_in(key, d * K + i)``). It then trains
+the same steps with ``jaxga.make_train_step(..., mesh=mesh)``, giving it host rows and
+an unplaced ``TrainState``, and checks the losses, the token counts, the parameters and
+the model state (averaged over the devices of both processes) against the same
+reference. It exits 1 on a mismatch and writes both runs' losses and final parameters
+to the JSON file.
 """
 
 import functools
@@ -148,23 +152,70 @@ def main(argv: list[str]) -> int:
 
     with jax.default_device(jax.local_devices()[0]):
         ref_params, ref_opt_state = params0, optimizer.init(params0)
-        ref_losses = []
+        ref_losses, ref_history = [], [params0]
         for s in range(STEPS):
             ref_params, ref_opt_state, value = reference_step(
                 ref_params, ref_opt_state, jax.random.fold_in(base_key, s)
             )
             ref_losses.append(float(value))
+            ref_history.append(ref_params)
 
     log(f"process {process_id}: reference losses {ref_losses}")
+
+    # --- the same run with jaxga.make_train_step(mesh=...): host rows in, state created
+    # (not placed) by every process. Its model state, a running mean of the hidden
+    # activations threaded through each device's micro-batches, comes back averaged
+    # over the devices of both processes.
+    def train_step_loss(params, batch, model_state, key):
+        hidden = jnp.tanh(params["embed"][batch["inputs"]])
+        ema = 0.5 * model_state["ema"] + 0.5 * jnp.mean(hidden, axis=(0, 1))
+        return loss(params, batch, key), {"ema": jax.lax.stop_gradient(ema)}
+
+    train_step = jaxga.make_train_step(train_step_loss, optimizer, K, mesh=mesh)
+    ema0 = np.zeros(DIM, np.float32)
+    state = jaxga.TrainState.create(params0, optimizer, model_state={"ema": ema0}, rng=base_key)
+    step_losses, counts = [], []
+    for _ in range(STEPS):
+        state, metrics = train_step(state, jax.tree.map(lambda x: x[rows], full))
+        step_losses.append(float(metrics["loss"]))
+        counts.append(float(metrics["count"]))
+    log(f"process {process_id}: make_train_step losses {step_losses}")
+
+    def reference_ema(params, ema):  # each device's micro-batches in turn, then the mean
+        per_device = jax.tree.map(lambda x: x.reshape(devices, local_rows, *x.shape[1:]), full)
+        emas = np.stack([ema] * devices)
+        for i in range(K):
+            hidden = np.tanh(np.asarray(params["embed"])[per_device["inputs"][:, i::K]])
+            emas = 0.5 * emas + 0.5 * hidden.mean(axis=(1, 2))
+        return emas.mean(0)
+
+    ref_ema = ema0
+    for before in ref_history[:-1]:  # each step's state comes from the parameters before it
+        ref_ema = reference_ema(before, ref_ema)
+    np.testing.assert_allclose(counts, [full["mask"].sum()] * STEPS)
+
     final = {k: np.asarray(v).tolist() for k, v in params.items()}
+    step_final = {k: np.asarray(v).tolist() for k, v in state.params.items()}
     with open(out_path, "w") as f:
-        json.dump({"process_id": process_id, "losses": losses, "params": final}, f)
-    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
-    for name in params0:
-        np.testing.assert_allclose(
-            np.asarray(params[name]), np.asarray(ref_params[name]), rtol=1e-4, atol=1e-5
+        json.dump(
+            {
+                "process_id": process_id,
+                "losses": losses,
+                "params": final,
+                "train_step_losses": step_losses,
+                "train_step_params": step_final,
+            },
+            f,
         )
-    log(f"process {process_id}: matches the single-process reference")
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(step_losses, ref_losses, rtol=RTOL, atol=ATOL)
+    for name in params0:
+        for trained in (params, state.params):
+            np.testing.assert_allclose(
+                np.asarray(trained[name]), np.asarray(ref_params[name]), rtol=1e-4, atol=1e-5
+            )
+    np.testing.assert_allclose(np.asarray(state.model_state["ema"]), ref_ema, rtol=1e-5, atol=1e-6)
+    log(f"process {process_id}: both runs match the single-process reference")
     jax.distributed.shutdown()
     log(f"process {process_id}: shut down")
     return 0

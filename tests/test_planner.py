@@ -1,0 +1,303 @@
+"""jaxga.plan: the chosen step fits, tighter budgets pick more saving, clear errors."""
+
+import functools
+import itertools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxga
+from jaxga.planner import (
+    DEFAULT_REMAT,
+    REMAT_ORDER,
+    InfeasibleBudgetError,
+    format_bytes,
+    remat_options,
+)
+
+BATCH, FEATURES, DIM, HIDDEN, LAYERS = 8, 4, 8, 64, 4
+TX = optax.sgd(0.1)
+
+
+def layer(p, h):
+    return h + jnp.tanh(h @ p["w1"]) @ p["w2"]
+
+
+@functools.cache
+def build(k, remat):
+    """A train step of a residual MLP whose blocks run in jaxga.remat_scan."""
+
+    def loss(params, batch, model_state, rng):
+        h = batch["x"] @ params["inp"]
+        h = jaxga.remat_scan(layer, params["blocks"], h, **remat_options(remat))
+        return jaxga.Mean.of(jnp.square(h @ params["out"] - batch["y"])), model_state
+
+    return jaxga.make_train_step(loss, TX, k)
+
+
+PARAMS = {
+    "inp": jax.ShapeDtypeStruct((FEATURES, DIM), jnp.float32),
+    "blocks": {
+        "w1": jax.ShapeDtypeStruct((LAYERS, DIM, HIDDEN), jnp.float32),
+        "w2": jax.ShapeDtypeStruct((LAYERS, HIDDEN, DIM), jnp.float32),
+    },
+    "out": jax.ShapeDtypeStruct((DIM, 1), jnp.float32),
+}
+STATE = jax.eval_shape(lambda p: jaxga.TrainState.create(p, TX), PARAMS)
+BATCH_SHAPES = {  # sequences of 16 tokens, so that activations outweigh parameters
+    "x": jax.ShapeDtypeStruct((BATCH, 16, FEATURES), jnp.float32),
+    "y": jax.ShapeDtypeStruct((BATCH, 16, 1), jnp.float32),
+}
+REMATS = ("none", "dots", "full")  # the search order
+ARGS = (STATE, BATCH_SHAPES)
+
+
+def compiled_peak(k, remat):
+    """The peak of build(k, remat) from XLA directly, not through jaxga.memory_report."""
+    stats = build(k, remat).lower(*ARGS).compile().memory_analysis()
+    return (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        + stats.temp_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
+
+
+def rank(p):
+    """Position of a plan's choice in the search order: fewest micro-batches, least remat."""
+    return (p.num_microbatches, REMATS.index(p.remat))
+
+
+@pytest.fixture(scope="module")
+def table():
+    """Every candidate, compiled (a generous budget, so that all fit)."""
+    return jaxga.plan(build, *ARGS, budget="1GiB", remat=REMATS, exhaustive=True).candidates
+
+
+def test_exhaustive_table_holds_every_candidate_in_order(table):
+    divisors = [d for d in range(1, BATCH + 1) if BATCH % d == 0]
+    assert [(c.num_microbatches, c.remat) for c in table] == [
+        (k, r) for k in divisors for r in REMATS
+    ]
+    assert all(c.microbatch_size * c.num_microbatches == BATCH for c in table)
+
+
+def test_chosen_peak_is_within_budget_and_first_that_fits(table):
+    # A budget between the smallest and the largest peak, so that the choice is not trivial.
+    peaks = sorted({c.report.peak_bytes for c in table})
+    budget = peaks[len(peaks) // 2]
+    p = jaxga.plan(build, *ARGS, budget=budget, remat=REMATS)
+    assert compiled_peak(p.num_microbatches, p.remat) <= budget
+    assert p.report.peak_bytes == compiled_peak(p.num_microbatches, p.remat)
+    # Every candidate before the choice, in search order, is over the budget.
+    *before, chosen = p.candidates
+    assert (chosen.num_microbatches, chosen.remat) == (p.num_microbatches, p.remat)
+    assert before and all(compiled_peak(c.num_microbatches, c.remat) > budget for c in before)
+    assert p.num_skipped == len(table) - len(p.candidates)
+    assert "<- chosen" in str(p) and format_bytes(budget) in str(p)
+
+
+def test_tighter_budget_never_picks_fewer_microbatches_or_less_remat(table):
+    peaks = sorted({c.report.peak_bytes for c in table}, reverse=True)
+    # Every peak, and one byte under it: each step down excludes at least one candidate.
+    budgets = [peaks[0] + 1, *[b for p in peaks for b in (p, p - 1)][:-1]]
+    plans = [jaxga.plan(build, *ARGS, budget=b, remat=REMATS) for b in budgets]
+    for looser, tighter in itertools.pairwise(plans):
+        assert rank(tighter) >= rank(looser)
+        assert tighter.num_microbatches >= looser.num_microbatches
+    for b, p in zip(budgets, plans):
+        assert p.report.peak_bytes <= b
+    assert rank(plans[0]) == (1, 0)  # everything fits: the full batch without remat
+    assert len({rank(p) for p in plans}) > 2
+
+
+def test_impossible_budget_states_the_smallest_peak():
+    counts, remats = (2, 4), ("none", "full")
+    smallest = min(compiled_peak(k, r) for k in counts for r in remats)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        jaxga.plan(build, *ARGS, budget=smallest - 1, microbatches=counts, remat=remats)
+    message = str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert f"({smallest - 1} bytes)" in message and f"({smallest} bytes)" in message
+    assert len(info.value.candidates) == 4
+    best = min(info.value.candidates, key=lambda c: c.report.peak_bytes)
+    assert f"{best.num_microbatches} micro-batch(es)" in message and repr(best.remat) in message
+
+
+def test_arrays_or_shapes_give_the_same_plan_and_nothing_runs():
+    calls = []
+
+    @functools.cache
+    def counting_build(k, remat):
+        step = build(k, remat)
+
+        def counted(state, batch):
+            jax.debug.callback(lambda: calls.append(1))
+            return step(state, batch)
+
+        return jax.jit(counted)
+
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), PARAMS)
+    state = jaxga.TrainState.create(params, TX)
+    batch = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), BATCH_SHAPES)
+    options = {"budget": compiled_peak(4, "full"), "microbatches": (2, 4), "remat": ("full",)}
+    from_arrays = jaxga.plan(counting_build, state, batch, **options)
+    from_shapes = jaxga.plan(counting_build, *ARGS, **options)
+    assert rank_of(from_arrays) == rank_of(from_shapes)
+    assert calls == []
+    assert all(not x.is_deleted() for x in jax.tree.leaves(state))
+
+
+def rank_of(p):
+    return (p.num_microbatches, p.remat, p.report.peak_bytes)
+
+
+def test_time_top_times_fitting_candidates_and_picks_the_fastest():
+    budget = compiled_peak(4, "none")
+    p = jaxga.plan(build, *ARGS, budget=budget, microbatches=(4, 8), time_top=3, repeats=1)
+    timed = [c for c in p.candidates if c.seconds is not None]
+    assert len(timed) == 3 and all(c.fits for c in timed)
+    assert min(timed, key=lambda c: c.seconds).remat == p.remat
+    assert p.report.peak_bytes <= budget and "ms/step" in str(p)
+
+
+def test_default_budget_is_the_device_limit_less_the_margin():
+    class Device:
+        platform = "fake"
+
+        def memory_stats(self):
+            return {"bytes_limit": 10 * 2**20}
+
+    p = jaxga.plan(build, *ARGS, device=Device(), margin=0.25, microbatches=(BATCH,))
+    assert p.budget == int(10 * 2**20 * 0.75)
+
+
+def test_default_budget_on_cpu_asks_for_a_budget():
+    class Device:
+        platform = "cpu"
+
+        def memory_stats(self):
+            return None
+
+    with pytest.raises(ValueError, match=r"`budget` is None.*reports no memory limit.*budget="):
+        jaxga.plan(build, *ARGS, device=Device())
+
+
+def test_remat_order():
+    assert REMAT_ORDER == ("none", "dots", "dots_no_batch", "full", "sqrt")
+    assert [REMAT_ORDER.index(r) for r in DEFAULT_REMAT] == sorted(
+        REMAT_ORDER.index(r) for r in DEFAULT_REMAT
+    )
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("512MiB", 512 * 2**20),
+        ("1.5GiB", 3 * 2**29),
+        ("2GB", 2 * 10**9),
+        ("100MB", 10**8),
+        ("100 mb", 10**8),
+        ("4096", 4096),
+        ("1e9B", 10**9),
+        (7, 7),
+    ],
+)
+def test_parse_bytes(text, expected):
+    assert jaxga.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize(
+    "value, error, message",
+    [
+        ("512 parsecs", ValueError, r"`budget`='512 parsecs' is not a size.*MiB"),
+        ("MiB", ValueError, r"`budget`='MiB' is not a size"),
+        (-1, ValueError, r"`budget` must be a non-negative number of bytes; got -1"),
+        (1.5, TypeError, r"`budget` must be an int number of bytes or a string.*float"),
+        (True, TypeError, r"`budget` must be an int.*got True of type bool"),
+    ],
+)
+def test_parse_bytes_errors_name_the_argument(value, error, message):
+    with pytest.raises(error, match=message):
+        jaxga.parse_bytes(value)
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"batch_argnum": 2}, ValueError, r"`batch_argnum`=2 does not name one of the 2"),
+        ({"batch_argnum": 0}, ValueError, r"args\[0\].*scalar.*`batch_argnum`=0"),
+        ({"microbatches": (3,)}, ValueError, r"`microbatches`=\(3,\) holds \[3\].*size 8"),
+        ({"microbatches": (0, 2)}, ValueError, r"`microbatches` must be a non-empty sequence"),
+        ({"margin": 1.0}, ValueError, r"`margin` must be a fraction.*got 1.0"),
+        ({"time_top": -1}, ValueError, r"`time_top` must be a non-negative int; got -1"),
+        ({"remat": ()}, ValueError, r"`remat` must hold at least one value"),
+        ({"budget": "lots"}, ValueError, r"`budget`='lots' is not a size"),
+    ],
+)
+def test_plan_errors_name_the_argument(options, error, message):
+    with pytest.raises(error, match=message):
+        jaxga.plan(build, *ARGS, **{"budget": "1GiB", **options})
+
+
+def test_build_must_return_a_step():
+    with pytest.raises(TypeError, match=r"build\(1, 'none'\) returned int"):
+        jaxga.plan(lambda k, r: 3, *ARGS, budget="1GiB")
+    with pytest.raises(TypeError, match=r"`build` must be callable; got str"):
+        jaxga.plan("step", *ARGS, budget="1GiB")
+
+
+# ------------------------------------------------------------------ examples/train_lm.py
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+import train_lm  # noqa: E402
+
+TINY_LM = ["--batch-size", "4", "--seq-len", "16", "--dim", "16", "--heads", "2"]
+TINY_LM += ["--layers", "2", "--sample", "0", "--quiet", "--steps", "1"]
+
+
+def test_train_lm_plans_its_microbatches(tmp_path, capsys):
+    run = [*TINY_LM, "--microbatches", "auto", "--save-every", "5"]
+    run += ["--checkpoint-dir", str(tmp_path / "c"), "--memory-budget"]
+    roomy = train_lm.train(train_lm.parse_args([*run, "1GiB"]))
+    out = capsys.readouterr().out
+    assert "jaxga.plan: 1 micro-batch(es) of 4, remat 'none'" in out
+    assert "batch 4 = 1 micro-batches × 4, remat none" in out
+    # One byte less than the full batch's peak without remat: the plan must save memory.
+    budget = roomy["report"].peak_bytes - 1
+    tight = train_lm.train(train_lm.parse_args([*run, str(budget)]))
+    out = capsys.readouterr().out
+    assert "<- chosen" in out and "batch 4 = 1 micro-batches × 4, remat none" not in out
+    assert tight["report"].peak_bytes <= budget  # the step train_lm built, compiled anew
+
+
+def test_train_lm_reports_an_impossible_budget_in_one_line(tmp_path, capsys, monkeypatch):
+    def no_fit(*args, **kwargs):
+        raise InfeasibleBudgetError("No configuration fits the memory budget of 1 KiB.", ())
+
+    monkeypatch.setattr(jaxga, "plan", no_fit)
+    run = [*TINY_LM, "--microbatches", "auto", "--checkpoint-dir", str(tmp_path / "c")]
+    assert train_lm.main([*run, "--memory-budget", "1KiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    expected = "--memory-budget 1KiB: no configuration fits the memory budget of 1 KiB."
+    assert err == f"train_lm.py: error: {expected}"
+
+
+@pytest.mark.parametrize(
+    "budget, message",
+    [
+        (None, "--microbatches auto on cpu needs --memory-budget"),
+        ("lots", "--memory-budget 'lots' is not a size"),
+    ],
+)
+def test_train_lm_auto_bad_budget(tmp_path, capsys, budget, message):
+    run = [*TINY_LM, "--microbatches", "auto", "--checkpoint-dir", str(tmp_path / "c")]
+    run += [] if budget is None else ["--memory-budget", budget]
+    assert train_lm.main(run) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("train_lm.py: error:") and message in err and "\n" not in err
