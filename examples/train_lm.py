@@ -5,7 +5,7 @@ script, split into top-level definitions: documents of very different lengths, p
 and masked, which is exactly where a mean of micro-batch means goes wrong and
 ``jaxga.Mean`` does not. Bytes are the tokens, so there is nothing to download.
 
-    python examples/train_lm.py --steps 200 --batch-size 32 --microbatches 4 --remat sqrt
+    python examples/train_lm.py --steps 200 --batch-size 32 --microbatches 4 --remat full
     python examples/train_lm.py --data my_corpus.txt --resume
 """
 
@@ -156,7 +156,7 @@ class Config:
     heads: int = 4
     layers: int = 4
     dropout: float = 0.1
-    remat: str = "sqrt"
+    remat: str = "full"
 
 
 def loss(model: Transformer, batch: dict, rng: jax.Array) -> jaxga.Mean:
@@ -272,7 +272,7 @@ def train(args: argparse.Namespace) -> dict:
     example = batch_at(0, tokens, lengths, args.batch_size, args.seed)
 
     if args.microbatches == "auto":
-        args.microbatches = plan_microbatches(args, graphdef, tx, state, example)
+        args.microbatches, args.remat, graphdef = plan_microbatches(args, cfg, tx, state, example)
     step_fn = jaxga.make_train_step(jaxga.nnx_loss(graphdef, loss), tx, args.microbatches)
     report = jaxga.memory_report(step_fn, state, example)
 
@@ -329,8 +329,59 @@ def train(args: argparse.Namespace) -> dict:
     return {"losses": losses, "params": state.params, "metrics": metrics, "report": report}
 
 
-def plan_microbatches(args, graphdef, tx, state, example) -> int:
-    raise UsageError("--microbatches auto needs jaxga.plan (not available yet)")
+def plan_microbatches(
+    args: argparse.Namespace,
+    cfg: Config,
+    tx: optax.GradientTransformation,
+    state: jaxga.TrainState,
+    example: dict,
+) -> tuple[int, str, nnx.GraphDef]:
+    """Chooses micro-batches and remat with ``jaxga.plan``; prints the plan.
+
+    Every candidate train step is compiled ahead of time for the shapes of ``state`` and
+    ``example``, nothing allocated: the first, in order of fewest micro-batches then least
+    recomputation, whose compiled peak fits ``--memory-budget`` (default: the device's
+    memory less 10%; a CPU reports none, so there it must be given). The remat policy is
+    a static part of the model (``Config.remat``), so a candidate's model is built anew,
+    abstractly, with ``nnx.eval_shape``. Returns the micro-batches, remat and graphdef.
+    """
+    budget = args.memory_budget
+    if budget is None:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            raise UsageError(
+                f"--microbatches auto on {jax.default_backend()} needs --memory-budget "
+                f"(e.g. 512MiB): the device reports no memory limit"
+            )
+    else:
+        try:
+            budget = jaxga.parse_bytes(budget, name="memory_budget")
+        except ValueError:
+            raise UsageError(
+                f"--memory-budget {budget!r} is not a size; expected e.g. 512MiB, 1.5GiB or 2GB"
+            ) from None
+
+    def graphdef_for(remat: str) -> nnx.GraphDef:
+        candidate = dataclasses.replace(cfg, remat=remat)
+        model = nnx.eval_shape(lambda: Transformer(candidate, nnx.Rngs(0)))
+        return nnx.split(model, nnx.Param, ...)[0]
+
+    def build(num_microbatches: int, remat: str):
+        return jaxga.make_train_step(
+            jaxga.nnx_loss(graphdef_for(remat), loss), tx, num_microbatches
+        )
+
+    try:
+        plan = jaxga.plan(
+            build, state, example, budget=budget, remat=("none", "dots", "full", "sqrt")
+        )
+    except jaxga.planner.InfeasibleBudgetError as e:
+        message = str(e)
+        raise UsageError(
+            f"--memory-budget {args.memory_budget}: {message[0].lower()}{message[1:]}"
+        ) from None
+    print(plan)
+    return plan.num_microbatches, plan.remat, graphdef_for(plan.remat)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -156,6 +156,17 @@ class Plan:
             ``time_top`` that fit).
         num_skipped: candidates never compiled because the search stopped early.
         step: what ``build`` returned for the chosen configuration.
+
+    ``print(plan)`` shows the choice and the table of candidates.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> build = lambda k, remat: jax.jit(jaxga.grad(lambda w, x: jnp.mean(x @ w), k))
+        >>> p = jaxga.plan(build, jnp.ones(3), jnp.ones((8, 3)), budget="1MiB", remat=(None,))
+        >>> p.num_microbatches, p.microbatch_size, len(p.candidates), p.num_skipped
+        (1, 8, 1, 3)
+        >>> str(p).splitlines()[1].split()
+        ['micro-batches', 'size', 'remat', 'peak', 'temporaries', 'matmul', 'FLOPs', 'fits']
     """
 
     num_microbatches: int
@@ -234,12 +245,19 @@ def format_table(candidates: Sequence[Candidate], chosen: tuple[int, Any] | None
 
 
 def _abstract(tree: Any) -> Any:
-    def leaf(x: Any) -> Any:
+    """Shapes, dtypes and (multi-device) shardings of a tree of arrays, without copying."""
+
+    def leaf(x: Any) -> jax.ShapeDtypeStruct:
         if isinstance(x, jax.ShapeDtypeStruct):
             return x
-        if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        return jax.eval_shape(lambda y: y, x)
+        sharded = isinstance(x, jax.Array) and len(x.sharding.device_set) > 1
+        weak = getattr(x, "weak_type", type(x) in (int, float, complex))  # Python scalars
+        return jax.ShapeDtypeStruct(
+            jnp.shape(x),
+            jnp.result_type(x),
+            sharding=x.sharding if sharded else None,
+            weak_type=bool(weak),
+        )
 
     return jax.tree.map(leaf, tree)
 
@@ -384,7 +402,8 @@ def plan(
     :func:`jaxga.memory_report`: nothing is allocated and nothing runs, so a candidate
     that does not fit cannot run out of memory. The first that fits wins, so a
     tighter budget never picks a candidate earlier in this order: never fewer
-    micro-batches, nor, for as many, less recomputation.
+    micro-batches, nor, for as many, less recomputation (``time_top`` trades this
+    guarantee for measured speed among the first few that fit).
 
     The budget bounds XLA's compiled peak (``MemoryReport.peak_bytes``): the step's
     arguments (parameters, optimiser state, the batch), outputs and temporaries,
