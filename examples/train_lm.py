@@ -187,7 +187,7 @@ def sample(model: Transformer, prompt: str, length: int, key: jax.Array) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=150, help="train until this step")
+    p.add_argument("--steps", type=int, default=400, help="train until this step")
     p.add_argument("--batch-size", type=int, default=32, help="global batch (documents)")
     p.add_argument("--microbatches", default="4", help="micro-batches per step, or 'auto'")
     p.add_argument("--memory-budget", default=None, help="with --microbatches auto, e.g. 512MiB")
