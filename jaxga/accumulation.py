@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxga import sharding
+from jaxga._trees import leading_size
 from jaxga.loss import Mean, as_mean
 
 __all__ = [
@@ -101,34 +102,19 @@ def split_microbatches(batch: Any, num_microbatches: int, *, name: str = "batch"
         [[0, 2, 4], [1, 3, 5]]
     """
     num_microbatches = _check_num_microbatches(num_microbatches)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
-    sizes = {}
-    for path, leaf in leaves:
-        where = f"{name}{jax.tree_util.keystr(path)}"
-        shape = jnp.shape(leaf)
-        if len(shape) == 0:
-            raise ValueError(
-                f"{where} is a scalar ({leaf!r}); every leaf of a batch argument needs a "
-                f"leading batch axis to split into {num_microbatches} micro-batches."
-            )
-        sizes[where] = shape[0]
-    if len(set(sizes.values())) > 1:
-        listed = ", ".join(f"{k}: {v}" for k, v in sizes.items())
-        raise ValueError(f"The leaves of the batch have different leading sizes ({listed}).")
-    if sizes:
-        size = next(iter(sizes.values()))
-        if size % num_microbatches:
-            raise ValueError(
-                f"The batch size {size} (leading axis of {next(iter(sizes))}) is not divisible "
-                f"by num_microbatches={num_microbatches}."
-            )
+    size = leading_size(batch, name, "batch")
+    if size is not None and size % num_microbatches:
+        raise ValueError(
+            f"The batch size {size} (leading axis of {name}) is not divisible by "
+            f"num_microbatches={num_microbatches}."
+        )
 
     def split(x):
         x = jnp.asarray(x)
         x = x.reshape(x.shape[0] // num_microbatches, num_microbatches, *x.shape[1:])
         return jnp.swapaxes(x, 0, 1)
 
-    return jax.tree_util.tree_unflatten(treedef, [split(leaf) for _, leaf in leaves])
+    return jax.tree.map(split, batch)
 
 
 def merge_microbatches(tree: Any) -> Any:

@@ -64,14 +64,14 @@ class MemoryReport:
 
     def __str__(self) -> str:
         rows = [
-            ("arguments", _bytes(self.argument_bytes), ""),
-            ("outputs", _bytes(self.output_bytes), ""),
-            ("temporaries", _bytes(self.temp_bytes), "activations and scratch"),
-            ("aliased", _bytes(self.alias_bytes), "outputs in donated inputs"),
-            ("peak", _bytes(self.peak_bytes), "arguments + outputs + temporaries - aliased"),
+            ("arguments", format_bytes(self.argument_bytes), ""),
+            ("outputs", format_bytes(self.output_bytes), ""),
+            ("temporaries", format_bytes(self.temp_bytes), "activations and scratch"),
+            ("aliased", format_bytes(self.alias_bytes), "outputs in donated inputs"),
+            ("peak", format_bytes(self.peak_bytes), "arguments + outputs + temporaries - aliased"),
         ]
         if self.measured_peak_bytes is not None:
-            rows.append(("measured peak", _bytes(self.measured_peak_bytes), "one real run"))
+            rows.append(("measured peak", format_bytes(self.measured_peak_bytes), "one real run"))
         loops = "every scan iteration and recomputation" + (
             "" if self.dot_flops_exact else "; while-loop bodies once"
         )
@@ -83,7 +83,14 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def _bytes(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """Formats a byte count with a binary unit.
+
+    Example:
+        >>> from jaxga.memory import format_bytes
+        >>> format_bytes(3 * 2**20 // 2)
+        '1.50 MiB'
+    """
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"

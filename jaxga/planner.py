@@ -12,7 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxga.memory import MemoryReport, memory_report
+from jaxga._trees import leading_size
+from jaxga.memory import MemoryReport, format_bytes, memory_report
 
 __all__ = [
     "DEFAULT_REMAT",
@@ -81,20 +82,6 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
         )
     number = float(match.group(1)) * 10 ** int(match.group(2) or 0)
     return int(number * _UNITS[unit])
-
-
-def format_bytes(n: int) -> str:
-    """Formats a byte count with a binary unit.
-
-    Example:
-        >>> from jaxga.planner import format_bytes
-        >>> format_bytes(3 * 2**20 // 2)
-        '1.50 MiB'
-    """
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def remat_options(name: str) -> dict[str, Any]:
@@ -270,26 +257,16 @@ def _batch_size(args: tuple[Any, ...], batch_argnum: int) -> int:
             f"`batch_argnum`={batch_argnum} does not name one of the {len(args)} positional "
             f"argument(s) given to plan."
         )
-    leaves = jax.tree_util.tree_flatten_with_path(args[batch_argnum])[0]
-    sizes = {}
-    for path, x in leaves:
-        shape = jnp.shape(x)
-        where = f"args[{batch_argnum}]{jax.tree_util.keystr(path)}"
-        if not shape:
-            raise ValueError(
-                f"{where} is a scalar; every leaf of the batch (`batch_argnum`={batch_argnum}) "
-                f"needs a leading batch axis."
-            )
-        sizes[where] = shape[0]
-    if not sizes:
+    try:
+        size = leading_size(args[batch_argnum], f"args[{batch_argnum}]", "batch")
+    except ValueError as e:
+        raise ValueError(f"{e} (`batch_argnum`={batch_argnum} names the batch.)") from None
+    if size is None:
         raise ValueError(
             f"args[{batch_argnum}] (`batch_argnum`={batch_argnum}) holds no arrays; it must be "
             f"the batch, a pytree of arrays with a leading batch axis."
         )
-    if len(set(sizes.values())) > 1:
-        listed = ", ".join(f"{k}: {v}" for k, v in sizes.items())
-        raise ValueError(f"The leaves of the batch have different leading sizes ({listed}).")
-    return next(iter(sizes.values()))
+    return size
 
 
 def _microbatch_counts(microbatches: Sequence[int] | None, batch_size: int) -> list[int]:

@@ -9,6 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxga._trees import leading_size
+
 __all__ = ["POLICIES", "checkpoint_policy", "remat_scan", "resolve_segments", "stack_length"]
 
 Policy = str | Sequence[str] | Callable[..., Any]
@@ -75,29 +77,13 @@ def stack_length(stacked_params: Any) -> int:
         >>> stack_length({"w": jnp.zeros((6, 3, 3)), "b": jnp.zeros((6, 3))})
         6
     """
-    leaves = jax.tree_util.tree_flatten_with_path(stacked_params)[0]
-    if not leaves:
+    size = leading_size(stacked_params, "stacked_params", "layer")
+    if size is None:
         raise ValueError(
             "`stacked_params` has no array leaves; it must be a pytree of arrays that "
             "share a leading layer axis of size L."
         )
-    sizes = {}
-    for path, leaf in leaves:
-        where = f"stacked_params{jax.tree_util.keystr(path)}"
-        shape = jnp.shape(leaf)
-        if len(shape) == 0:
-            raise ValueError(
-                f"{where} is a scalar; every leaf of `stacked_params` needs a leading "
-                f"layer axis of size L."
-            )
-        sizes[where] = shape[0]
-    if len(set(sizes.values())) > 1:
-        listed = ", ".join(f"{k}: {v}" for k, v in sizes.items())
-        raise ValueError(
-            f"The leaves of `stacked_params` have different leading sizes ({listed}); "
-            f"every leaf must stack the same number of layers L along axis 0."
-        )
-    return next(iter(sizes.values()))
+    return size
 
 
 def _divisors(n: int) -> list[int]:

@@ -1,0 +1,39 @@
+"""Small pytree checks shared by the modules of jaxga."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def leading_size(tree: Any, name: str, axis: str) -> int | None:
+    """Returns the size of the leading axis every leaf of ``tree`` shares (``None``: no leaves).
+
+    Raises a ``ValueError`` that names the leaf when a leaf is a scalar, and lists every
+    leaf's size when they differ. ``name`` is how messages call the tree (an argument
+    name) and ``axis`` what its leading axis holds ("batch", "layer").
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxga._trees import leading_size
+        >>> leading_size({"x": jnp.zeros((4, 2)), "y": jnp.zeros(4)}, "batch", "batch")
+        4
+    """
+    sizes = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        where = f"{name}{jax.tree_util.keystr(path)}"
+        shape = jnp.shape(leaf)
+        if not shape:
+            raise ValueError(
+                f"{where} is a scalar ({leaf!r}); every leaf of {name} needs a leading {axis} axis."
+            )
+        sizes[where] = shape[0]
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{k}: {v}" for k, v in sizes.items())
+        raise ValueError(
+            f"The leaves of {name} have different leading sizes ({listed}); every leaf "
+            f"needs the same leading {axis} axis."
+        )
+    return next(iter(sizes.values()), None)
