@@ -240,14 +240,16 @@ class _MultiStepsFns:
             keep, jnp.where(first, 0.0, state.weight_sum) + term, state.weight_sum
         )
         mini_step = state.mini_step + keep.astype(jnp.int32)
-        apply = keep & (mini_step >= k)
+        complete = keep & (mini_step >= k)
+        # A group without weight holds no items: nothing to learn from, so the inner
+        # optimiser (its weight decay, moments and schedule) does not run for it.
+        apply = complete & (weight_sum > 0)
         grad_dtypes = jax.tree.map(jnp.result_type, grads)
 
         def run_inner(acc_grads, weight_sum, inner_state):
-            denominator = jnp.where(weight_sum > 0, weight_sum, 1.0)
             mean = jax.tree.map(
                 lambda a, dtype: (
-                    a.astype(jnp.promote_types(a.dtype, jnp.float32)) / denominator
+                    a.astype(jnp.promote_types(a.dtype, jnp.float32)) / weight_sum
                 ).astype(dtype),
                 acc_grads,
                 grad_dtypes,
@@ -264,7 +266,7 @@ class _MultiStepsFns:
             apply, run_inner, hold, acc_grads, weight_sum, state.inner_opt_state
         )
         new_state = MultiStepsState(
-            mini_step=jnp.where(apply, 0, mini_step),
+            mini_step=jnp.where(complete, 0, mini_step),
             gradient_step=state.gradient_step + apply.astype(jnp.int32),
             acc_grads=acc_grads,
             weight_sum=weight_sum,
@@ -356,7 +358,8 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     ``weight=mean.count``; k calls then give exactly the gradient of the token mean
     over all k batches. Whether a transformation is weighted is fixed when it is built,
     so a weight given on some calls but not others is an error at trace time. A group
-    whose weights sum to 0 gives ``inner`` a zero gradient.
+    whose weights sum to 0 holds no items: it ends without running ``inner``, whose
+    state and step count stay as they were (``has_updated`` is false).
 
     **Skipping.** A call whose gradient ``should_skip_update_fn`` rejects (by default
     :func:`skip_not_finite`: any inf or NaN) leaves the accumulation as if it had not

@@ -339,11 +339,14 @@ def test_a_traced_negative_weight_skips_its_call():
     expected = jax.tree.map(lambda a, b: -0.1 * (2 * a + b) / 3, grads[0], grads[2])
     assert bool(tx.has_updated(done))
     assert_trees_close(updates, expected)
-    # a group without any weight gives the inner optimiser a zero gradient, not 0 / 0
+    # a group without any weight holds no items: it ends without running the inner
+    # optimiser (no 0 / 0, no weight decay or schedule step on nothing)
     _, state = update(grads[0], done, params, 0.0)
     updates, state = update(grads[1], state, params, 0.0)
-    assert bool(tx.has_updated(state))
+    assert not bool(tx.has_updated(state))
+    assert int(state.mini_step) == 0 and int(state.gradient_step) == int(done.gradient_step)
     assert all(not np.any(u) for u in jax.tree.leaves(updates))
+    assert_trees_close(state.inner_opt_state, done.inner_opt_state, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- accumulator dtype
