@@ -227,7 +227,8 @@ def make_train_step(
 
     Returns:
         The jitted step. ``metrics`` holds ``loss`` (the exact global mean), ``count``
-        (items, e.g. tokens), ``grad_norm`` (of the accumulated gradient),
+        (items, e.g. tokens; for a scalar loss, micro-batches over all devices),
+        ``grad_norm`` (of the accumulated gradient),
         ``learning_rate`` (from ``optax.inject_hyperparams``, NaN if unknown) and
         ``applied`` (whether the parameters changed on this call). With ``mesh``, the
         step places its arguments and calls the jitted step; ``step.lower(state,
