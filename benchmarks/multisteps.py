@@ -16,7 +16,7 @@ import argparse
 import json
 import platform
 import statistics
-import time
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _timing import time_interleaved
 
 import jaxga
 
@@ -81,18 +85,6 @@ def peak_bytes(fn: Callable[..., Any], *args: Any) -> int:
 
 def copy_tree(tree: Any) -> Any:
     return jax.tree.map(jnp.copy, tree)
-
-
-def time_interleaved(runners: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
-    """Times each runner once per round, alternating their order; returns seconds."""
-    names = list(runners)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
-            jax.block_until_ready(runners[name]())
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:

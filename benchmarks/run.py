@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import _report
 import _workloads
+from _timing import time_interleaved
 
 import jaxga
 from jaxga.memory import MemoryReport
@@ -223,18 +224,6 @@ def memory_model(w: _workloads.Workload, tx: optax.GradientTransformation, k: in
         "activations": micro_grad(w, k)[1].temp_bytes,
     }
     return {**parts, "total": sum(parts.values())}
-
-
-def time_interleaved(runners: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
-    """Runs each runner once per round, alternating the order; returns seconds per run."""
-    names = list(runners)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
-            jax.block_until_ready(runners[name]())
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def measured_peak(workload: int, method: Method, quick: bool) -> int | None:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxga import sharding
-from jaxga._trees import leading_size
+from jaxga._checks import leading_size, positive_int
 from jaxga.loss import Mean, as_mean
 
 __all__ = [
@@ -58,14 +58,7 @@ def _positions(name: str, value: ArgNums) -> tuple[int, ...]:
 
 
 def _check_num_microbatches(num_microbatches: Any) -> int:
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
-        raise TypeError(
-            f"`num_microbatches` must be a positive int; got {num_microbatches!r} "
-            f"of type {type(num_microbatches).__name__}."
-        )
-    if num_microbatches < 1:
-        raise ValueError(f"`num_microbatches` must be a positive int; got {num_microbatches}.")
-    return num_microbatches
+    return positive_int(num_microbatches, "num_microbatches")
 
 
 def _check_disjoint(**named: tuple[int, ...]) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxga._trees import leading_size
+from jaxga._checks import leading_size
 from jaxga.memory import MemoryReport, format_bytes, memory_report
 
 __all__ = [

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxga._trees import leading_size
+from jaxga._checks import leading_size, positive_int
 
 __all__ = ["POLICIES", "checkpoint_policy", "remat_scan", "resolve_segments", "stack_length"]
 
@@ -107,13 +107,7 @@ def resolve_segments(segments: int | str, num_layers: int) -> int:
             raise ValueError(f"`segments` must be a positive int or 'sqrt'; got {segments!r}.")
         root = math.sqrt(num_layers)
         return min(_divisors(num_layers), key=lambda d: (abs(d - root), d))
-    if isinstance(segments, bool) or not isinstance(segments, int):
-        raise TypeError(
-            f"`segments` must be a positive int or 'sqrt'; got {segments!r} of type "
-            f"{type(segments).__name__}."
-        )
-    if segments < 1:
-        raise ValueError(f"`segments` must be a positive int or 'sqrt'; got {segments}.")
+    segments = positive_int(segments, "segments", "a positive int or 'sqrt'")
     if num_layers % segments:
         below = max(d for d in _divisors(num_layers) if d < segments)
         above = [d for d in _divisors(num_layers) if d > segments]

@@ -1,7 +1,8 @@
-"""Small pytree checks shared by the modules of jaxga."""
+"""Small argument checks shared by the modules of jaxga."""
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
@@ -17,7 +18,7 @@ def leading_size(tree: Any, name: str, axis: str) -> int | None:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from jaxga._trees import leading_size
+        >>> from jaxga._checks import leading_size
         >>> leading_size({"x": jnp.zeros((4, 2)), "y": jnp.zeros(4)}, "batch", "batch")
         4
     """
@@ -37,3 +38,20 @@ def leading_size(tree: Any, name: str, axis: str) -> int | None:
             f"needs the same leading {axis} axis."
         )
     return next(iter(sizes.values()), None)
+
+
+def positive_int(value: Any, name: str, expected: str = "a positive int") -> int:
+    """Returns ``value`` if it is a positive int; raises an error naming ``name`` otherwise.
+
+    Example:
+        >>> from jaxga._checks import positive_int
+        >>> positive_int(4, "num_microbatches")
+        4
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"`{name}` must be {expected}; got {value!r} of type {type(value).__name__}."
+        )
+    if value < 1:
+        raise ValueError(f"`{name}` must be {expected}; got {value}.")
+    return int(value)
