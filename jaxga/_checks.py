@@ -55,3 +55,41 @@ def positive_int(value: Any, name: str, expected: str = "a positive int") -> int
     if value < 1:
         raise ValueError(f"`{name}` must be {expected}; got {value}.")
     return int(value)
+
+
+def accumulator_dtype(value: Any, name: str = "accumulator_dtype") -> jnp.dtype | None:
+    """Returns ``value`` as a floating dtype (``None`` stays ``None``); raises naming ``name``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxga._checks import accumulator_dtype
+        >>> accumulator_dtype(jnp.bfloat16)
+        dtype(bfloat16)
+    """
+    if value is None:
+        return None
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"`{name}` must be a floating dtype such as jnp.float32 or jnp.bfloat16, or None; "
+            f"got {value!r}."
+        )
+    return dtype
+
+
+def accumulation_dtype(dtype: jnp.dtype | None, leaf_dtype: Any) -> jnp.dtype:
+    """The dtype a sum of ``leaf_dtype`` values is kept in: ``dtype``, or by default at least
+    float32 (float64 stays float64).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxga._checks import accumulation_dtype
+        >>> accumulation_dtype(None, jnp.bfloat16), accumulation_dtype(jnp.bfloat16, jnp.float32)
+        (dtype('float32'), dtype(bfloat16))
+    """
+    if dtype is not None:
+        return jnp.dtype(dtype)
+    return jnp.promote_types(jnp.float32, jnp.result_type(leaf_dtype))
