@@ -154,7 +154,7 @@ def prepare(method: Method, w: _workloads.Workload, tx: optax.GradientTransforma
     carry: dict[str, Any] = {"params": copy(w.params)}
     if method.kind in ("full", "scan"):
         grad_fn = jax.value_and_grad(mean_loss) if method.kind == "full" else None
-        grad_fn = grad_fn or jaxga.value_and_grad(loss, k)
+        grad_fn = grad_fn or jaxga.value_and_grad(loss, num_microbatches=k)
         step = make_step(grad_fn, tx)
         carry["opt"] = tx.init(carry["params"])
         report = jaxga.memory_report(step, carry["params"], carry["opt"], w.batch)

@@ -148,7 +148,8 @@ class Plan:
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxga
-        >>> build = lambda k, remat: jax.jit(jaxga.grad(lambda w, x: jnp.mean(x @ w), k))
+        >>> loss = lambda w, x: jnp.mean(x @ w)
+        >>> build = lambda k, remat: jax.jit(jaxga.grad(loss, num_microbatches=k))
         >>> p = jaxga.plan(build, jnp.ones(3), jnp.ones((8, 3)), budget="1MiB", remat=(None,))
         >>> p.num_microbatches, p.microbatch_size, len(p.candidates), p.num_skipped
         (1, 8, 1, 3)
@@ -420,7 +421,7 @@ def plan(
         >>> import jax, jax.numpy as jnp, jaxga
         >>> def build(k, remat):   # a 16 -> 1024 -> 1 MLP: activations dominate
         ...     loss = lambda w, x: jnp.mean(jnp.tanh(x @ w["a"]) @ w["b"])
-        ...     return jax.jit(jaxga.grad(loss, k))
+        ...     return jax.jit(jaxga.grad(loss, num_microbatches=k))
         >>> w = {"a": jax.ShapeDtypeStruct((16, 1024), jnp.float32),
         ...      "b": jax.ShapeDtypeStruct((1024,), jnp.float32)}
         >>> x = jax.ShapeDtypeStruct((256, 16), jnp.float32)

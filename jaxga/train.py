@@ -13,7 +13,8 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxga.accumulation import _check_num_microbatches, accumulate
+from jaxga._checks import positive_int
+from jaxga.accumulation import accumulate
 from jaxga.multistep import MultiSteps, MultiStepsState
 from jaxga.sharding import replicate, shard_batch
 
@@ -245,7 +246,7 @@ def make_train_step(
         >>> float(metrics["loss"]), int(metrics["count"]), int(state.step)
         (1.0, 8, 1)
     """
-    _check_num_microbatches(num_microbatches)
+    positive_int(num_microbatches, "num_microbatches")
     if not callable(loss):
         raise TypeError(f"`loss` must be a function; got {type(loss).__name__}.")
     if not (
@@ -276,18 +277,14 @@ def make_train_step(
         rng = jax.random.fold_in(state.rng, state.step)
         acc = accumulate(
             loss,
-            num_microbatches,
-            (state.params, batch, state.model_state, rng),
-            argnums=0,
+            num_microbatches=num_microbatches,
             batch_argnums=1,
             state_argnums=2,
             rng_argnums=3,
             axis_name=data_axis,
             accumulator_dtype=accumulator_dtype,
-        )
-        (grads,), (model_state,) = acc.grads, acc.state
-        if data_axis is not None:
-            model_state = _mean_over(model_state, state.model_state, data_axis)
+        )(state.params, batch, state.model_state, rng)
+        grads, model_state = acc.grads, acc.state
         extra = {"weight": acc.mean.count} if isinstance(optimizer, MultiSteps) else {}
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params, **extra)
         has_updated = getattr(optimizer, "has_updated", None)

@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,14 +17,8 @@ ATOL = 1e-6
 BATCH = 24
 
 
-def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-        assert jnp.shape(a) == jnp.shape(e)
-        assert jnp.result_type(a) == jnp.result_type(e)
-        np.testing.assert_allclose(
-            np.asarray(a, np.float32), np.asarray(e, np.float32), rtol=rtol, atol=atol
-        )
+# Exact to float32 rounding: tests run at "highest" matmul precision (tests/conftest.py).
+assert_trees_close = functools.partial(chex.assert_trees_all_close, rtol=RTOL, atol=ATOL)
 
 
 def mlp_params(key, sizes=(6, 16, 16, 3)):
@@ -109,14 +104,14 @@ def test_matches_full_batch(k, loss, make_params, make_batch):
     params = make_params(jax.random.key(0))
     batch = make_batch(jax.random.key(1))
     expected = full_batch(loss)(params, batch)
-    actual = jax.jit(jaxga.value_and_grad(loss, k))(params, batch)
+    actual = jax.jit(jaxga.value_and_grad(loss, num_microbatches=k))(params, batch)
     assert_trees_close(actual, expected)
 
 
 def test_grad_matches_jax_grad():
     params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1))
     expected = jax.grad(mlp_scalar_loss)(params, batch)
-    assert_trees_close(jaxga.grad(mlp_scalar_loss, 4)(params, batch), expected)
+    assert_trees_close(jaxga.grad(mlp_scalar_loss, num_microbatches=4)(params, batch), expected)
 
 
 def test_mean_of_means_is_wrong_and_jaxga_is_exact():
@@ -127,12 +122,12 @@ def test_mean_of_means_is_wrong_and_jaxga_is_exact():
     def naive(params, batch):  # the bug jaxga exists to kill: average of per-micro-batch means
         return embed_loss(params, batch).value
 
-    naive_value, naive_grads = jaxga.value_and_grad(naive, k)(params, batch)
+    naive_value, naive_grads = jaxga.value_and_grad(naive, num_microbatches=k)(params, batch)
     assert abs(float(naive_value) - float(expected_value)) > 1e-2 * abs(float(expected_value))
     gap = jnp.linalg.norm(naive_grads["out"] - expected_grads["out"])
     assert gap > 1e-2 * jnp.linalg.norm(expected_grads["out"])
 
-    value, grads = jaxga.value_and_grad(embed_loss, k)(params, batch)
+    value, grads = jaxga.value_and_grad(embed_loss, num_microbatches=k)(params, batch)
     assert_trees_close((value, grads), (expected_value, expected_grads))
 
 
@@ -141,7 +136,7 @@ def jitted_value_and_grad(k):
     """One compiled function per k, so hypothesis examples of one shape reuse it."""
     if k == 0:
         return jax.jit(full_batch(embed_loss))
-    return jax.jit(jaxga.value_and_grad(embed_loss, k))
+    return jax.jit(jaxga.value_and_grad(embed_loss, num_microbatches=k))
 
 
 @settings(max_examples=25, deadline=None)
@@ -169,7 +164,7 @@ def test_tuple_argnums_and_several_batch_args():
         return jnp.mean(optax_xent(mlp(first + rest, x), y))
 
     expected = jax.value_and_grad(loss, argnums=(0, 1))(first, rest, batch["x"], batch["y"])
-    actual = jaxga.value_and_grad(loss, 3, argnums=(0, 1), batch_argnums=(2, 3))(
+    actual = jaxga.value_and_grad(loss, num_microbatches=3, argnums=(0, 1), batch_argnums=(2, 3))(
         first, rest, batch["x"], batch["y"]
     )
     assert isinstance(actual[1], tuple) and len(actual[1]) == 2
@@ -184,7 +179,9 @@ def test_has_aux_is_stacked_per_microbatch():
         return jnp.mean(optax_xent(logits, batch["y"])), {"logits": logits}
 
     k = 4
-    (value, aux), grads = jaxga.value_and_grad(loss, k, has_aux=True)(params, batch)
+    (value, aux), grads = jaxga.value_and_grad(loss, num_microbatches=k, has_aux=True)(
+        params, batch
+    )
     (expected_value, expected_aux), expected_grads = jax.value_and_grad(loss, has_aux=True)(
         params, batch
     )
@@ -203,7 +200,9 @@ def test_rng_key_per_microbatch():
         return jnp.mean(jnp.where(keep, x * w, 0.0)), keep
 
     key = jax.random.key(42)
-    (_, masks), grads = jaxga.value_and_grad(loss, k, has_aux=True, rng_argnums=2)(2.0, x, key)
+    (_, masks), grads = jaxga.value_and_grad(loss, num_microbatches=k, has_aux=True, rng_argnums=2)(
+        2.0, x, key
+    )
     # Reference: a Python loop drawing fold_in(key, i) for micro-batch i.
     parts = jaxga.split_microbatches(x, k)
     expected = [
@@ -228,9 +227,9 @@ def test_state_is_threaded_through_microbatches():
         return jnp.mean(optax_xent(mlp(params, batch["x"]), batch["y"])), new_stats
 
     stats = {"mean": jnp.zeros(16), "steps": jnp.zeros((), jnp.int32)}
-    (value, grads), new_stats = jax.jit(jaxga.value_and_grad(loss, k, state_argnums=2))(
-        params, batch, stats
-    )
+    (value, grads), new_stats = jax.jit(
+        jaxga.value_and_grad(loss, num_microbatches=k, state_argnums=2)
+    )(params, batch, stats)
     # Reference: a Python loop over the same micro-batches.
     parts = jaxga.split_microbatches(batch, k)
     expected_stats, values, all_grads = stats, [], []
@@ -251,11 +250,11 @@ def test_state_with_aux_output_structure():
     def loss(w, x, state):
         return (jnp.mean(w * x), jnp.sum(x)), state + 1.0
 
-    ((value, aux), grads), state = jaxga.value_and_grad(loss, 2, has_aux=True, state_argnums=2)(
-        1.0, jnp.arange(4.0), 0.0
-    )
+    ((value, aux), grads), state = jaxga.value_and_grad(
+        loss, num_microbatches=2, has_aux=True, state_argnums=2
+    )(1.0, jnp.arange(4.0), 0.0)
     assert float(value) == 1.5 and aux.shape == (2,) and float(state) == 2.0
-    (g, aux2), state2 = jaxga.grad(loss, 2, has_aux=True, state_argnums=2)(
+    (g, aux2), state2 = jaxga.grad(loss, num_microbatches=2, has_aux=True, state_argnums=2)(
         1.0, jnp.arange(4.0), 0.0
     )
     assert float(g) == float(grads) == 1.5 and float(state2) == 2.0
@@ -265,7 +264,7 @@ def test_state_with_aux_output_structure():
 def test_low_precision_params_accumulate_in_float32():
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), mlp_params(jax.random.key(0)))
     batch = mlp_batch(jax.random.key(1))
-    grads = jaxga.grad(mlp_scalar_loss, 8)(params, batch)
+    grads = jaxga.grad(mlp_scalar_loss, num_microbatches=8)(params, batch)
     assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
     # The float32 accumulator makes the result match a float32 sum of bfloat16 micro-gradients.
     parts = jaxga.split_microbatches(batch, 8)
@@ -280,7 +279,7 @@ def test_low_precision_params_accumulate_in_float32():
 
 def test_works_inside_user_jit_without_retracing():
     params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1))
-    grad_fn = jaxga.value_and_grad(mlp_mean_loss, 4)
+    grad_fn = jaxga.value_and_grad(mlp_mean_loss, num_microbatches=4)
     traces = []
 
     @jax.jit
@@ -304,7 +303,7 @@ def test_aux_merges_back_to_batch_order():
         logits = mlp(params, batch["x"])
         return jnp.mean(optax_xent(logits, batch["y"])), logits
 
-    (_, aux), _ = jaxga.value_and_grad(loss, 6, has_aux=True)(params, batch)
+    (_, aux), _ = jaxga.value_and_grad(loss, num_microbatches=6, has_aux=True)(params, batch)
     np.testing.assert_allclose(
         jaxga.merge_microbatches(aux), mlp(params, batch["x"]), rtol=1e-5, atol=1e-6
     )
@@ -316,10 +315,12 @@ def test_integer_counts_and_no_batch_argument():
     def loss(w, x):
         return jaxga.Mean(jnp.sum(w * x), jnp.int32(x.shape[0]))
 
-    value, g = jaxga.value_and_grad(loss, 4)(2.0, x)
+    value, g = jaxga.value_and_grad(loss, num_microbatches=4)(2.0, x)
     np.testing.assert_allclose((value, g), (2.0 * jnp.mean(x), jnp.mean(x)), rtol=1e-6)
     # Nothing to split: every micro-step sees the same arguments, so the mean is unchanged.
-    value, g = jaxga.value_and_grad(lambda w, x: jnp.mean(w * x), 3, batch_argnums=())(2.0, x)
+    value, g = jaxga.value_and_grad(
+        lambda w, x: jnp.mean(w * x), num_microbatches=3, batch_argnums=()
+    )(2.0, x)
     np.testing.assert_allclose((value, g), (2.0 * jnp.mean(x), jnp.mean(x)), rtol=1e-6)
 
 
@@ -337,7 +338,7 @@ def test_float64_parameters_sum_in_float64():
         def loss(w, x):
             return jnp.mean(w * x)
 
-        value, g = jaxga.value_and_grad(loss, 4)(w, x)
+        value, g = jaxga.value_and_grad(loss, num_microbatches=4)(w, x)
         expected_value, expected_g = jax.value_and_grad(loss)(w, x)
         assert value.dtype == jnp.float64 and g.dtype == jnp.float64
         np.testing.assert_allclose((value, g), (expected_value, expected_g), rtol=1e-14)
@@ -355,7 +356,7 @@ def test_memory_of_eight_microbatches_is_under_half_of_one():
     x = jax.ShapeDtypeStruct((batch, width), jnp.float32)
 
     def temp_bytes(k):
-        f = jax.jit(jaxga.value_and_grad(deep_mlp_loss, k))
+        f = jax.jit(jaxga.value_and_grad(deep_mlp_loss, num_microbatches=k))
         return f.lower(params, x).compile().memory_analysis().temp_size_in_bytes
 
     one, eight = temp_bytes(1), temp_bytes(8)
@@ -373,34 +374,34 @@ def test_memory_of_eight_microbatches_is_under_half_of_one():
 )
 def test_bad_num_microbatches(num_microbatches, error, match):
     with pytest.raises(error, match=match):
-        jaxga.value_and_grad(mlp_scalar_loss, num_microbatches)
+        jaxga.value_and_grad(mlp_scalar_loss, num_microbatches=num_microbatches)
 
 
 def test_indivisible_batch_names_both_numbers():
     params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1), n=10)
     with pytest.raises(ValueError, match=r"batch size 10 .* not divisible by num_microbatches=4"):
-        jaxga.value_and_grad(mlp_scalar_loss, 4)(params, batch)
+        jaxga.value_and_grad(mlp_scalar_loss, num_microbatches=4)(params, batch)
 
 
 def test_mismatched_leading_sizes_are_listed():
     params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1))
     batch["y"] = batch["y"][:20]
     with pytest.raises(ValueError, match=r"different leading sizes .*\['x'\]: 24.*\['y'\]: 20"):
-        jaxga.value_and_grad(mlp_scalar_loss, 4)(params, batch)
+        jaxga.value_and_grad(mlp_scalar_loss, num_microbatches=4)(params, batch)
 
 
 def test_scalar_batch_leaf_is_rejected():
     params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1))
     batch["temperature"] = jnp.float32(1.0)
     with pytest.raises(ValueError, match=r"args\[1\]\['temperature'\] is a scalar"):
-        jaxga.value_and_grad(mlp_scalar_loss, 4)(params, batch)
+        jaxga.value_and_grad(mlp_scalar_loss, num_microbatches=4)(params, batch)
 
 
 def test_overlapping_argnums():
     with pytest.raises(ValueError, match=r"`argnums`=\(1,\) and `batch_argnums`=\(1,\)"):
-        jaxga.value_and_grad(mlp_scalar_loss, 2, argnums=1)
+        jaxga.value_and_grad(mlp_scalar_loss, num_microbatches=2, argnums=1)
     with pytest.raises(ValueError, match=r"`batch_argnums`=\(1,\) and `rng_argnums`=\(1,\)"):
-        jaxga.value_and_grad(mlp_scalar_loss, 2, rng_argnums=1)
+        jaxga.value_and_grad(mlp_scalar_loss, num_microbatches=2, rng_argnums=1)
 
 
 def test_out_of_range_batch_argnums():
@@ -410,23 +411,23 @@ def test_out_of_range_batch_argnums():
         match=r"`batch_argnums`=\(3,\) refers to positional argument 3"
         r", but the function was called with 2",
     ):
-        jaxga.value_and_grad(mlp_scalar_loss, 2, batch_argnums=3)(params, batch)
+        jaxga.value_and_grad(mlp_scalar_loss, num_microbatches=2, batch_argnums=3)(params, batch)
 
 
 def test_bad_argnums_type():
     with pytest.raises(TypeError, match=r"`argnums` must be a non-negative int"):
-        jaxga.value_and_grad(mlp_scalar_loss, 2, argnums="0")
+        jaxga.value_and_grad(mlp_scalar_loss, num_microbatches=2, argnums="0")
     with pytest.raises(ValueError, match=r"`argnums` must name at least one"):
-        jaxga.value_and_grad(mlp_scalar_loss, 2, argnums=())
+        jaxga.value_and_grad(mlp_scalar_loss, num_microbatches=2, argnums=())
 
 
 def test_non_scalar_loss_is_rejected():
     with pytest.raises(TypeError, match=r"float scalar .* shape \(3,\)"):
-        jaxga.value_and_grad(lambda w, x: w * x, 1)(1.0, jnp.ones(3))
+        jaxga.value_and_grad(lambda w, x: w * x, num_microbatches=1)(1.0, jnp.ones(3))
 
 
 def test_changed_state_structure_is_rejected():
     with pytest.raises(TypeError, match=r"new_state with tree structure"):
-        jaxga.value_and_grad(lambda w, x, s: (jnp.mean(w * x), (s, s)), 1, state_argnums=2)(
-            1.0, jnp.ones(3), 0.0
-        )
+        jaxga.value_and_grad(
+            lambda w, x, s: (jnp.mean(w * x), (s, s)), num_microbatches=1, state_argnums=2
+        )(1.0, jnp.ones(3), 0.0)

@@ -150,7 +150,7 @@ def small_batch(rows):
 
 
 def test_unbound_axis_name_outside_shard_map():
-    vg = jaxga.value_and_grad(mean_loss, 2, axis_name="data")
+    vg = jaxga.value_and_grad(mean_loss, num_microbatches=2, axis_name="data")
     with pytest.raises(ValueError) as error:
         jax.jit(vg)(jnp.ones(3), small_batch(4))
     message = str(error.value)
@@ -161,7 +161,7 @@ def test_unbound_axis_name_outside_shard_map():
 def test_unbound_axis_name_under_a_mesh_context():
     """A mesh set with jax.set_mesh does not bind the axis: shard_map is still needed."""
     mesh = jax.make_mesh((1,), ("data",))
-    vg = jaxga.value_and_grad(mean_loss, 2, axis_name="data")
+    vg = jaxga.value_and_grad(mean_loss, num_microbatches=2, axis_name="data")
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="is not bound"):
         jax.jit(vg)(jnp.ones(3), small_batch(4))
 
@@ -169,7 +169,7 @@ def test_unbound_axis_name_under_a_mesh_context():
 def test_one_device_mesh_matches_full_batch():
     mesh = jax.make_mesh((1,), ("data",))
     batch = small_batch(8)
-    vg = jaxga.value_and_grad(mean_loss, 4, axis_name="data")
+    vg = jaxga.value_and_grad(mean_loss, num_microbatches=4, axis_name="data")
     step = jax.jit(jax.shard_map(vg, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
     w = jnp.arange(3.0)
     value, grads = step(replicate(w, mesh), shard_batch(batch, mesh))
@@ -180,7 +180,7 @@ def test_one_device_mesh_matches_full_batch():
 
 def test_indivisible_batch_on_one_device_names_all_numbers():
     mesh = jax.make_mesh((1,), ("data",))
-    vg = jaxga.value_and_grad(mean_loss, 4, axis_name="data")
+    vg = jaxga.value_and_grad(mean_loss, num_microbatches=4, axis_name="data")
     step = jax.jit(jax.shard_map(vg, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
     with pytest.raises(ValueError) as error:
         step(replicate(jnp.ones(3), mesh), shard_batch(small_batch(6), mesh))

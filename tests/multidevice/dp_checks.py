@@ -126,7 +126,7 @@ def mean_reference():
 
 @pytest.fixture(scope="module")
 def mean_step():
-    vg = jaxga.value_and_grad(mean_loss, K, axis_name="data")
+    vg = jaxga.value_and_grad(mean_loss, num_microbatches=K, axis_name="data")
     return data_parallel(vg, (P(), P("data")), P()).lower(REPLICATED, SHARDED).compile()
 
 
@@ -158,12 +158,12 @@ def global_norm(tree):
 
 
 def test_grad_matches_full_batch(mean_reference):
-    g = jaxga.grad(mean_loss, K, axis_name="data")
+    g = jaxga.grad(mean_loss, num_microbatches=K, axis_name="data")
     assert_close(data_parallel(g, (P(), P("data")), P())(REPLICATED, SHARDED), mean_reference[1])
 
 
 def test_scalar_loss_matches_full_batch():
-    vg = jaxga.value_and_grad(scalar_loss, K, axis_name="data")
+    vg = jaxga.value_and_grad(scalar_loss, num_microbatches=K, axis_name="data")
     expected = jax.jit(jax.value_and_grad(scalar_loss))(PARAMS, BATCH)
     assert_close(data_parallel(vg, (P(), P("data")), P())(REPLICATED, SHARDED), expected)
 
@@ -173,7 +173,7 @@ def test_has_aux_is_local_and_stacked(mean_reference):
         mean = mean_loss(params, batch)
         return mean, {"count": mean.count, "tokens": jnp.sum(batch["inputs"])}
 
-    vg = jaxga.value_and_grad(loss, K, axis_name="data", has_aux=True)
+    vg = jaxga.value_and_grad(loss, num_microbatches=K, axis_name="data", has_aux=True)
     (value, aux), grads = data_parallel(vg, (P(), P("data")), ((P(), P("data")), P()))(
         REPLICATED, SHARDED
     )
@@ -201,7 +201,7 @@ def test_state_is_threaded_per_device():
 
     def local(params, batch, state):
         (value, grads), new_state = jaxga.value_and_grad(
-            loss, K, axis_name="data", state_argnums=2
+            loss, num_microbatches=K, axis_name="data", state_argnums=2
         )(params, batch, state[0])
         return value, grads, new_state[None]
 
@@ -229,7 +229,9 @@ def test_rng_keys_distinct_across_devices_and_microbatches():
         return mean, jax.random.key_data(key)
 
     key = jax.random.key(42)
-    vg = jaxga.value_and_grad(loss, K, axis_name="data", has_aux=True, rng_argnums=2)
+    vg = jaxga.value_and_grad(
+        loss, num_microbatches=K, axis_name="data", has_aux=True, rng_argnums=2
+    )
     step = data_parallel(vg, (P(), P("data"), P()), ((P(), P("data")), P()))
     step = step.lower(REPLICATED, SHARDED, key).compile()
     (value, key_data), grads = step(REPLICATED, SHARDED, key)
@@ -283,7 +285,7 @@ def test_naive_shard_map_reduces_inside_the_loop(mean_reference):
 
 
 def test_check_vma_false(mean_reference):
-    vg = jaxga.value_and_grad(mean_loss, K, axis_name="data")
+    vg = jaxga.value_and_grad(mean_loss, num_microbatches=K, axis_name="data")
     step = data_parallel(vg, (P(), P("data")), P(), check_vma=False)
     step = step.lower(REPLICATED, SHARDED).compile()
     assert_close(step(REPLICATED, SHARDED), mean_reference)
@@ -291,7 +293,7 @@ def test_check_vma_false(mean_reference):
 
 
 def test_pmap(mean_reference):
-    vg = jaxga.value_and_grad(mean_loss, K, axis_name="data")
+    vg = jaxga.value_and_grad(mean_loss, num_microbatches=K, axis_name="data")
     step = jax.pmap(vg, axis_name="data", in_axes=(None, 0))
     per_device = jax.tree.map(lambda x: x.reshape(DEVICES, LOCAL, *x.shape[1:]), BATCH)
     step = step.lower(PARAMS, per_device).compile()
@@ -305,7 +307,7 @@ def test_two_dimensional_mesh_and_tuple_axis_name(mean_reference):
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     for axis_name, spec in (("data", P("data")), (("data", "model"), P(("data", "model")))):
         batch = shard_batch(BATCH, mesh, axis_name)
-        vg = jaxga.value_and_grad(mean_loss, 2, axis_name=axis_name)
+        vg = jaxga.value_and_grad(mean_loss, num_microbatches=2, axis_name=axis_name)
         step = jax.jit(jax.shard_map(vg, mesh=mesh, in_specs=(P(), spec), out_specs=P()))
         params = replicate(PARAMS, mesh)
         step = step.lower(params, batch).compile()
@@ -315,7 +317,7 @@ def test_two_dimensional_mesh_and_tuple_axis_name(mean_reference):
 
 def test_indivisible_global_batch_names_all_three_numbers():
     batch = shard_batch(make_batch(rows=DEVICES * 6), MESH)  # 6 rows per device, K = 4
-    vg = jaxga.value_and_grad(mean_loss, K, axis_name="data")
+    vg = jaxga.value_and_grad(mean_loss, num_microbatches=K, axis_name="data")
     with pytest.raises(ValueError) as error:
         data_parallel(vg, (P(), P("data")), P())(REPLICATED, batch)
     message = str(error.value)
@@ -325,7 +327,7 @@ def test_indivisible_global_batch_names_all_three_numbers():
 
 
 def test_unbound_axis_name_inside_shard_map():
-    vg = jaxga.value_and_grad(mean_loss, K, axis_name="batch")
+    vg = jaxga.value_and_grad(mean_loss, num_microbatches=K, axis_name="batch")
     with pytest.raises(ValueError, match="`axis_name`='batch' is not bound"):
         data_parallel(vg, (P(), P("data")), P())(REPLICATED, SHARDED)
 
@@ -392,7 +394,7 @@ def test_fsdp_sharded_parameters_get_their_own_gradient_shard(mean_reference):
     params = {
         k: shard_batch(v, MESH) if k == "out" else replicate(v, MESH) for k, v in PARAMS.items()
     }
-    vg = jaxga.value_and_grad(loss, K, axis_name="data")
+    vg = jaxga.value_and_grad(loss, num_microbatches=K, axis_name="data")
     step = data_parallel(vg, (specs, P("data")), (P(), specs))
     step = step.lower(params, SHARDED).compile()
     assert_close(step(params, SHARDED), mean_reference)
@@ -407,7 +409,7 @@ def test_fsdp_sharded_parameters_get_their_own_gradient_shard(mean_reference):
 def test_fsdp_gather_once_reduce_scatter_once(mean_reference):
     """Sharded parameters gathered before jaxga, gradients reduce-scattered after it."""
     specs = {"embed": P(), "out": P("data"), "bias": P()}
-    vg = jaxga.value_and_grad(mean_loss, K, axis_name="data")
+    vg = jaxga.value_and_grad(mean_loss, num_microbatches=K, axis_name="data")
 
     def fsdp(params, batch):
         full = {**params, "out": jax.lax.all_gather(params["out"], "data", tiled=True)}
@@ -632,7 +634,7 @@ def test_multisteps_under_shard_map_matches_optax_multisteps():
     batches = [make_batch(seed) for seed in range(calls)]
     tx = jaxga.MultiSteps(optax.adam(0.05), every_k=2)
     tx_axis = jaxga.MultiSteps(optax.adam(0.05), every_k=2, axis_name="data")
-    vg = jaxga.value_and_grad(mean_loss, K, axis_name="data")
+    vg = jaxga.value_and_grad(mean_loss, num_microbatches=K, axis_name="data")
 
     def train(params, states, batch, poison):
         _, grads = vg(params[0], batch)

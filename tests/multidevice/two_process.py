@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
 
     # --- data parallel across processes with jaxga
     grad_fn = jax.shard_map(
-        jaxga.value_and_grad(loss, K, axis_name="data", rng_argnums=2),
+        jaxga.value_and_grad(loss, num_microbatches=K, axis_name="data", rng_argnums=2),
         mesh=mesh,
         in_specs=(P(), P("data"), P()),
         out_specs=P(),
