@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
 
 import jaxga
 
@@ -431,3 +432,80 @@ def test_changed_state_structure_is_rejected():
         jaxga.value_and_grad(
             lambda w, x, s: (jnp.mean(w * x), (s, s)), num_microbatches=1, state_argnums=2
         )(1.0, jnp.ones(3), 0.0)
+
+
+def test_positional_argnums_means_what_it_means_in_jax():
+    def loss(x, w):
+        return jnp.mean(x @ w)
+
+    x, w = jnp.ones((4, 3)), jnp.arange(3.0)
+    expected = jax.value_and_grad(loss, 1)(x, w)
+    assert_trees_close(
+        jaxga.value_and_grad(loss, 1, num_microbatches=2, batch_argnums=0)(x, w), expected
+    )
+    assert_trees_close(jaxga.grad(loss, 1, num_microbatches=2, batch_argnums=0)(x, w), expected[1])
+
+
+def test_num_microbatches_is_required():
+    with pytest.raises(TypeError, match="num_microbatches"):
+        jaxga.value_and_grad(mlp_scalar_loss)
+
+
+def test_not_a_function_is_rejected_when_built():
+    with pytest.raises(TypeError, match=r"`fun` must be a function; got 3"):
+        jaxga.value_and_grad(3, 2, num_microbatches=2)
+
+
+def test_tuple_output_without_has_aux_says_so():
+    loss = lambda w, x: (jnp.mean(w * x), x)
+    with pytest.raises(TypeError, match=r"returned a tuple of length 2, but has_aux=False"):
+        jaxga.value_and_grad(loss, num_microbatches=2)(1.0, jnp.ones(4))
+
+
+@pytest.mark.parametrize("batch", [None, {}, {"x": None}])
+def test_batch_without_arrays_is_rejected(batch):
+    with pytest.raises(ValueError, match=r"`batch_argnums` names args\[1\], which has no array"):
+        jaxga.value_and_grad(lambda w, b: w, num_microbatches=2)(1.0, batch)
+
+
+def test_integer_parameters_are_rejected():
+    params = {"w": jnp.ones(3), "step": jnp.int32(0)}
+    with pytest.raises(TypeError, match=r"args\[0\]\['step'\] has dtype int32"):
+        jaxga.grad(lambda p, x: jnp.mean(p["w"] * x), num_microbatches=2)(params, jnp.ones((4, 3)))
+
+
+def test_rng_argnums_must_point_at_keys():
+    loss = lambda w, x, key: jnp.mean(w * x)
+    with pytest.raises(TypeError, match=r"`rng_argnums` names args\[2\], but args\[2\] is not a"):
+        jaxga.grad(loss, num_microbatches=2, rng_argnums=2)(1.0, jnp.ones(4), 7)
+
+
+@pytest.mark.parametrize("dtype", ["banana", jnp.int32])
+def test_bad_accumulator_dtype(dtype):
+    with pytest.raises(TypeError, match=r"`accumulator_dtype` must be a floating dtype"):
+        jaxga.grad(mlp_scalar_loss, num_microbatches=2, accumulator_dtype=dtype)
+
+
+def test_forgetting_axis_name_inside_shard_map_says_which_axis():
+    mesh = jax.make_mesh((1,), ("data",))
+    grad_fn = jaxga.grad(lambda w, x: jnp.mean(w * x), num_microbatches=2)
+    step = jax.shard_map(
+        lambda w, x: grad_fn(w, x), mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
+    )
+    x = jaxga.sharding.shard_batch(jnp.ones(4), mesh)
+    with pytest.raises(ValueError, match=r"pass axis_name='data'"):
+        jax.jit(step)(1.0, x)
+
+
+def test_explicit_accumulator_dtype_is_used_as_it_is():
+    """bfloat16 sums of many small gradients lose what float32 sums keep."""
+    w = jnp.float32(1.0)
+    x = jnp.full(64, 1e-3, jnp.float32).at[0].set(1.0)
+
+    def loss(w, x):  # micro-batch 0 contributes 1.0, the others 1e-3 each
+        return jnp.sum(w * x)
+
+    exact = jaxga.grad(loss, num_microbatches=64)(w, x)
+    low = jaxga.grad(loss, num_microbatches=64, accumulator_dtype=jnp.bfloat16)(w, x)
+    np.testing.assert_allclose(exact, (1.0 + 63e-3) / 64, rtol=1e-5)
+    assert abs(float(low) - float(exact)) > 1e-3 * float(exact)
