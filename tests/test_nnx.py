@@ -238,3 +238,14 @@ def test_module_as_keyword_argument_is_rejected():
         jaxga.value_and_grad(lambda w, b, model: w * loss(model, b), num_microbatches=2)(
             1.0, batch, model=make_net()
         )
+
+
+def test_the_nnx_example_runs_and_checks_itself():
+    import runpy
+    from pathlib import Path
+
+    example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "nnx_digits.py"))
+    result = example["main"](["--steps", "20", "--batch-size", "32", "--num-microbatches", "4"])
+    assert result["gap"] < 1e-5  # k micro-batches == full batch in eval mode
+    assert result["stats_moved"] > 1e-3  # BatchNorm statistics were updated
+    assert result["losses"][-1] < result["losses"][0]
