@@ -72,16 +72,15 @@ class _Options:
     accumulator_dtype: jnp.dtype | None
 
 
-def _positions(name: str, value: Any) -> tuple[int, ...]:
-    values = (value,) if isinstance(value, int) else value
+def _positions(name: str, value: Any, items: Any = None) -> tuple[int, ...]:
+    """``value`` as a tuple of positions; ``items`` are its entries when not ``value`` itself."""
+    expected = f"`{name}` must be a non-negative int or a tuple of them; got {value!r}."
     try:
-        values = tuple(values)
+        values = tuple((value,) if isinstance(value, int) else value if items is None else items)
     except TypeError:
-        raise TypeError(
-            f"`{name}` must be a non-negative int or a tuple of them; got {value!r}."
-        ) from None
+        raise TypeError(expected) from None
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise TypeError(f"`{name}` must be a non-negative int or a tuple of them; got {value!r}.")
+        raise TypeError(expected)
     if len(set(values)) != len(values):
         raise ValueError(f"`{name}` must not repeat a position; got {value!r}.")
     return values
@@ -89,15 +88,17 @@ def _positions(name: str, value: Any) -> tuple[int, ...]:
 
 def _diff_positions(argnums: Any) -> tuple[tuple[int, ...], dict[int, Any]]:
     """Positions and NNX filters (``nnx.Param`` unless a ``DiffState`` says) of ``argnums``."""
-    single = isinstance(argnums, int | nnx.DiffState)
-    items = (argnums,) if single else argnums
-    try:
-        items = tuple(items)
-    except TypeError:
+    items = argnums
+    if isinstance(argnums, int | nnx.DiffState):
         items = (argnums,)
-    filters = {a.argnum: a.filter for a in items if isinstance(a, nnx.DiffState)}
-    plain = tuple(a.argnum if isinstance(a, nnx.DiffState) else a for a in items)
-    positions = _positions("argnums", plain if plain != (argnums,) else argnums)
+    elif isinstance(argnums, Sequence) and not isinstance(argnums, str):
+        items = tuple(argnums)
+    if isinstance(items, tuple):
+        filters = {a.argnum: a.filter for a in items if isinstance(a, nnx.DiffState)}
+        items = tuple(a.argnum if isinstance(a, nnx.DiffState) else a for a in items)
+    else:
+        filters = {}
+    positions = _positions("argnums", argnums, items)
     if not positions:
         raise ValueError("`argnums` must name at least one argument to differentiate.")
     return positions, {i: filters.get(i, nnx.Param) for i in positions}
