@@ -1,9 +1,23 @@
-"""Test-session set-up: one CPU device, and a compilation cache shared by the workers."""
+"""Test-session set-up: what every test needs to mean the same on every backend.
 
+* float32 matmuls at full precision (``"highest"``): on NVIDIA GPUs JAX's default uses
+  TF32, whose 10-bit mantissa breaks comparisons at float32 rounding;
+* deterministic GPU reductions, so bit-for-bit tests are bit for bit there too;
+* eight host devices on the CPU, so data-parallel tests run in-process;
+* a compilation cache shared by the pytest workers.
+"""
+
+import os
 from pathlib import Path
 
-import jax
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_deterministic_ops=true"]
+).strip()
 
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
 # Many tests compile the same small programs (the examples build the same step several
 # times); a persistent cache makes every compile after the first a lookup.
 jax.config.update(
@@ -11,3 +25,9 @@ jax.config.update(
 )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
