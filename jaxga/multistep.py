@@ -73,6 +73,16 @@ def skip_not_finite(
     return should_skip, {"should_skip": should_skip, "num_not_finite": num_not_finite}
 
 
+def _check_state(state: Any) -> None:
+    if not isinstance(state, MultiStepsState):
+        kind = type(state)
+        raise TypeError(
+            f"`state` must be the jaxga.MultiStepsState returned by jaxga.MultiSteps' `init` "
+            f"or `update`; got {kind.__module__.split('.')[0]}'s {kind.__name__} "
+            f"({kind.__module__}.{kind.__qualname__})."
+        )
+
+
 def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise TypeError(
@@ -211,11 +221,7 @@ class _MultiStepsFns:
         the same tree and dtypes on every other call. ``extra_args`` go to the inner
         optimiser on the applying call.
         """
-        if not isinstance(state, MultiStepsState):
-            raise TypeError(
-                f"`state` must be the MultiStepsState returned by `init` or `update`; got "
-                f"{type(state).__name__}."
-            )
+        _check_state(state)
         _check_tree(grads, state.acc_grads)
         w = self._weight(weight)
         k = self._every_k(state.gradient_step)
@@ -350,6 +356,10 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     group, not once per call: its step counter and learning-rate schedule advance once
     per k calls. With equal weights the parameters match
     ``optax.MultiSteps(inner, every_k, use_grad_mean=True)`` to float32 rounding.
+    What differs from optax: ``inner`` runs once per group (not on every call), non-finite
+    gradients are skipped by default, and the state is a ``jaxga.MultiStepsState``
+    (``inner_opt_state``, ``gradient_step`` and ``mini_step`` as in optax, plus
+    ``weight_sum``, ``applied``, ``num_skipped``); ``.inner_opt`` is the wrapped optimiser.
 
     **Weights.** With ``weighted=True`` every call passes ``weight=`` (e.g. the token
     count of its batch) and the group's gradient is the weighted mean Σwᵢgᵢ / Σwᵢ:
@@ -393,6 +403,8 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
         every_k: calls per group: a positive int, or a function of the applied-step
             count (``state.gradient_step``) returning one (a value below 1 under
             ``jit`` counts as 1).
+        every_k_schedule: optax's name for ``every_k``; give one of the two, so that
+            ``optax.MultiSteps(inner, every_k_schedule=k)`` ports by changing the class.
         weighted: whether every call passes ``weight=``.
         accumulator_dtype: dtype of the accumulator (``jnp.bfloat16`` halves its
             memory); ``None`` keeps each gradient's own dtype.
@@ -416,13 +428,21 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     def __new__(
         cls,
         inner: optax.GradientTransformation,
-        every_k: EveryK,
+        every_k: EveryK | None = None,
         *,
+        every_k_schedule: EveryK | None = None,
         weighted: bool = False,
         accumulator_dtype: Any = jnp.float32,
         should_skip_update_fn: ShouldSkipFn | None = skip_not_finite,
         axis_name: Hashable | tuple[Hashable, ...] | None = None,
     ) -> MultiSteps:
+        if (every_k is None) == (every_k_schedule is None):
+            raise TypeError(
+                "Pass the number of calls per group once: `every_k` or optax's spelling "
+                f"`every_k_schedule`; got every_k={every_k!r}, "
+                f"every_k_schedule={every_k_schedule!r}."
+            )
+        every_k = every_k if every_k_schedule is None else every_k_schedule
         if not isinstance(weighted, bool):
             raise TypeError(f"`weighted` must be a bool; got {weighted!r}.")
         if should_skip_update_fn is not None and not callable(should_skip_update_fn):
@@ -449,6 +469,11 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
         return self._inner
 
     @property
+    def inner_opt(self) -> optax.GradientTransformation:
+        """The wrapped optimiser, under optax's name."""
+        return self._inner
+
+    @property
     def weighted(self) -> bool:
         """Whether every call passes ``weight=`` (fixed at construction)."""
         return self._fns.weighted
@@ -464,8 +489,7 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
             >>> bool(tx.has_updated(state))
             False
         """
-        if not isinstance(state, MultiStepsState):
-            raise TypeError(f"`state` must be a MultiStepsState; got {type(state).__name__}.")
+        _check_state(state)
         return state.applied
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:

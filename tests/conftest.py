@@ -14,8 +14,8 @@ os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_deterministic_ops=true"]
 ).strip()
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 # Many tests compile the same small programs (the examples build the same step several

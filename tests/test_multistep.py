@@ -3,6 +3,7 @@
 import copy
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -583,9 +584,13 @@ def test_bad_grads_and_state():
         tx.update({"a": jnp.zeros(3)}, state, params)
     with pytest.raises(ValueError, match=r"`grads\['b'\]` has shape \(4,\), .* shape \(2,\)"):
         tx.update({"a": jnp.zeros(3), "b": jnp.zeros(4)}, state, params)
-    with pytest.raises(TypeError, match=r"`state` must be the MultiStepsState .* got tuple"):
+    with pytest.raises(
+        TypeError, match=r"`state` must be the jaxga.MultiStepsState .* got builtins's tuple"
+    ):
         tx.update(params, tuple(state), params)
-    with pytest.raises(TypeError, match="`state` must be a MultiStepsState; got dict"):
+    with pytest.raises(
+        TypeError, match=r"`state` must be the jaxga.MultiStepsState .* got builtins's dict"
+    ):
         tx.has_updated({})
 
 
@@ -597,3 +602,33 @@ def test_bad_skip_predicate_and_unbound_axis():
     tx = jaxga.MultiSteps(optax.sgd(0.1), 2, axis_name="data")
     with pytest.raises(ValueError, match="`axis_name`='data' is not bound"):
         tx.update(params, tx.init(params), params)
+
+
+def test_optax_spelling_ports_by_changing_the_class():
+    inner = optax.adam(1e-2)
+    ours = jaxga.MultiSteps(inner, every_k_schedule=3)
+    theirs = optax.MultiSteps(inner, every_k_schedule=3, use_grad_mean=True)
+    assert ours.inner_opt is inner
+    params = theirs_params = jnp.arange(4.0)
+    state, theirs_state = ours.init(params), theirs.init(params)
+    for i in range(6):
+        g = jnp.sin(jnp.arange(4.0) + i)
+        updates, state = ours.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+        updates, theirs_state = theirs.update(g, theirs_state, theirs_params)
+        theirs_params = optax.apply_updates(theirs_params, updates)
+    chex.assert_trees_all_close(params, theirs_params, rtol=1e-6)
+
+
+def test_every_k_once():
+    with pytest.raises(TypeError, match=r"`every_k` or optax's spelling `every_k_schedule`"):
+        jaxga.MultiSteps(optax.sgd(0.1), 2, every_k_schedule=2)
+    with pytest.raises(TypeError, match=r"every_k=None, every_k_schedule=None"):
+        jaxga.MultiSteps(optax.sgd(0.1))
+
+
+def test_optax_state_says_which_library_it_comes_from():
+    params = jnp.zeros(2)
+    optax_state = optax.MultiSteps(optax.sgd(0.1), 2).init(params)
+    with pytest.raises(TypeError, match=r"jaxga.MultiStepsState .* got optax's MultiStepsState"):
+        jaxga.MultiSteps(optax.sgd(0.1), 2).update(jnp.ones(2), optax_state, params)
