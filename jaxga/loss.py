@@ -63,6 +63,14 @@ class Mean:
         if where is None:
             return cls(jnp.sum(values), jnp.asarray(values.size, dtype))
         weights = jnp.broadcast_to(jnp.asarray(where), values.shape).astype(dtype)
+        if not isinstance(weights, jax.core.Tracer) and not bool(
+            jnp.all(jnp.isfinite(weights) & (weights >= 0))
+        ):
+            raise ValueError(
+                "Mean.of: `where` must hold a mask or finite, non-negative weights; it holds "
+                "NaN, inf or negative values. (Under jit this cannot be checked: such weights "
+                "give a NaN or wrong mean.)"
+            )
         return cls(jnp.sum(values * weights), jnp.sum(weights))
 
 
@@ -76,6 +84,15 @@ def as_mean(value: Mean | jax.Array) -> Mean:
     """
     if isinstance(value, Mean):
         return value
+    try:
+        dtype = jnp.result_type(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"as_mean: `value` must be a jaxga.Mean or a float; got {value!r} "
+            f"of type {type(value).__name__}."
+        )
     return Mean(value, 1.0)
 
 
@@ -110,5 +127,12 @@ def token_cross_entropy(
             f"token_cross_entropy: `mask` must broadcast to the shape of `labels` "
             f"{labels.shape}; got {jnp.shape(mask)}."
         )
+    if not isinstance(labels, jax.core.Tracer) and labels.size:
+        low, high = int(labels.min()), int(labels.max())
+        if low < 0 or high >= logits.shape[-1]:
+            raise ValueError(
+                f"token_cross_entropy: `labels` must lie in [0, {logits.shape[-1]}) for a "
+                f"vocabulary of {logits.shape[-1]}; got labels from {low} to {high}."
+            )
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
     return Mean.of(losses, where=mask)
