@@ -76,10 +76,11 @@ def skip_not_finite(
 def _check_state(state: Any) -> None:
     if not isinstance(state, MultiStepsState):
         kind = type(state)
+        library = kind.__module__.split(".")[0]
+        got = f"a {kind.__name__}" if library == "builtins" else f"{library}'s {kind.__name__}"
         raise TypeError(
             f"`state` must be the jaxga.MultiStepsState returned by jaxga.MultiSteps' `init` "
-            f"or `update`; got {kind.__module__.split('.')[0]}'s {kind.__name__} "
-            f"({kind.__module__}.{kind.__qualname__})."
+            f"or `update`; got {got} ({kind.__module__}.{kind.__qualname__})."
         )
 
 

@@ -585,12 +585,10 @@ def test_bad_grads_and_state():
     with pytest.raises(ValueError, match=r"`grads\['b'\]` has shape \(4,\), .* shape \(2,\)"):
         tx.update({"a": jnp.zeros(3), "b": jnp.zeros(4)}, state, params)
     with pytest.raises(
-        TypeError, match=r"`state` must be the jaxga.MultiStepsState .* got builtins's tuple"
+        TypeError, match=r"`state` must be the jaxga.MultiStepsState .* got a tuple"
     ):
         tx.update(params, tuple(state), params)
-    with pytest.raises(
-        TypeError, match=r"`state` must be the jaxga.MultiStepsState .* got builtins's dict"
-    ):
+    with pytest.raises(TypeError, match=r"`state` must be the jaxga.MultiStepsState .* got a dict"):
         tx.has_updated({})
 
 
