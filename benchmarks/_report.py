@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-COLORS = {"full": "#555555", "scan": "#1f77b4", "optax": "#d62728", "naive": "#ff7f0e"}
+COLORS = {
+    "full": "#555555",
+    "scan": "#1f77b4",
+    "microbatch": "#9467bd",
+    "optax": "#d62728",
+    "jaxga": "#17becf",
+    "naive": "#ff7f0e",
+}
 REMAT_COLOR = "#2ca02c"
 
 
@@ -34,22 +41,28 @@ def _check(result: Any) -> str:
 def markdown(out: dict[str, Any]) -> str:
     """The results as markdown: one table per workload, ✓/✗ against the targets."""
     t = out["targets"]
-    met = [ok for w in out["workloads"] for r in w["rows"] for _, ok in r["targets"].values()]
-    measured = any(r["measured_peak_bytes"] for w in out["workloads"] for r in w["rows"])
+    rows = [r for w in out["workloads"] for r in w["rows"] if "error" not in r]
+    met = [ok for r in rows for _, ok in r["targets"].values()]
+    measured = any(r.get("measured_peak_bytes") for r in rows)
+    mfu = any(r.get("mfu") for r in rows)
+    seconds = sum(w.get("seconds", 0) for w in out["workloads"])
     lines = [
         f"# jaxga benchmark — {machine(out)}",
         "",
-        f"`{out['command']}` · jax {out['jax']}, optax {out['optax']} · {out['rounds']} "
-        f"interleaved rounds, medians · {out['seconds']:.0f} s in all.",
+        f"`{out['command']}` · jax {out['jax']}, optax {out['optax']} · {out['dtype']} matrix "
+        f"products · each method in its own process: one warm-up global step, then "
+        f"{out['rounds']} timed, medians · {seconds:.0f} s in all.",
         "",
         "Per global step (the whole batch, whatever k). **ms**: median wall-clock time "
         "± half the interquartile range. "
-        "**peak**: XLA's compiled peak (arguments + outputs + temporaries − donated); for "
-        "optax.MultiSteps and the naive loop, one call's peak (naive: plus the optimiser "
-        "state and the running gradient sum that stay in memory meanwhile). **FLOPs**: "
-        "matmul FLOPs of the jaxpr, every scan iteration and recomputation counted, "
-        "× the full batch's. **model**: params + optimiser state + one f32 accumulator "
-        "+ the batch + one micro-batch's activations.",
+        + ("**MFU**: model FLOPs (no recomputation) per second ÷ the device's peak. " * mfu)
+        + "**peak**: XLA's compiled peak (arguments + outputs + temporaries − donated); for "
+        "the MultiSteps and the naive loop, one call's peak (naive: plus the optimiser "
+        "state and the running gradient sum that stay in memory meanwhile). "
+        + ("**measured**: the device's peak bytes in use in the method's process. " * measured)
+        + "**FLOPs**: matmul FLOPs of the jaxpr, every scan iteration and recomputation "
+        "counted, × the full batch's. **model**: params + optimiser state + one f32 "
+        "accumulator + the batch + one micro-batch's activations.",
         "",
         f"Targets, held by the plain `jaxga.value_and_grad` rows: time ≤ "
         f"{t['time_vs_full']}× full batch; time ≤ {t['time_vs_optax']}× optax.MultiSteps at "
@@ -58,21 +71,27 @@ def markdown(out: dict[str, Any]) -> str:
     ]
     for w in out["workloads"]:
         lines += ["", f"### {w['name']}: {w['description']}", ""]
-        head = ["method", "micro-batch", "ms", "× full", "peak"]
+        head = ["method", "micro-batch", "ms", "× full"] + ["MFU"] * mfu + ["peak"]
         head += ["measured peak"] * measured
         head += ["× full", "FLOPs ×", "model", "time ≤ full", "time ≤ MultiSteps", "peak ≤ model"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in w["rows"]:
+            if "error" in r:
+                cells = [row_label(r), "", f"failed: {r['error'][:120]}"]
+                lines.append("| " + " | ".join(cells + [""] * (len(head) - 3)) + " |")
+                continue
             model = r.get("memory_model", {}).get("total")
             cells = [
                 row_label(r),
                 str(r["microbatch_size"]),
                 f"{1e3 * r['median_s']:.1f} ±{50 * r['spread']:.0f}%" if r["median_s"] else "",
                 f"{r['time_ratio']:.2f}" if r["time_ratio"] else "",
-                mib(r["peak_bytes"]) + ("" if r["fits"] else " (does not fit: not run)"),
             ]
+            if mfu:
+                cells.append(f"{r['mfu']:.1%}" if r.get("mfu") else "")
+            cells.append(mib(r["peak_bytes"]) + ("" if r["fits"] else " (does not fit: not run)"))
             if measured:
-                m = r["measured_peak_bytes"]
+                m = r.get("measured_peak_bytes")
                 cells.append(mib(m) if m else "")
             cells += [
                 f"{r['peak_ratio']:.2f}",
@@ -99,7 +118,7 @@ def figure(out: dict[str, Any], path: Path) -> None:
         len(workloads), 2, figsize=(12, height * len(workloads)), squeeze=False
     )
     for (ax_t, ax_m), w in zip(axes, workloads):
-        rows = w["rows"][::-1]
+        rows = [r for r in w["rows"][::-1] if "error" not in r]
         labels = [row_label(r) for r in rows]
         colors = [
             REMAT_COLOR if r["kind"] == "scan" and r["remat"] != "none" else COLORS[r["kind"]]

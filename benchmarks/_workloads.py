@@ -19,9 +19,9 @@ from jaxga.planner import remat_options
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import train_lm
+from train_lm import peak_flops
 
-# The example's --remat table lacks this policy; the benchmark measures it too.
-train_lm.REMAT.setdefault("dots_no_batch", ("dots_no_batch", 1))
+__all__ = ["Workload", "names", "peak_flops", "workloads"]
 Loss = Callable[[Any, Any], jaxga.Mean]
 
 
@@ -37,6 +37,9 @@ class Workload:
         loss_for: ``loss_for(remat)`` is ``loss(params, batch) -> jaxga.Mean`` with the
             model's layers rematerialised by the remat name (``"none"``, ``"dots"``,
             ``"dots_no_batch"``, ``"full"``, ``"sqrt"``).
+        model_flops: FLOPs of one training step on the whole batch, no recomputation
+            (6 per parameter of the matrix products per example, plus attention): MFU's
+            numerator.
     """
 
     name: str
@@ -44,14 +47,18 @@ class Workload:
     params: Any
     batch: dict[str, jax.Array]
     loss_for: Callable[[str], Loss]
+    model_flops: float
 
     @property
     def batch_size(self) -> int:
         return int(jax.tree.leaves(self.batch)[0].shape[0])
 
 
-def mlp(batch: int, features: int, dim: int, hidden: int, layers: int, classes: int) -> Workload:
-    """A residual MLP ``x + W2 gelu(W1 norm(x))`` of ``layers`` blocks in ``remat_scan``."""
+def mlp(
+    batch: int, features: int, dim: int, hidden: int, layers: int, classes: int, dtype: str
+) -> Workload:
+    """A residual MLP ``x + W2 gelu(W1 norm(x))`` of ``layers`` blocks in ``remat_scan``,
+    its matrix products in ``dtype`` (float32 parameters)."""
     keys = jax.random.split(jax.random.key(0), 6)
 
     def normal(key, shape):
@@ -75,7 +82,8 @@ def mlp(batch: int, features: int, dim: int, hidden: int, layers: int, classes: 
         mean = jnp.mean(x, -1, keepdims=True)
         var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
         h = (x - mean) * jax.lax.rsqrt(var + 1e-6) * p["scale"]
-        return x + jax.nn.gelu(h @ p["w1"]) @ p["w2"]
+        h = jax.nn.gelu(h.astype(dtype) @ p["w1"].astype(dtype))
+        return x + (h @ p["w2"].astype(dtype)).astype(x.dtype)
 
     def loss_for(remat: str) -> Loss:
         def loss(params, batch):
@@ -89,14 +97,18 @@ def mlp(batch: int, features: int, dim: int, hidden: int, layers: int, classes: 
 
     n = sum(x.size for x in jax.tree.leaves(params))
     description = (
-        f"residual MLP, {layers} blocks {dim}→{hidden}→{dim}, {n / 1e6:.2f}M params, batch {batch}"
+        f"residual MLP, {layers} blocks {dim}→{hidden}→{dim}, {n / 1e6:.2f}M params, "
+        f"batch {batch}, {dtype} matmuls"
     )
-    return Workload("MLP", description, params, data, loss_for)
+    matmul_params = features * dim + 2 * layers * dim * hidden + dim * classes
+    return Workload("MLP", description, params, data, loss_for, 6.0 * matmul_params * batch)
 
 
-def transformer(name: str, batch: int, seq_len: int, dim: int, heads: int, layers: int) -> Workload:
+def transformer(
+    name: str, batch: int, seq_len: int, dim: int, heads: int, layers: int, dtype: str
+) -> Workload:
     """The byte-level transformer of ``examples/train_lm.py`` on its own corpus."""
-    cfg = train_lm.Config(seq_len, dim, heads, layers, dropout=0.0, remat="none")
+    cfg = train_lm.Config(seq_len, dim, heads, layers, dropout=0.0, remat="none", dtype=dtype)
     model = train_lm.Transformer(cfg, nnx.Rngs(0))
     _, params, rest = nnx.split(model, nnx.Param, ...)
     tokens, lengths = train_lm.pack(train_lm.documents(None), seq_len)
@@ -116,9 +128,11 @@ def transformer(name: str, batch: int, seq_len: int, dim: int, heads: int, layer
     n = sum(x.size for x in jax.tree.leaves(params))
     description = (
         f"decoder-only transformer (examples/train_lm.py), {layers} layers, dim {dim}, "
-        f"{heads} heads, {n / 1e6:.2f}M params, batch {batch} × {seq_len} tokens"
+        f"{heads} heads, {n / 1e6:.2f}M params, batch {batch} × {seq_len} tokens, "
+        f"{dtype} matmuls"
     )
-    return Workload(name, description, params, data, loss_for)
+    flops = cfg.flops_per_token() * batch * seq_len
+    return Workload(name, description, params, data, loss_for, flops)
 
 
 def remat_names(policy: str) -> str:
@@ -126,18 +140,30 @@ def remat_names(policy: str) -> str:
     return {"sqrt": "full, √L segments"}.get(policy, policy)
 
 
-def workloads(quick: bool, only: int | None = None) -> list[Workload]:
-    """The benchmark's workloads (small enough for a CPU with ``quick``), or the ``only``-th."""
+def _makers(quick: bool, dtype: str) -> dict[str, Callable[[], Workload]]:
     if quick:
-        makers = [
-            lambda: mlp(batch=256, features=128, dim=256, hidden=1024, layers=4, classes=10),
-            lambda: transformer("Transformer S", batch=32, seq_len=64, dim=64, heads=4, layers=2),
-            lambda: transformer("Transformer M", batch=32, seq_len=64, dim=128, heads=4, layers=4),
-        ]
-    else:
-        makers = [
-            lambda: mlp(batch=4096, features=512, dim=1024, hidden=4096, layers=8, classes=1000),
-            lambda: transformer("Transformer S", 64, seq_len=256, dim=256, heads=8, layers=4),
-            lambda: transformer("Transformer M", 64, seq_len=512, dim=768, heads=12, layers=12),
-        ]
+        return {
+            "MLP": lambda: mlp(
+                256, features=128, dim=256, hidden=1024, layers=4, classes=10, dtype=dtype
+            ),
+            "Transformer S": lambda: transformer("Transformer S", 32, 64, 64, 4, 2, dtype),
+            "Transformer M": lambda: transformer("Transformer M", 32, 64, 128, 4, 4, dtype),
+        }
+    return {
+        "MLP": lambda: mlp(
+            4096, features=512, dim=1024, hidden=4096, layers=8, classes=1000, dtype=dtype
+        ),
+        "Transformer S": lambda: transformer("Transformer S", 64, 256, 256, 8, 4, dtype),
+        "Transformer M": lambda: transformer("Transformer M", 64, 512, 768, 12, 12, dtype),
+    }
+
+
+def names(quick: bool) -> list[str]:
+    """The workloads' names, in order."""
+    return list(_makers(quick, "float32"))
+
+
+def workloads(quick: bool, dtype: str = "float32", only: int | None = None) -> list[Workload]:
+    """The benchmark's workloads (small enough for a CPU with ``quick``), or the ``only``-th."""
+    makers = list(_makers(quick, dtype).values())
     return [make() for i, make in enumerate(makers) if only is None or i == only]

@@ -73,9 +73,10 @@ def accumulator_dtype(value: Any, name: str = "accumulator_dtype") -> jnp.dtype 
     except TypeError:
         dtype = None
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        got = repr(value) if dtype is None else str(dtype)
         raise TypeError(
             f"`{name}` must be a floating dtype such as jnp.float32 or jnp.bfloat16, or None; "
-            f"got {value!r}."
+            f"got {got}."
         )
     return dtype
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxga import sharding
+from jaxga import _checks, sharding
 
 __all__ = ["MultiSteps", "MultiStepsState", "skip_not_finite"]
 
@@ -106,24 +106,6 @@ def _check_every_k(every_k: Any) -> EveryK:
     )
 
 
-def _check_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype | None:
-    if accumulator_dtype is None:
-        return None
-    try:
-        dtype = jnp.dtype(accumulator_dtype)
-    except TypeError:
-        raise TypeError(
-            f"`accumulator_dtype` must be a floating dtype such as jnp.float32 or "
-            f"jnp.bfloat16, or None; got {accumulator_dtype!r}."
-        ) from None
-    if not jnp.issubdtype(dtype, jnp.inexact):
-        raise TypeError(
-            f"`accumulator_dtype` must be a floating dtype such as jnp.float32 or "
-            f"jnp.bfloat16, or None; got {dtype}."
-        )
-    return dtype
-
-
 def _concrete(x: jax.Array) -> float | None:
     """Returns the value of a scalar known at trace time, or ``None`` for a tracer."""
     try:
@@ -187,7 +169,8 @@ class _MultiStepsFns:
         """Returns the initial :class:`MultiStepsState` for ``params``."""
 
         def zeros(p):
-            return jnp.zeros(jnp.shape(p), self.accumulator_dtype or jnp.result_type(p))
+            dtype = _checks.accumulation_dtype(self.accumulator_dtype, jnp.result_type(p))
+            return jnp.zeros(jnp.shape(p), dtype)
 
         skip_state = ()
         if self.should_skip_update_fn is not None:
@@ -407,8 +390,9 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
         every_k_schedule: optax's name for ``every_k``; give one of the two, so that
             ``optax.MultiSteps(inner, every_k_schedule=k)`` ports by changing the class.
         weighted: whether every call passes ``weight=``.
-        accumulator_dtype: dtype of the accumulator (``jnp.bfloat16`` halves its
-            memory); ``None`` keeps each gradient's own dtype.
+        accumulator_dtype: dtype of the accumulator; ``None`` (default) is at least
+            float32 (bfloat16 gradients are summed in float32, float64 stays float64);
+            an explicit dtype is used as given (``jnp.bfloat16`` halves its memory).
         should_skip_update_fn: ``(grads, gradient_step, params) -> (bool scalar,
             report)``; ``None`` skips nothing.
         axis_name: mesh axis name(s) over which the gradients are sharded, inside
@@ -433,7 +417,7 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
         *,
         every_k_schedule: EveryK | None = None,
         weighted: bool = False,
-        accumulator_dtype: Any = jnp.float32,
+        accumulator_dtype: Any = None,
         should_skip_update_fn: ShouldSkipFn | None = skip_not_finite,
         axis_name: Hashable | tuple[Hashable, ...] | None = None,
     ) -> MultiSteps:
@@ -455,7 +439,7 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
             inner=_check_inner(inner),
             every_k=_check_every_k(every_k),
             weighted=weighted,
-            accumulator_dtype=_check_accumulator_dtype(accumulator_dtype),
+            accumulator_dtype=_checks.accumulator_dtype(accumulator_dtype),
             should_skip_update_fn=should_skip_update_fn,
             axis_name=axis_name,
         )

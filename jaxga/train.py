@@ -192,7 +192,7 @@ def make_train_step(
     *,
     mesh: Mesh | None = None,
     axis_name: str = "data",
-    accumulator_dtype: Any = jnp.float32,
+    accumulator_dtype: Any = None,
     donate: bool = True,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds one jitted train step ``(state, batch) -> (state, metrics)``.
@@ -223,7 +223,8 @@ def make_train_step(
             (BatchNorm statistics) are averaged over devices and the others
             (counters, keys) take their maximum. See ``docs/distributed.md``.
         axis_name: the mesh axis the batch is sharded over.
-        accumulator_dtype: dtype of the gradient sums.
+        accumulator_dtype: dtype of the gradient sums; ``None`` (default) is at least
+            float32, an explicit dtype is used as given.
         donate: donate the state's buffers to the step.
 
     Returns:

@@ -172,10 +172,10 @@ def test_default_budget_is_the_device_limit_less_the_margin():
         platform = "fake"
 
         def memory_stats(self):
-            return {"bytes_limit": 10 * 2**20}
+            return {"bytes_limit": 2**30}  # room for any backend's compiled peak
 
     p = jaxga.plan(build, *ARGS, device=Device(), margin=0.25, microbatches=(BATCH,))
-    assert p.budget == int(10 * 2**20 * 0.75)
+    assert p.budget == int(2**30 * 0.75)
 
 
 def test_default_budget_on_cpu_asks_for_a_budget():
@@ -274,7 +274,7 @@ def test_train_lm_plans_its_microbatches(tmp_path, capsys):
     step = jaxga.make_train_step(jaxga.nnx_loss(graphdef, train_lm.loss), tx, 1)
     budget = jaxga.memory_report(step, state, batch).peak_bytes - 1  # one byte short
 
-    run = [*TINY_LM, "--microbatches", "auto", "--memory-budget", str(budget)]
+    run = [*TINY_LM, "--dtype", "float32", "--microbatches", "auto", "--memory-budget", str(budget)]
     result = train_lm.train(train_lm.parse_args([*run, "--checkpoint-dir", str(tmp_path)]))
     out = capsys.readouterr().out
     assert "<- chosen" in out and f"budget of {format_bytes(budget)}" in out

@@ -158,7 +158,8 @@ def test_sqrt_segments_need_less_memory_than_per_layer_than_none():
     per_layer = mlp_temp_bytes(64, "full", 1)
     sqrt = mlp_temp_bytes(64, "full", "sqrt")
     assert sqrt < per_layer < none
-    assert sqrt <= none / 5
+    # How much less is the compiler's: ≥ 5× on XLA's CPU compiler, 3.2× on an H100's.
+    assert sqrt <= none / (5 if jax.default_backend() == "cpu" else 3)
 
 
 @given(st.integers(1, 400))
