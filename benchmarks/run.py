@@ -264,9 +264,7 @@ def run_one(index: int, method: Method, args: argparse.Namespace) -> dict:
         "description": w.description,
         "model_flops": w.model_flops,
         "method": method.label,
-        "kind": method.kind,
-        "k": method.k,
-        "remat": method.remat,
+        **dataclasses.asdict(method),
         "microbatch_size": w.batch_size // method.k,
     }
     if method.kind == "scan" and method.remat == "none":
@@ -309,16 +307,15 @@ def run_in_child(index: int, method: Method, args: argparse.Namespace) -> dict:
     return row
 
 
-def summarise(rows: list[dict], backend: str) -> dict:
-    """A workload's rows with medians, ratios to the full batch, MFU and targets."""
+def summarise(rows: list[dict], backend: str, peak: float | None) -> dict:
+    """A workload's rows with medians, ratios to the full batch, MFU (against ``peak``
+    FLOP/s, if known) and targets."""
     ok = [r for r in rows if "error" not in r]
-    first = ok[0]
-    peak = _workloads.peak_flops(first["dtype"]) if "dtype" in first else None
     for r in ok:
         times = r.get("times_s")
         r["median_s"] = statistics.median(times) if times else None
         r["spread"] = spread(times) if times and len(times) >= 2 else None
-        r["mfu"] = first["model_flops"] / r["median_s"] / peak if peak and times else None
+        r["mfu"] = r["model_flops"] / r["median_s"] / peak if peak and times else None
     full = next(r for r in ok if r["kind"] == "full")
     for r in ok:
         timed = r["median_s"] and full["median_s"]
@@ -327,12 +324,12 @@ def summarise(rows: list[dict], backend: str) -> dict:
         r["flops_ratio"] = r["dot_flops"] / full["dot_flops"]
     for r in rows:
         r["targets"] = checks(r, ok, TARGET_TIME["cpu" if backend == "cpu" else "gpu"])
-    return {"name": first["workload"], "description": first["description"], "rows": rows}
+    return {"name": ok[0]["workload"], "description": ok[0]["description"], "rows": rows}
 
 
 def checks(row: dict, rows: list[dict], target_time: float) -> dict[str, Any]:
     """The targets a row is held to: only the plain scan rows have them."""
-    if row.get("kind") != "scan" or row["remat"] != "none" or "error" in row:
+    if "error" in row or row["kind"] != "scan" or row["remat"] != "none":
         return {}
     out = {}
     if row["time_ratio"] is not None:
@@ -375,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="jaxga-bench-"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         row = run_one(int(args.one[0]), Method.from_key(args.one[1]), args)
-        print(json.dumps(row | {"dtype": args.dtype}))
+        print(json.dumps(row))
         return 0
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -393,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{name}", flush=True)
         start = time.perf_counter()
         rows = [run_in_child(index, m, args) for m in methods()]
-        done[name] = summarise(rows, backend) | {"seconds": time.perf_counter() - start}
+        peak = _workloads.peak_flops(args.dtype)
+        done[name] = summarise(rows, backend, peak) | {"seconds": time.perf_counter() - start}
         out = {
             "device": device_name(),
             "device_kind": device.device_kind,

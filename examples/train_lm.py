@@ -344,6 +344,7 @@ def train(args: argparse.Namespace) -> dict:
     )
     tokens_per_step = args.batch_size * args.seq_len
     peak = peak_flops(args.dtype)
+    step_flops = cfg.flops_per_token() * tokens_per_step
     losses: list[float] = []
     step_seconds: list[float] = []
     metrics: dict = {}
@@ -363,7 +364,7 @@ def train(args: argparse.Namespace) -> dict:
         if not args.quiet:
             stats = {"loss": f"{loss_value:.3f}", "tok_s": f"{tokens_per_step / seconds:,.0f}"}
             if peak:
-                mfu = cfg.flops_per_token() * tokens_per_step / seconds / peak
+                mfu = step_flops / seconds / peak
                 stats["mfu"] = f"{mfu:.1%}"
             progress.set_postfix(stats, step_ms=f"{1e3 * seconds:.0f}")
         if manager is not None and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
@@ -382,7 +383,7 @@ def train(args: argparse.Namespace) -> dict:
         seconds = float(np.median(step_seconds[1:]))
         speed = f"median step {1e3 * seconds:.1f} ms, {tokens_per_step / seconds:,.0f} tokens/s"
         if peak:
-            mfu = cfg.flops_per_token() * tokens_per_step / seconds / peak
+            mfu = step_flops / seconds / peak
             speed += f", MFU {mfu:.1%} of {jax.devices()[0].device_kind}'s {args.dtype} peak"
         print(speed)
     if args.sample:

@@ -98,39 +98,36 @@ def test_train_step_in_bfloat16_matches_the_float32_full_batch():
     assert_close_at_bfloat16(state.params, jax.tree.map(lambda p, g: p - g, params, expected_grads))
 
 
-def sum_of_small_steps(accumulate):
-    """One gradient of 1 and 63 of 1e-3, in bfloat16: a bfloat16 running sum stays at 1
-    (its spacing at 1 is 2⁻⁷), a float32 one reaches 1.063."""
-    grads = [jnp.ones((4,), jnp.bfloat16)] + [jnp.full((4,), 1e-3, jnp.bfloat16)] * 63
-    return accumulate(grads), (1.0 + 63e-3) / 64
+# One gradient of 1, then 63 of 1e-3, in bfloat16: a bfloat16 running sum stays at 1 (its
+# spacing at 1 is 2⁻⁷), a float32 one reaches 1.063. The mean of the 64:
+SMALL_STEPS = jnp.concatenate([jnp.ones(1), jnp.full(63, 1e-3)]).astype(jnp.bfloat16)
+SMALL_STEPS_MEAN = (1.0 + 63e-3) / 64
 
 
 def test_multisteps_accumulates_bfloat16_gradients_in_float32_by_default():
-    def accumulate(grads, **options):
+    def accumulate(**options):
         params = jnp.zeros((4,), jnp.bfloat16)
-        tx = jaxga.MultiSteps(optax.sgd(-1.0), every_k=len(grads), **options)
+        tx = jaxga.MultiSteps(optax.sgd(-1.0), every_k=len(SMALL_STEPS), **options)
         state = tx.init(params)
-        for g in grads:
-            updates, state = tx.update(g, state, params)
+        for g in SMALL_STEPS:
+            updates, state = tx.update(jnp.full((4,), g), state, params)
         return state, updates
 
-    (state, mean), expected = sum_of_small_steps(accumulate)
+    state, mean = accumulate()
     assert state.acc_grads.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(mean, np.float32), expected, rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(mean, np.float32), SMALL_STEPS_MEAN, rtol=1e-2)
     # An explicit bfloat16 accumulator is taken at its word, and loses the small steps:
     # the same check fails on it, which is what makes the one above mean something.
-    (_, lossy), _ = sum_of_small_steps(lambda g: accumulate(g, accumulator_dtype=jnp.bfloat16))
-    assert abs(float(lossy[0]) - expected) > 0.05 * expected
+    _, lossy = accumulate(accumulator_dtype=jnp.bfloat16)
+    assert abs(float(lossy[0]) - SMALL_STEPS_MEAN) > 0.05 * SMALL_STEPS_MEAN
 
 
 def test_value_and_grad_accumulates_bfloat16_gradients_in_float32_by_default():
-    steps = jnp.concatenate([jnp.ones(1), jnp.full(63, 1e-3)]).astype(jnp.bfloat16)
-
-    def loss(w, batch):  # the gradient of micro-batch i is steps[i]
+    def loss(w, batch):  # the gradient of micro-batch i is SMALL_STEPS[i]
         return jaxga.Mean(jnp.sum(w * batch[0]), jnp.ones((), jnp.float32))
 
     w = jnp.zeros((), jnp.bfloat16)
-    grad = jaxga.grad(loss, num_microbatches=64)(w, steps)
-    np.testing.assert_allclose(float(grad), (1.0 + 63e-3) / 64, rtol=1e-2)
-    lossy = jaxga.grad(loss, num_microbatches=64, accumulator_dtype=jnp.bfloat16)(w, steps)
-    assert abs(float(lossy) - (1.0 + 63e-3) / 64) > 0.05 * (1.0 + 63e-3) / 64
+    grad = jaxga.grad(loss, num_microbatches=64)(w, SMALL_STEPS)
+    np.testing.assert_allclose(float(grad), SMALL_STEPS_MEAN, rtol=1e-2)
+    lossy = jaxga.grad(loss, num_microbatches=64, accumulator_dtype=jnp.bfloat16)(w, SMALL_STEPS)
+    assert abs(float(lossy) - SMALL_STEPS_MEAN) > 0.05 * SMALL_STEPS_MEAN
