@@ -1,7 +1,8 @@
 """Trains an MNIST-style CNN with BatchNorm (Flax Linen) on scikit-learn's digits, k micro-batches.
 
-BatchNorm statistics are threaded from one micro-batch to the next by
-``jaxga.make_train_step``. In training mode each micro-batch normalises with its own
+The state is a Linen user's own ``flax.training.train_state.TrainState`` with a
+``batch_stats`` field; ``jaxga.make_train_step`` threads those statistics from one
+micro-batch to the next. In training mode each micro-batch normalises with its own
 statistics (as it would on a smaller device), so the result depends on k; with
 BatchNorm in eval mode a k-micro-batch step equals the full-batch step, which the
 script checks and prints.
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.training import train_state
 from sklearn.datasets import load_digits
 
 import jaxga
@@ -41,6 +44,12 @@ class CNN(nn.Module):
         return nn.Dense(10)(x)
 
 
+class TrainState(train_state.TrainState):
+    """Flax's TrainState and the BatchNorm statistics, as Linen users write it."""
+
+    batch_stats: Any
+
+
 def data(test_size: int = 297):
     """Returns ((x_train, y_train), (x_test, y_test)) as 8×8×1 images in [0, 1]."""
     digits = load_digits()
@@ -52,7 +61,7 @@ def data(test_size: int = 297):
 
 
 def loss_fn(model: CNN):
-    """The functional loss ``make_train_step`` takes; ``model_state`` holds ``batch_stats``."""
+    """The loss ``make_train_step`` takes; ``model_state`` is ``{"batch_stats": ...}``."""
 
     def loss(params, batch, model_state, rng):
         logits, updates = model.apply(
@@ -64,20 +73,16 @@ def loss_fn(model: CNN):
     return loss
 
 
-def accuracy(params, model_state, x, y) -> float:
-    logits = CNN(train=False).apply({"params": params, **model_state}, x)
+def accuracy(state: TrainState, x, y) -> float:
+    logits = CNN(train=False).apply({"params": state.params, "batch_stats": state.batch_stats}, x)
     return float(jnp.mean(jnp.argmax(logits, -1) == y))
 
 
-def eval_mode_check(params, model_state, batch, k: int) -> float:
+def eval_mode_check(state: TrainState, batch, k: int) -> float:
     """Max |Δparam| between one k-micro-batch step and one full-batch step, BatchNorm frozen."""
-    tx = optax.adam(1e-3)
     results = []
     for num_microbatches in (k, 1):
-        step = jaxga.make_train_step(loss_fn(CNN(train=False)), tx, num_microbatches)
-        state = jaxga.TrainState.create(
-            jax.tree.map(jnp.copy, params), tx, model_state=jax.tree.map(jnp.copy, model_state)
-        )
+        step = jaxga.make_train_step(loss_fn(CNN(train=False)), num_microbatches, donate=False)
         results.append(step(state, batch)[0].params)
     return max(
         float(jnp.max(jnp.abs(a - b)))
@@ -102,24 +107,27 @@ def main(argv: list[str] | None = None) -> int:
 
     (x_train, y_train), (x_test, y_test) = data()
     variables = CNN().init(jax.random.key(0), x_train[:1])
-    params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
-    tx = optax.adam(args.lr)
+    state = TrainState.create(
+        apply_fn=None,
+        params=variables["params"],
+        tx=optax.adam(args.lr),
+        batch_stats=variables["batch_stats"],
+    )
     first_batch = {"x": x_train[: args.batch_size], "y": y_train[: args.batch_size]}
-    delta = eval_mode_check(params, model_state, first_batch, args.microbatches)
+    delta = eval_mode_check(state, first_batch, args.microbatches)
     print(
         f"one step with {args.microbatches} micro-batches vs the full batch, BatchNorm in eval "
         f"mode: max |Δparam| = {delta:.2e}"
     )
 
-    step = jaxga.make_train_step(loss_fn(CNN(train=True)), tx, args.microbatches)
-    state = jaxga.TrainState.create(params, tx, model_state=model_state)
+    step = jaxga.make_train_step(loss_fn(CNN(train=True)), args.microbatches)
     rng = np.random.default_rng(1)
     for i in range(args.steps):
         rows = rng.choice(len(x_train), args.batch_size, replace=False)
         state, metrics = step(state, {"x": x_train[rows], "y": y_train[rows]})
         if (i + 1) % 100 == 0 or i + 1 == args.steps:
             print(f"step {i + 1}: loss {float(metrics['loss']):.4f}")
-    acc = accuracy(state.params, state.model_state, x_test, y_test)
+    acc = accuracy(state, x_test, y_test)
     print(f"test accuracy: {acc:.3f} on {len(x_test)} held-out digits")
     return 0
 

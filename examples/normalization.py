@@ -63,9 +63,8 @@ def naive_loss(model: BigramMLP, batch: dict, rng: jax.Array) -> jax.Array:
 
 def run(loss, microbatches: int, steps: int, data, batch_size: int, lr: float) -> dict:
     graphdef, params, rest = nnx.split(BigramMLP(nnx.Rngs(0)), nnx.Param, ...)
-    tx = optax.adam(lr)
-    step_fn = jaxga.make_train_step(jaxga.nnx_loss(graphdef, loss), tx, microbatches)
-    state = jaxga.TrainState.create(params, tx, model_state=rest)
+    step_fn = jaxga.make_train_step(jaxga.nnx_loss(graphdef, loss), microbatches)
+    state = jaxga.TrainState.create(params=params, tx=optax.adam(lr), model_state=rest)
     history = {"loss": [], "grad_norm": []}
     for step in range(steps):
         state, metrics = step_fn(state, batch_at(step, *data, batch_size, seed=0))

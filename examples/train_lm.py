@@ -320,12 +320,12 @@ def train(args: argparse.Namespace) -> dict:
     model = nnx.jit(lambda: Transformer(cfg, nnx.Rngs(args.seed)))()  # one compile, not 100s of ops
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = optimizer(args.lr)
-    state = jaxga.TrainState.create(params, tx, model_state=rest, rng=args.seed + 1)
+    state = jaxga.TrainState.create(params=params, tx=tx, model_state=rest, rng=args.seed + 1)
     example = batch_at(0, tokens, lengths, args.batch_size, args.seed)
 
     if args.microbatches == "auto":
         args.microbatches, args.remat, graphdef = plan_microbatches(args, cfg, tx, state, example)
-    step_fn = jaxga.make_train_step(jaxga.nnx_loss(graphdef, loss), tx, args.microbatches)
+    step_fn = jaxga.make_train_step(jaxga.nnx_loss(graphdef, loss), args.microbatches)
     report = jaxga.memory_report(step_fn, state, example)
 
     manager = None
@@ -431,9 +431,7 @@ def plan_microbatches(
         return nnx.split(model, nnx.Param, ...)[0]
 
     def build(num_microbatches: int, remat: str):
-        return jaxga.make_train_step(
-            jaxga.nnx_loss(graphdef_for(remat), loss), tx, num_microbatches
-        )
+        return jaxga.make_train_step(jaxga.nnx_loss(graphdef_for(remat), loss), num_microbatches)
 
     try:
         plan = jaxga.plan(build, state, example, budget=budget, remat=DEFAULT_REMAT)

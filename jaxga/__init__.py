@@ -14,7 +14,7 @@ from jaxga.memory import MemoryReport, memory_report
 from jaxga.multistep import MultiSteps, MultiStepsState, skip_not_finite
 from jaxga.planner import Plan, parse_bytes, plan
 from jaxga.remat import checkpoint_policy, remat_scan
-from jaxga.train import TrainState, make_train_step, nnx_loss
+from jaxga.train import TrainState, make_train_step, nnx_loss, nnx_train_step
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,7 @@ __all__ = [
     "memory_report",
     "merge_microbatches",
     "nnx_loss",
+    "nnx_train_step",
     "parse_bytes",
     "plan",
     "remat_scan",

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import numbers
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -29,11 +28,14 @@ class MultiStepsState(NamedTuple):
             applying call.
         gradient_step: how many times the inner optimiser has run (int32); the
             argument of an ``every_k`` schedule.
-        acc_grads: Σ wᵢ gᵢ over the calls of the current group, in the accumulator
-            dtype. While ``mini_step`` is 0 it still holds the group applied last (zeros
-            at first): the next call overwrites it instead of a separate pass zeroing it.
+        acc_grads: the weighted mean Σ wᵢ gᵢ / Σ wᵢ of the gradients of the current
+            group's calls so far, in the accumulator dtype. A running mean, so that the
+            applying call hands it to the inner optimiser as it is, with no division
+            into a second parameter-sized buffer. While ``mini_step`` is 0 it still
+            holds the group applied last (zeros at first): the next call overwrites it
+            instead of a separate pass zeroing it.
         weight_sum: Σ wᵢ over the same calls (float32): the sum of the ``weight``
-            arguments, or the number of calls without weights.
+            arguments, a call without one counting 1.
         inner_opt_state: the inner optimiser's state; only applying calls change it.
         applied: whether the last call ran the inner optimiser (bool); see
             :meth:`MultiSteps.has_updated`.
@@ -131,244 +133,207 @@ def _check_tree(grads: Any, acc_grads: Any) -> None:
             )
 
 
-def _reduce_over_shards(tree: Any, axis_name: Any) -> Any:
-    """Sums the leaves of ``tree`` that vary over ``axis_name`` (bools: any device true).
+def _as_weight(weight: Any) -> jax.Array:
+    """``weight`` as a float32 scalar; a call without one weighs 1."""
+    if weight is None:
+        return jnp.ones((), jnp.float32)
+    try:
+        w = jnp.asarray(weight)
+    except TypeError:
+        raise TypeError(f"`weight` must be a number; got {weight!r}.") from None
+    if not (jnp.issubdtype(w.dtype, jnp.integer) or jnp.issubdtype(w.dtype, jnp.floating)):
+        raise TypeError(f"`weight` must be an int or float scalar; got dtype {w.dtype}.")
+    if w.shape != ():
+        raise ValueError(f"`weight` must be a scalar; got shape {w.shape}.")
+    value = _concrete(w)
+    if value is not None and not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"`weight` must be finite and non-negative; got {value}.")
+    return w.astype(jnp.float32)
 
-    Leaves that are already the same on every device are left alone, so a report that a
-    predicate reduced itself is not counted once per device.
-    """
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
-    def reduce(x):
-        axes = tuple(a for a in names if a in sharding._varying_axes(x))
-        if not axes:
-            return x
-        if x.dtype == jnp.bool_:
-            return jax.lax.psum(x.astype(jnp.int32), axes) > 0
-        return jax.lax.psum(x, axes)
+def _group_size(every_k: EveryK, gradient_step: jax.Array) -> Any:
+    if isinstance(every_k, int):
+        return every_k
+    k = jnp.asarray(every_k(gradient_step))
+    if k.shape != () or not jnp.issubdtype(k.dtype, jnp.integer):
+        raise TypeError(
+            f"The `every_k` schedule must return an int scalar; it returned shape "
+            f"{k.shape} and dtype {k.dtype}."
+        )
+    value = _concrete(k)
+    if value is not None and value < 1:
+        raise ValueError(f"The `every_k` schedule must return at least 1; it returned {k}.")
+    return jnp.maximum(k, 1)
 
-    return jax.tree.map(reduce, tree)
+
+def _should_skip(
+    fn: ShouldSkipFn | None, grads: Any, state: MultiStepsState, params: Any
+) -> tuple[jax.Array, Any]:
+    if fn is None:
+        return jnp.zeros((), jnp.bool_), ()
+    skip, skip_state = fn(grads, state.gradient_step, params)
+    skip = jnp.asarray(skip)
+    if skip.shape != () or skip.dtype != jnp.bool_:
+        raise ValueError(
+            f"`should_skip_update_fn` must return a bool scalar first; it returned shape "
+            f"{skip.shape} and dtype {skip.dtype}."
+        )
+    if jax.tree.structure(skip_state) != jax.tree.structure(state.skip_state):
+        raise ValueError(
+            f"`should_skip_update_fn` returned a skip_state with tree structure "
+            f"{jax.tree.structure(skip_state)}; `init` recorded "
+            f"{jax.tree.structure(state.skip_state)}."
+        )
+    # Sharded gradients (FSDP) give each device a partial report: all must agree.
+    return sharding.psum_varying((skip, _astype_like(skip_state, state.skip_state)))
 
 
 def _astype_like(new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.asarray(n, jnp.result_type(o)), new, old)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _MultiStepsFns:
-    """The validated configuration of a :class:`MultiSteps` and its init/update pair."""
+def _init(
+    inner: optax.GradientTransformationExtraArgs,
+    accumulator_dtype: jnp.dtype | None,
+    should_skip_update_fn: ShouldSkipFn | None,
+    params: Any,
+) -> MultiStepsState:
+    def zeros(p):
+        dtype = _checks.accumulation_dtype(accumulator_dtype, jnp.result_type(p))
+        return jnp.zeros(jnp.shape(p), dtype)
 
-    inner: optax.GradientTransformationExtraArgs
-    every_k: EveryK
-    weighted: bool
-    accumulator_dtype: jnp.dtype | None
-    should_skip_update_fn: ShouldSkipFn | None
-    axis_name: Hashable | tuple[Hashable, ...] | None
+    skip_state = ()
+    if should_skip_update_fn is not None:
+        grads = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.result_type(p)), params)
+        step = jnp.zeros((), jnp.int32)
+        shapes = jax.eval_shape(should_skip_update_fn, grads, step, params)[1]
+        skip_state = jax.tree.map(jnp.zeros_like, shapes)
+    return MultiStepsState(
+        mini_step=jnp.zeros((), jnp.int32),
+        gradient_step=jnp.zeros((), jnp.int32),
+        acc_grads=jax.tree.map(zeros, params),
+        weight_sum=jnp.zeros((), jnp.float32),
+        inner_opt_state=inner.init(params),
+        applied=jnp.zeros((), jnp.bool_),
+        num_skipped=jnp.zeros((), jnp.int32),
+        skip_state=skip_state,
+    )
 
-    def init(self, params: Any) -> MultiStepsState:
-        """Returns the initial :class:`MultiStepsState` for ``params``."""
 
-        def zeros(p):
-            dtype = _checks.accumulation_dtype(self.accumulator_dtype, jnp.result_type(p))
-            return jnp.zeros(jnp.shape(p), dtype)
+def _update(
+    inner: optax.GradientTransformationExtraArgs,
+    every_k: EveryK,
+    should_skip_update_fn: ShouldSkipFn | None,
+    grads: Any,
+    state: MultiStepsState,
+    params: Any = None,
+    *,
+    weight: jax.typing.ArrayLike | None = None,
+    **extra_args: Any,
+) -> tuple[Any, MultiStepsState]:
+    _check_state(state)
+    _check_tree(grads, state.acc_grads)
+    w = _as_weight(weight)
+    k = _group_size(every_k, state.gradient_step)
+    skip, skip_state = _should_skip(should_skip_update_fn, grads, state, params)
+    # a traced weight cannot raise: a negative or non-finite one skips its call instead
+    keep = ~skip & jnp.isfinite(w) & (w >= 0)
+    first = state.mini_step == 0
+    weight_sum = jnp.where(first, 0.0, state.weight_sum) + w
+    # the running weighted mean: acc + (w / Σw)(g − acc); a group that has no weight yet
+    # holds zeros (no 0 / 0)
+    ratio = jnp.where(weight_sum > 0, w / weight_sum, 0.0)
 
-        skip_state = ()
-        if self.should_skip_update_fn is not None:
-            grads = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.result_type(p)), params)
-            step = jnp.zeros((), jnp.int32)
-            shapes = jax.eval_shape(self.should_skip_update_fn, grads, step, params)[1]
-            skip_state = jax.tree.map(jnp.zeros_like, shapes)
-        return MultiStepsState(
-            mini_step=jnp.zeros((), jnp.int32),
-            gradient_step=jnp.zeros((), jnp.int32),
-            acc_grads=jax.tree.map(zeros, params),
-            weight_sum=jnp.zeros((), jnp.float32),
-            inner_opt_state=self.inner.init(params),
-            applied=jnp.zeros((), jnp.bool_),
-            num_skipped=jnp.zeros((), jnp.int32),
-            skip_state=skip_state,
-        )
+    def accumulate(acc, g):
+        dtype = jnp.promote_types(jnp.promote_types(acc.dtype, g.dtype), jnp.float32)
+        base = jnp.where(first, 0, acc).astype(dtype)
+        new = (base + ratio.astype(dtype) * (g.astype(dtype) - base)).astype(acc.dtype)
+        return jnp.where(keep, new, acc)
 
-    def update(
-        self,
-        grads: Any,
-        state: MultiStepsState,
-        params: Any = None,
-        *,
-        weight: jax.typing.ArrayLike | None = None,
-        **extra_args: Any,
-    ) -> tuple[Any, MultiStepsState]:
-        """Adds ``grads`` to the group; its last call runs the inner optimiser on their mean.
+    acc_grads = jax.tree.map(accumulate, state.acc_grads, grads)
+    weight_sum = jnp.where(keep, weight_sum, state.weight_sum)
+    mini_step = state.mini_step + keep.astype(jnp.int32)
+    complete = keep & (mini_step >= k)
+    # A group without weight holds no items: nothing to learn from, so the inner
+    # optimiser (its weight decay, moments and schedule) does not run for it.
+    apply = complete & (weight_sum > 0)
+    grad_dtypes = jax.tree.map(jnp.result_type, grads)
 
-        Returns ``(updates, new_state)``: the inner optimiser's updates for the
-        (weighted) mean gradient of the group on the call that completes it, zeros of
-        the same tree and dtypes on every other call. ``extra_args`` go to the inner
-        optimiser on the applying call.
-        """
-        _check_state(state)
-        _check_tree(grads, state.acc_grads)
-        w = self._weight(weight)
-        k = self._every_k(state.gradient_step)
-        skip, skip_state = self._should_skip(grads, state, params)
-        if w is not None:  # a traced weight cannot raise; a bad one skips the call instead
-            skip = skip | ~(jnp.isfinite(w) & (w >= 0))
-        if self.axis_name is not None:  # gradient shards must agree on skipping
-            sharding.check_axis_bound(self.axis_name)
-            skip, skip_state = _reduce_over_shards((skip, skip_state), self.axis_name)
-        keep = ~skip
-        first = state.mini_step == 0
+    def run_inner(acc_grads, inner_state):
+        mean = jax.tree.map(lambda a, dtype: a.astype(dtype), acc_grads, grad_dtypes)
+        updates, new_inner = inner.update(mean, inner_state, params, **extra_args)
+        return updates, _astype_like(new_inner, inner_state)
 
-        def accumulate(acc, g):
-            dtype = jnp.promote_types(jnp.promote_types(acc.dtype, g.dtype), jnp.float32)
-            term = g.astype(dtype) if w is None else w.astype(dtype) * g.astype(dtype)
-            new = (jnp.where(first, 0, acc).astype(dtype) + term).astype(acc.dtype)
-            return jnp.where(keep, new, acc)
+    def hold(acc_grads, inner_state):
+        shapes = jax.eval_shape(run_inner, acc_grads, inner_state)[0]
+        # zeros_like keeps what eval_shape saw of each leaf: also its shard_map axes
+        return jax.tree.map(jnp.zeros_like, shapes), inner_state
 
-        acc_grads = jax.tree.map(accumulate, state.acc_grads, grads)
-        term = jnp.ones((), jnp.float32) if w is None else w
-        weight_sum = jnp.where(
-            keep, jnp.where(first, 0.0, state.weight_sum) + term, state.weight_sum
-        )
-        mini_step = state.mini_step + keep.astype(jnp.int32)
-        complete = keep & (mini_step >= k)
-        # A group without weight holds no items: nothing to learn from, so the inner
-        # optimiser (its weight decay, moments and schedule) does not run for it.
-        apply = complete & (weight_sum > 0)
-        grad_dtypes = jax.tree.map(jnp.result_type, grads)
-
-        def run_inner(acc_grads, weight_sum, inner_state):
-            mean = jax.tree.map(
-                lambda a, dtype: (
-                    a.astype(jnp.promote_types(a.dtype, jnp.float32)) / weight_sum
-                ).astype(dtype),
-                acc_grads,
-                grad_dtypes,
-            )
-            updates, new_inner = self.inner.update(mean, inner_state, params, **extra_args)
-            return updates, _astype_like(new_inner, inner_state)
-
-        def hold(acc_grads, weight_sum, inner_state):
-            shapes = jax.eval_shape(run_inner, acc_grads, weight_sum, inner_state)[0]
-            # zeros_like keeps what eval_shape saw of each leaf: also its shard_map axes
-            return jax.tree.map(jnp.zeros_like, shapes), inner_state
-
-        updates, inner_state = jax.lax.cond(
-            apply, run_inner, hold, acc_grads, weight_sum, state.inner_opt_state
-        )
-        new_state = MultiStepsState(
-            mini_step=jnp.where(complete, 0, mini_step),
-            gradient_step=state.gradient_step + apply.astype(jnp.int32),
-            acc_grads=acc_grads,
-            weight_sum=weight_sum,
-            inner_opt_state=inner_state,
-            applied=apply,
-            num_skipped=state.num_skipped + skip.astype(jnp.int32),
-            skip_state=skip_state,
-        )
-        return updates, new_state
-
-    def _weight(self, weight: Any) -> jax.Array | None:
-        if not self.weighted:
-            if weight is not None:
-                raise ValueError(
-                    "`weight` was given, but this MultiSteps was built with weighted=False; "
-                    "build it with jaxga.MultiSteps(..., weighted=True) and pass a weight "
-                    "on every call."
-                )
-            return None
-        if weight is None:
-            raise ValueError(
-                "This MultiSteps was built with weighted=True, so every call needs `weight=` "
-                "(e.g. the token count of the call's batch, jaxga.Mean.count); got none."
-            )
-        try:
-            w = jnp.asarray(weight)
-        except TypeError:
-            raise TypeError(f"`weight` must be a number; got {weight!r}.") from None
-        if not (jnp.issubdtype(w.dtype, jnp.integer) or jnp.issubdtype(w.dtype, jnp.floating)):
-            raise TypeError(f"`weight` must be an int or float scalar; got dtype {w.dtype}.")
-        if w.shape != ():
-            raise ValueError(f"`weight` must be a scalar; got shape {w.shape}.")
-        value = _concrete(w)
-        if value is not None and not (value >= 0 and math.isfinite(value)):
-            raise ValueError(f"`weight` must be finite and non-negative; got {value}.")
-        return w.astype(jnp.float32)
-
-    def _every_k(self, gradient_step: jax.Array) -> Any:
-        if isinstance(self.every_k, int):
-            return self.every_k
-        k = jnp.asarray(self.every_k(gradient_step))
-        if k.shape != () or not jnp.issubdtype(k.dtype, jnp.integer):
-            raise TypeError(
-                f"The `every_k` schedule must return an int scalar; it returned shape "
-                f"{k.shape} and dtype {k.dtype}."
-            )
-        value = _concrete(k)
-        if value is not None and value < 1:
-            raise ValueError(f"The `every_k` schedule must return at least 1; it returned {k}.")
-        return jnp.maximum(k, 1)
-
-    def _should_skip(
-        self, grads: Any, state: MultiStepsState, params: Any
-    ) -> tuple[jax.Array, Any]:
-        if self.should_skip_update_fn is None:
-            return jnp.zeros((), jnp.bool_), ()
-        skip, skip_state = self.should_skip_update_fn(grads, state.gradient_step, params)
-        skip = jnp.asarray(skip)
-        if skip.shape != () or skip.dtype != jnp.bool_:
-            raise ValueError(
-                f"`should_skip_update_fn` must return a bool scalar first; it returned shape "
-                f"{skip.shape} and dtype {skip.dtype}."
-            )
-        if jax.tree.structure(skip_state) != jax.tree.structure(state.skip_state):
-            raise ValueError(
-                f"`should_skip_update_fn` returned a skip_state with tree structure "
-                f"{jax.tree.structure(skip_state)}; `init` recorded "
-                f"{jax.tree.structure(state.skip_state)}."
-            )
-        return skip, _astype_like(skip_state, state.skip_state)
+    updates, inner_state = jax.lax.cond(apply, run_inner, hold, acc_grads, state.inner_opt_state)
+    new_state = MultiStepsState(
+        mini_step=jnp.where(complete, 0, mini_step),
+        gradient_step=state.gradient_step + apply.astype(jnp.int32),
+        acc_grads=acc_grads,
+        weight_sum=weight_sum,
+        inner_opt_state=inner_state,
+        applied=apply,
+        num_skipped=state.num_skipped + (~keep).astype(jnp.int32),
+        skip_state=skip_state,
+    )
+    return updates, new_state
 
 
 class MultiSteps(optax.GradientTransformationExtraArgs):
     """Accumulates gradients over k calls and runs the ``inner`` optimiser once per k.
 
-    Each call adds its gradient to an accumulator. The call that completes a group of
-    ``every_k`` calls passes the group's mean gradient to ``inner`` — a single
+    Each call adds its gradient to the group's running mean. The call that completes
+    a group of ``every_k`` calls passes that mean to ``inner`` — a single
     transformation or a whole ``optax.chain``, so clipping sees the accumulated
     gradient — and returns its updates; every other call returns zeros, so that
     ``optax.apply_updates`` leaves the parameters unchanged. ``inner`` runs once per
-    group, not once per call: its step counter and learning-rate schedule advance once
-    per k calls. With equal weights the parameters match
+    group, not once per call: its step counter and learning-rate schedule advance
+    once per k calls. With equal weights the parameters match
     ``optax.MultiSteps(inner, every_k, use_grad_mean=True)`` to float32 rounding.
-    What differs from optax: ``inner`` runs once per group (not on every call), non-finite
-    gradients are skipped by default, and the state is a ``jaxga.MultiStepsState``
-    (``inner_opt_state``, ``gradient_step`` and ``mini_step`` as in optax, plus
-    ``weight_sum``, ``applied``, ``num_skipped``); ``.inner_opt`` is the wrapped optimiser.
 
-    **Weights.** With ``weighted=True`` every call passes ``weight=`` (e.g. the token
-    count of its batch) and the group's gradient is the weighted mean Σwᵢgᵢ / Σwᵢ:
-    the across-call counterpart of :class:`jaxga.Mean`. For a loss returning
-    ``Mean(total, count)``, pass the gradient of ``mean.value`` and
+    **Porting from optax.** ``jaxga.MultiSteps(inner, every_k_schedule=k)`` takes
+    optax's spelling, ``.inner_opt`` and ``.has_updated`` are there, and the state has
+    optax's ``inner_opt_state``, ``gradient_step``, ``mini_step`` and ``acc_grads``.
+    What differs, and why: ``inner`` runs once per group instead of on every call
+    with k − 1 results thrown away (k − 1 fewer optimiser passes); calls may be
+    weighted; non-finite gradients are skipped by default (one NaN would otherwise
+    end the run); and the state (a ``jaxga.MultiStepsState``) adds ``weight_sum``,
+    ``applied``, ``num_skipped`` and ``skip_state``.
+
+    **Weights.** ``update(..., weight=w)`` weights a call's gradient, and the group's
+    gradient is Σwᵢgᵢ / Σwᵢ (a call without ``weight`` weighs 1, so unweighted calls
+    give the plain mean): the across-call counterpart of :class:`jaxga.Mean`. For a
+    loss returning ``Mean(total, count)``, pass the gradient of ``mean.value`` and
     ``weight=mean.count``; k calls then give exactly the gradient of the token mean
-    over all k batches. Whether a transformation is weighted is fixed when it is built,
-    so a weight given on some calls but not others is an error at trace time. A group
-    whose weights sum to 0 holds no items: it ends without running ``inner``, whose
-    state and step count stay as they were (``has_updated`` is false).
+    over all k batches. Weigh every call of a group or none. A group whose weights
+    sum to 0 holds no items: it ends without running ``inner``, whose state and step
+    count stay as they were (``has_updated`` is false).
 
     **Skipping.** A call whose gradient ``should_skip_update_fn`` rejects (by default
     :func:`skip_not_finite`: any inf or NaN) leaves the accumulation as if it had not
     happened: same accumulator, group position, step count and inner state. It says so
     in the state: ``num_skipped`` counts skipped calls, ``skip_state`` holds the
-    predicate's report and :meth:`has_updated` is false. Under ``jit`` a negative or
-    non-finite ``weight`` cannot raise an error, so it skips its call the same way.
+    predicate's report and :meth:`has_updated` is false. With gradients sharded
+    inside ``shard_map`` (FSDP), the devices' reports are summed over the mesh axes
+    the gradients vary over, so every device takes the same decision.
     ``should_skip_update_fn=None`` turns skipping off and saves one read of the
     gradients per call.
 
-    **Cost.** One buffer the size of the parameters (the accumulator). A call that does
-    not apply reads the gradient and the accumulator and writes the accumulator and the
-    zero updates: it neither runs the inner optimiser nor selects between old and new
-    inner states, and the accumulator is reset by the next group's first call rather
-    than by a pass of its own.
+    **Under jit** no value can raise an error. Eagerly a negative or non-finite
+    ``weight``, or an ``every_k`` schedule returning less than 1, raises; under
+    ``jit`` such a weight skips its call (counted in ``num_skipped``) and such a
+    schedule value counts as 1 (every call applies: visible in ``gradient_step``).
+
+    **Cost.** One buffer the size of the parameters (the accumulator), handed to
+    ``inner`` as it is. A call that does not apply reads the gradient and the
+    accumulator and writes the accumulator and the zero updates: it neither runs the
+    inner optimiser nor selects between old and new inner states, and the
+    accumulator is reset by the next group's first call rather than by a pass of its
+    own.
 
     **Extra arguments** (``value=`` for ``optax.contrib.reduce_on_plateau`` or a line
     search) reach ``inner`` on the applying call only, so pass values that describe the
@@ -377,37 +342,30 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     **Transforms.** The inner optimiser runs under ``lax.cond``. Under ``vmap`` with a
     batched state the condition is batched, and JAX turns the ``cond`` into a
     ``select`` that runs the inner optimiser on every call, as optax does: the results
-    are still exact, only the saving is lost. Inside ``shard_map`` with sharded
-    gradients (each device holds a different part), pass the mesh axis name(s) as
-    ``axis_name`` so that all devices take the same skipping decision; with replicated
-    gradients it is not needed. There are no host callbacks.
+    are still exact, only the saving is lost. There are no host callbacks.
 
     Args:
         inner: the optax transformation to apply to the accumulated gradient.
         every_k: calls per group: a positive int, or a function of the applied-step
-            count (``state.gradient_step``) returning one (a value below 1 under
-            ``jit`` counts as 1).
-        every_k_schedule: optax's name for ``every_k``; give one of the two, so that
-            ``optax.MultiSteps(inner, every_k_schedule=k)`` ports by changing the class.
-        weighted: whether every call passes ``weight=``.
+            count (``state.gradient_step``) returning one.
+        every_k_schedule: optax's name for ``every_k``; give one of the two.
         accumulator_dtype: dtype of the accumulator; ``None`` (default) is at least
-            float32 (bfloat16 gradients are summed in float32, float64 stays float64);
-            an explicit dtype is used as given (``jnp.bfloat16`` halves its memory).
+            float32 (bfloat16 gradients are accumulated in float32, float64 stays
+            float64); an explicit dtype is used as given (``jnp.bfloat16`` halves its
+            memory).
         should_skip_update_fn: ``(grads, gradient_step, params) -> (bool scalar,
-            report)``; ``None`` skips nothing.
-        axis_name: mesh axis name(s) over which the gradients are sharded, inside
-            ``shard_map``.
+            report)``, as optax's; ``None`` skips nothing.
 
     Example:
         >>> import jax.numpy as jnp, optax, jaxga
         >>> tx = jaxga.MultiSteps(optax.sgd(1.0), every_k=2)
         >>> params = jnp.zeros(2)
         >>> state = tx.init(params)
-        >>> for g in (jnp.array([1.0, 2.0]), jnp.array([3.0, 0.0])):
-        ...     updates, state = tx.update(g, state, params)
+        >>> for g, n in ((jnp.array([1.0, 2.0]), 1), (jnp.array([4.0, 0.0]), 3)):
+        ...     updates, state = tx.update(g, state, params, weight=n)  # e.g. token counts
         ...     params = optax.apply_updates(params, updates)
         >>> params.tolist(), bool(tx.has_updated(state))
-        ([-2.0, -1.0], True)
+        ([-3.25, -0.5], True)
     """
 
     def __new__(
@@ -416,10 +374,8 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
         every_k: EveryK | None = None,
         *,
         every_k_schedule: EveryK | None = None,
-        weighted: bool = False,
         accumulator_dtype: Any = None,
         should_skip_update_fn: ShouldSkipFn | None = skip_not_finite,
-        axis_name: Hashable | tuple[Hashable, ...] | None = None,
     ) -> MultiSteps:
         if (every_k is None) == (every_k_schedule is None):
             raise TypeError(
@@ -427,41 +383,26 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
                 f"`every_k_schedule`; got every_k={every_k!r}, "
                 f"every_k_schedule={every_k_schedule!r}."
             )
-        every_k = every_k if every_k_schedule is None else every_k_schedule
-        if not isinstance(weighted, bool):
-            raise TypeError(f"`weighted` must be a bool; got {weighted!r}.")
+        every_k = _check_every_k(every_k if every_k_schedule is None else every_k_schedule)
         if should_skip_update_fn is not None and not callable(should_skip_update_fn):
             raise TypeError(
                 f"`should_skip_update_fn` must be a function or None; got "
                 f"{type(should_skip_update_fn).__name__}."
             )
-        fns = _MultiStepsFns(
-            inner=_check_inner(inner),
-            every_k=_check_every_k(every_k),
-            weighted=weighted,
-            accumulator_dtype=_checks.accumulator_dtype(accumulator_dtype),
-            should_skip_update_fn=should_skip_update_fn,
-            axis_name=axis_name,
+        checked = _check_inner(inner)
+        dtype = _checks.accumulator_dtype(accumulator_dtype)
+        self = super().__new__(
+            cls,
+            functools.partial(_init, checked, dtype, should_skip_update_fn),
+            functools.partial(_update, checked, every_k, should_skip_update_fn),
         )
-        self = super().__new__(cls, fns.init, fns.update)
-        self._fns = fns
-        self._inner = inner
+        self._options = {
+            "every_k": every_k,
+            "accumulator_dtype": dtype,
+            "should_skip_update_fn": should_skip_update_fn,
+        }
+        self.inner_opt = inner
         return self
-
-    @property
-    def inner(self) -> optax.GradientTransformation:
-        """The wrapped optimiser."""
-        return self._inner
-
-    @property
-    def inner_opt(self) -> optax.GradientTransformation:
-        """The wrapped optimiser, under optax's name."""
-        return self._inner
-
-    @property
-    def weighted(self) -> bool:
-        """Whether every call passes ``weight=`` (fixed at construction)."""
-        return self._fns.weighted
 
     def has_updated(self, state: MultiStepsState) -> jax.Array:
         """Returns whether the call that produced ``state`` ran the inner optimiser.
@@ -489,23 +430,11 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
         return optax.GradientTransformationExtraArgs(self.init, self.update)
 
     def __repr__(self) -> str:
-        f = self._fns
-        skip = getattr(f.should_skip_update_fn, "__name__", f.should_skip_update_fn)
-        return (
-            f"MultiSteps(every_k={f.every_k!r}, weighted={f.weighted}, "
-            f"accumulator_dtype={f.accumulator_dtype}, should_skip_update_fn={skip}, "
-            f"axis_name={f.axis_name!r})"
-        )
+        options = ", ".join(f"{k}={getattr(v, '__name__', v)!s}" for k, v in self._options.items())
+        return f"MultiSteps({options})"
 
-    def __reduce__(self):
-        f = self._fns
-        options = {
-            "weighted": f.weighted,
-            "accumulator_dtype": f.accumulator_dtype,
-            "should_skip_update_fn": f.should_skip_update_fn,
-            "axis_name": f.axis_name,
-        }
-        return functools.partial(MultiSteps, **options), (self._inner, f.every_k)
+    def __reduce__(self):  # copy and pickle rebuild from the arguments, not from (init, update)
+        return functools.partial(MultiSteps, self.inner_opt, **self._options), ()
 
 
 # A transformation is configuration, not data: without this JAX would flatten it as a

@@ -27,6 +27,7 @@ __all__ = [
     "hlo_collectives",
     "indivisible_error",
     "psum_invariant",
+    "psum_varying",
     "replicate",
     "shard_batch",
     "varying",
@@ -142,6 +143,35 @@ def psum_invariant(tree: Any, like: Any, axis_name: Any) -> Any:
             for i, x in zip(indices, summed):
                 out[i] = x
     return jax.tree.unflatten(treedef, out)
+
+
+def psum_varying(tree: Any) -> Any:
+    """Sums each leaf over the mesh axes it varies over (bools: whether any device is true).
+
+    The result is the same on every device. Leaves that vary over no axis (outside
+    ``shard_map``, or replicated) are returned as they are, so a report that is already
+    global is not counted once per device. This is how per-shard reports (non-finite
+    counts of FSDP-sharded gradients) become one decision.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((1,), ("data",))
+        >>> f = lambda x: jaxga.sharding.psum_varying(jnp.sum(x))
+        >>> x = jaxga.sharding.shard_batch(jnp.arange(4.0), mesh)
+        >>> float(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P())(x))
+        6.0
+    """
+
+    def reduce(x):
+        axes = tuple(sorted(_varying_axes(x), key=str))
+        if not axes:
+            return x
+        if x.dtype == jnp.bool_:
+            return jax.lax.psum(x.astype(jnp.int32), axes) > 0
+        return jax.lax.psum(x, axes)
+
+    return jax.tree.map(reduce, tree)
 
 
 def indivisible_error(batches: Any, num_microbatches: int, axis_name: Any) -> ValueError:

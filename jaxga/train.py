@@ -1,7 +1,17 @@
-"""A jitted train step that puts the whole jaxga pipeline together."""
+"""Jitted train steps that put the whole jaxga pipeline together.
+
+:func:`make_train_step` takes a functional state — a ``flax.training.train_state.TrainState``
+(Linen, or an NNX model split with ``nnx.split``) — and :func:`nnx_train_step` takes a Flax
+NNX model and its ``nnx.Optimizer``. Both split the batch into micro-batches, accumulate
+the exact loss and gradient, hand the optimiser the call's item count (so a
+:class:`jaxga.MultiSteps` anywhere in it accumulates exactly across calls too) and
+return the same metrics.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -9,56 +19,61 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import struct
-from jax.sharding import Mesh, NamedSharding
+from flax import nnx
+from flax.training import train_state
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxga._checks import positive_int
-from jaxga.accumulation import accumulate
-from jaxga.multistep import MultiSteps, MultiStepsState
-from jaxga.sharding import replicate, shard_batch
+from jaxga.accumulation import Accumulated, accumulate
+from jaxga.loss import Mean
+from jaxga.multistep import MultiStepsState
 
-__all__ = ["TrainState", "make_train_step", "nnx_loss"]
+__all__ = ["TrainState", "make_train_step", "nnx_loss", "nnx_train_step"]
+
+Metrics = dict[str, jax.Array]
+_FLAX_FIELDS = frozenset(f.name for f in dataclasses.fields(train_state.TrainState))
 
 
-class TrainState(struct.PyTreeNode):
-    """Everything a train step reads and writes, as one pytree of arrays.
+class TrainState(train_state.TrainState):
+    """Flax's ``TrainState`` plus the model's non-differentiated state and a PRNG key.
+
+    A ``flax.training.train_state.TrainState`` (``step``, ``apply_fn``, ``params``,
+    ``tx``, ``opt_state``; ``apply_gradients`` works as in Flax) with two more fields:
 
     Attributes:
-        step: how many times the step has been called (micro-steps count too when the
-            optimiser is a :class:`jaxga.MultiSteps`).
-        params: the differentiated parameters.
-        opt_state: the optax state of the optimiser.
         model_state: state the model updates but does not differentiate, threaded
             through the micro-batches (Linen ``{"batch_stats": ...}``, the non-``Param``
-            state of an NNX model); ``{}`` when there is none.
+            state of an NNX model split with ``nnx.split``); ``{}`` when there is none.
         rng: a typed PRNG key (any implementation); step ``s``, micro-batch ``i`` gets
             ``fold_in(fold_in(rng, s), i)``, so a resumed run draws the same keys.
 
+    Any other ``flax.training.train_state.TrainState`` works with
+    :func:`make_train_step` too; see there.
+
     Example:
         >>> import jax.numpy as jnp, optax, jaxga
-        >>> state = jaxga.TrainState.create({"w": jnp.zeros(3)}, optax.adam(1e-3))
+        >>> state = jaxga.TrainState.create(params={"w": jnp.zeros(3)}, tx=optax.adam(1e-3))
         >>> state = state.replace(params={"w": jnp.ones(3)})  # a pytree: save it, map over it
         >>> int(state.step), state.params["w"].tolist()
         (0, [1.0, 1.0, 1.0])
     """
 
-    step: jax.Array
-    params: Any
-    opt_state: Any
-    model_state: Any
-    rng: jax.Array
+    model_state: Any = None
+    rng: jax.Array | None = None
 
     @classmethod
     def create(
         cls,
-        params: Any,
-        optimizer: optax.GradientTransformation,
         *,
+        params: Any,
+        tx: optax.GradientTransformation,
+        apply_fn: Callable[..., Any] | None = None,
         model_state: Any = None,
         rng: jax.Array | int = 0,
+        **kwargs: Any,
     ) -> TrainState:
-        """Returns the initial state for ``params`` and ``optimizer``.
+        """Returns the initial state for ``params`` and the optimiser ``tx``.
 
         ``params`` and ``model_state`` are copied: the train step donates the state's
         buffers, which would otherwise delete arrays you still hold (an NNX model's
@@ -66,18 +81,29 @@ class TrainState(struct.PyTreeNode):
 
         Example:
             >>> import jax.numpy as jnp, optax, jaxga
-            >>> state = jaxga.TrainState.create({"w": jnp.zeros(3)}, optax.sgd(0.1), rng=1)
+            >>> state = jaxga.TrainState.create(params=jnp.zeros(3), tx=optax.sgd(0.1), rng=1)
             >>> int(state.step), state.rng.shape
             (0, ())
         """
+        _check_tx(tx, "tx")
         model_state = {} if model_state is None else model_state
         params, model_state = jax.tree.map(_copy, (params, model_state))
-        return cls(
-            step=jnp.zeros((), jnp.int32),
+        state = super().create(
+            apply_fn=apply_fn,
             params=params,
-            opt_state=optimizer.init(params),
+            tx=tx,
             model_state=model_state,
             rng=_as_key(rng),
+            **kwargs,
+        )
+        return state.replace(step=jnp.zeros((), jnp.int32))
+
+
+def _check_tx(tx: Any, name: str) -> None:
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(
+            f"`{name}` must be an optax GradientTransformation (with `init` and `update`), "
+            f"e.g. optax.adam(1e-3); got {tx!r} of type {type(tx).__name__}."
         )
 
 
@@ -117,12 +143,28 @@ def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
         >>> loss.shape
         ()
     """
-    from flax import nnx
+    if not isinstance(graphdef, nnx.graphlib.GraphDef):
+        raise TypeError(
+            f"`graphdef` must be the GraphDef of `graphdef, params, rest = nnx.split(model, "
+            f"nnx.Param, ...)`; got {type(graphdef).__name__}."
+        )
+    if not callable(loss):
+        raise TypeError(
+            f"`loss` must be a function `loss(model, batch, rng)`; got {loss!r} of type "
+            f"{type(loss).__name__}."
+        )
 
     def functional(params, batch, model_state, rng):
-        # copy=True: fresh Variables of this trace, so the model may update its state
-        # (BatchNorm statistics, its own Rngs) inside the micro-batch loop.
-        model = nnx.merge(graphdef, params, model_state, copy=True)
+        try:
+            # copy=True: fresh Variables of this trace, so the model may update its state
+            # (BatchNorm statistics, its own Rngs) inside the micro-batch loop.
+            model = nnx.merge(graphdef, params, model_state, copy=True)
+        except ValueError as e:
+            raise ValueError(
+                "`nnx_loss` could not rebuild the model from the state's params and "
+                "model_state: split it as `graphdef, params, rest = nnx.split(model, "
+                f"nnx.Param, ...)` and pass `model_state=rest` ({e})."
+            ) from None
         value = loss(model, batch, rng)
         _, _, new_state = nnx.split(model, nnx.Param, ...)
         return value, new_state
@@ -140,68 +182,144 @@ def _learning_rate(opt_state: Any) -> jax.Array:
     return jnp.asarray(found[0] if len(found) == 1 else jnp.nan, jnp.float32)
 
 
-def _mean_over(tree: Any, before: Any, axis_name: Any) -> Any:
-    """Floating leaves: the mean over devices; others (counters, flags, keys): the max.
+def _applied(opt_state: Any) -> jax.Array:
+    """Whether the optimiser changed the parameters: false while a MultiSteps accumulates."""
+    is_state = lambda x: isinstance(x, MultiStepsState)
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+    return found[0].applied if found else jnp.asarray(True)
 
-    Floats are averaged as ``before + mean(x - before)``, so a leaf no device changed
-    (BatchNorm statistics in eval mode) stays bit for bit what it was.
+
+def _metrics(acc: Accumulated, opt_state: Any) -> Metrics:
+    return {
+        "loss": acc.mean.value,
+        "count": acc.mean.count,
+        "grad_norm": optax.tree.norm(acc.grads),
+        "learning_rate": _learning_rate(opt_state),
+        "applied": _applied(opt_state),
+    }
+
+
+def _weight_of(tx: Any, acc: Accumulated) -> dict[str, jax.Array]:
+    """``weight=`` the call's item count, for optimisers that take extra arguments.
+
+    :class:`jaxga.MultiSteps` (anywhere in an ``optax.chain``) weighs its calls by it;
+    other transformations that take extra arguments ignore it.
     """
-
-    def reduce(x, old):
-        if jnp.issubdtype(x.dtype, jnp.floating):
-            return old + jax.lax.pmean(x - old, axis_name)
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # e.g. an NNX RngKey
-            data = jax.lax.pmax(jax.random.key_data(x), axis_name)
-            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-        return jax.lax.pmax(x, axis_name)
-
-    return jax.tree.map(reduce, tree, before)
+    extra_args = isinstance(tx, optax.GradientTransformationExtraArgs)
+    return {"weight": acc.mean.count} if extra_args else {}
 
 
-def _leaf_paths(tree: Any) -> frozenset[str]:
-    return frozenset(
-        jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+def _model_fields(state: train_state.TrainState) -> list[str]:
+    """The fields a TrainState subclass adds to Flax's, but ``rng``: the model's state."""
+    return [
+        f.name
+        for f in dataclasses.fields(state)
+        if f.name not in _FLAX_FIELDS and f.name != "rng" and f.metadata.get("pytree_node", True)
+    ]
+
+
+def _get_model_state(state: train_state.TrainState) -> Any:
+    if isinstance(state, TrainState):
+        return state.model_state
+    return {name: getattr(state, name) for name in _model_fields(state)}
+
+
+def _set_model_state(state: train_state.TrainState, model_state: Any) -> Any:
+    if isinstance(state, TrainState):
+        return state.replace(model_state=model_state)
+    return state.replace(**model_state)
+
+
+def _check_state(state: Any) -> None:
+    if isinstance(state, train_state.TrainState):
+        return
+    hint = (
+        "; for a Flax NNX model and nnx.Optimizer use jaxga.nnx_train_step"
+        if nnx.graphlib.is_graph_node(state)
+        else ""
+    )
+    raise TypeError(
+        f"`state` must be a flax.training.train_state.TrainState (jaxga.TrainState is one, "
+        f"with model_state and rng); got {type(state).__name__}{hint}."
     )
 
 
-def _check_batch(expected: frozenset[str], batch: Any) -> None:
-    """Raises if ``batch`` has other leaves than the batch the step was first called with.
+def _checked_loss(loss: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(loss)
+    def checked(params, batch, model_state, rng):
+        out = loss(params, batch, model_state, rng)
+        if isinstance(out, Mean) or not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                "`loss(params, batch, model_state, rng)` must return a pair (loss, "
+                f"new_model_state) — return `model_state` unchanged if the model has none; "
+                f"got {type(out).__name__}."
+            )
+        return out
 
-    Only the leaves are compared: per-example shapes may change (length buckets), and
-    the step retraces for them as any jitted function does.
-    """
-    got = _leaf_paths(batch)
-    if got != expected:
-        problems = [f"missing batch{k}" for k in sorted(expected - got)]
-        problems += [f"unexpected batch{k}" for k in sorted(got - expected)]
-        raise ValueError(
-            "The batch does not have the leaves of the batch the train step was first "
-            f"called with: {'; '.join(problems)}."
+    return checked
+
+
+def _with_donation_error(jitted: Any) -> Callable[..., Any]:
+    """``jitted``, saying so when it is called with a state an earlier call donated."""
+
+    @functools.wraps(jitted)
+    def step(*args: Any) -> Any:
+        try:
+            return jitted(*args)
+        except (RuntimeError, ValueError) as e:  # the type differs across jax versions
+            if "deleted" not in str(e):
+                raise
+            raise ValueError(
+                "The train step was given arrays that an earlier call deleted: it donates "
+                "its state's buffers (donate=True), so pass the state it returned, not the "
+                "one you gave it (or build it with donate=False)."
+            ) from None
+
+    step.lower, step.trace = jitted.lower, jitted.trace
+    return step
+
+
+def _check_wrt(optimizer: Any, model: Any, grads: Any) -> None:
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            f"`optimizer` must be an nnx.Optimizer(model, tx, wrt=nnx.Param); got "
+            f"{type(optimizer).__name__}."
         )
-
-
-def _multisteps_states(opt_state: Any) -> list[MultiStepsState]:
-    is_state = lambda x: isinstance(x, MultiStepsState)
-    return [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+    expected = jax.tree.structure(nnx.as_pure(nnx.state(model, optimizer.wrt)))
+    if jax.tree.structure(nnx.as_pure(grads)) != expected:
+        raise ValueError(
+            f"`optimizer` was built with wrt={optimizer.wrt!r}, but the step differentiates "
+            f"the model's nnx.Param state; build it as nnx.Optimizer(model, tx, wrt=nnx.Param)."
+        )
 
 
 def make_train_step(
     loss: Callable[..., Any],
-    optimizer: optax.GradientTransformation,
     num_microbatches: int = 1,
     *,
     mesh: Mesh | None = None,
     axis_name: str = "data",
     accumulator_dtype: Any = None,
     donate: bool = True,
-) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
+) -> Callable[[Any, Any], tuple[Any, Metrics]]:
     """Builds one jitted train step ``(state, batch) -> (state, metrics)``.
 
     The step splits ``batch`` into ``num_microbatches`` micro-batches, accumulates
     the loss and gradients exactly with :func:`jaxga.accumulate` (a fresh PRNG key
-    per micro-batch, model state threaded from one micro-batch to the next),
-    applies ``optimizer`` and returns the new state. The state's buffers are
-    donated, so the old state must not be used after the call.
+    per micro-batch, model state threaded from one micro-batch to the next), runs
+    the state's optimiser ``state.tx`` and returns the new state.
+
+    ``state`` is a ``flax.training.train_state.TrainState``. With a
+    :class:`jaxga.TrainState` the model state is ``state.model_state`` and the keys
+    come from ``state.rng``. With any other (a Linen user's own subclass, say, with a
+    ``batch_stats`` field) the model state is the dict of the fields the subclass adds
+    (``{"batch_stats": ...}``, just what Linen's ``apply(..., mutable=...)`` returns),
+    and the keys come from its ``rng`` field if it has one (``None`` otherwise).
+
+    The optimiser is handed the call's item count as ``weight=``, so a
+    :class:`jaxga.MultiSteps` in it accumulates exactly across calls; other
+    transformations ignore it. The state's buffers are donated: use the state the
+    step returns, not the one you gave it.
 
     Args:
         loss: ``loss(params, batch, model_state, rng) -> (loss, new_model_state)``,
@@ -210,38 +328,35 @@ def make_train_step(
             NNX, :func:`nnx_loss` builds it from ``loss(model, batch, rng)``; for Linen,
             call ``model.apply({"params": params, **model_state}, ..., rngs=...,
             mutable=list(model_state))``.
-        optimizer: any optax transformation. A :class:`jaxga.MultiSteps` (built with
-            ``weighted=True``) receives the call's item count as ``weight``, so
-            accumulation across calls is exact too.
         num_microbatches: micro-batches per call.
-        mesh: data parallelism: the batch is sharded over ``mesh``'s ``axis_name``
-            axis, the state replicated, each device scans its own micro-batches and
-            the gradients are reduced once per call. A batch of host (numpy) arrays
-            holds this process's rows and is placed with
-            :func:`jaxga.sharding.shard_batch`; a state not yet on the mesh is
-            replicated. Model state is threaded per device; then floating leaves
-            (BatchNorm statistics) are averaged over devices and the others
-            (counters, keys) take their maximum. See ``docs/distributed.md``.
+        mesh: data parallelism: the state is replicated over ``mesh``, the batch
+            sharded over its ``axis_name`` axis; each device scans its own
+            micro-batches and the gradients are reduced once per call. A single
+            process may pass host arrays; with several processes pass global arrays
+            (:func:`jaxga.sharding.shard_batch` places this process's rows,
+            :func:`jaxga.sharding.replicate` the state). Model state is threaded per
+            device; then floating leaves (BatchNorm statistics) are averaged over
+            devices and the others (counters, keys) take their maximum. See
+            ``docs/distributed.md``.
         axis_name: the mesh axis the batch is sharded over.
         accumulator_dtype: dtype of the gradient sums; ``None`` (default) is at least
             float32, an explicit dtype is used as given.
         donate: donate the state's buffers to the step.
 
     Returns:
-        The jitted step. ``metrics`` holds ``loss`` (the exact global mean), ``count``
-        (items, e.g. tokens; for a scalar loss, micro-batches over all devices),
-        ``grad_norm`` (of the accumulated gradient),
-        ``learning_rate`` (from ``optax.inject_hyperparams``, NaN if unknown) and
-        ``applied`` (whether the parameters changed on this call). With ``mesh``, the
-        step places its arguments and calls the jitted step; ``step.lower(state,
-        batch)`` lowers that.
+        The jitted step (with ``lower`` and ``trace``, for :func:`jaxga.memory_report`
+        and :func:`jaxga.plan`). ``metrics`` holds ``loss`` (the exact global mean),
+        ``count`` (items, e.g. tokens; for a scalar loss, micro-batches over all
+        devices), ``grad_norm`` (of the accumulated gradient), ``learning_rate`` (from
+        ``optax.inject_hyperparams``, NaN if unknown) and ``applied`` (whether the
+        parameters changed on this call: false while a MultiSteps accumulates).
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, jaxga
         >>> def loss(params, batch, model_state, rng):
         ...     return jaxga.Mean.of((batch["x"] @ params - batch["y"]) ** 2), model_state
-        >>> state = jaxga.TrainState.create(jnp.zeros(3), optax.sgd(0.1))
-        >>> step = jaxga.make_train_step(loss, optax.sgd(0.1), num_microbatches=4)
+        >>> state = jaxga.TrainState.create(params=jnp.zeros(3), tx=optax.sgd(0.1))
+        >>> step = jaxga.make_train_step(loss, num_microbatches=4)
         >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.ones(8)}
         >>> state, metrics = step(state, batch)
         >>> float(metrics["loss"]), int(metrics["count"]), int(state.step)
@@ -249,111 +364,112 @@ def make_train_step(
     """
     positive_int(num_microbatches, "num_microbatches")
     if not callable(loss):
-        raise TypeError(f"`loss` must be a function; got {type(loss).__name__}.")
-    if not (
-        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
-    ):
         raise TypeError(
-            f"`optimizer` must be an optax GradientTransformation; got {type(optimizer).__name__}."
+            f"`loss` must be a function `loss(params, batch, model_state, rng) -> (loss, "
+            f"new_model_state)`; got {loss!r} of type {type(loss).__name__}."
+        )
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh((n,), ('data',))); "
+            f"got {mesh!r} of type {type(mesh).__name__}."
         )
     if mesh is not None and axis_name not in mesh.axis_names:
         raise ValueError(f"`axis_name`={axis_name!r} is not an axis of `mesh` {mesh.axis_names}.")
-    if isinstance(optimizer, MultiSteps) and not optimizer.weighted:
-        raise ValueError(
-            "`optimizer` is a jaxga.MultiSteps built with weighted=False, but the train step "
-            "weights each call by its item count (Mean.count) so that accumulation across "
-            "calls is exact; build it with jaxga.MultiSteps(..., weighted=True)."
-        )
-    data_axis = axis_name if mesh is not None else None
-    seen: dict[str, Any] = {}
+    grad_fn = accumulate(
+        _checked_loss(loss),
+        num_microbatches=num_microbatches,
+        batch_argnums=1,
+        state_argnums=2,
+        rng_argnums=3,
+        axis_name=axis_name if mesh is not None else None,
+        accumulator_dtype=accumulator_dtype,
+    )
 
-    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        _check_batch(seen.setdefault("batch", _leaf_paths(batch)), batch)
-        if not isinstance(optimizer, MultiSteps) and _multisteps_states(state.opt_state):
-            raise ValueError(
-                "`optimizer` has a jaxga.MultiSteps inside another transformation; the "
-                "train step hands it each call's item count only when it is the outermost "
-                "one: build jaxga.MultiSteps(optax.chain(...), every_k, weighted=True)."
-            )
-        rng = jax.random.fold_in(state.rng, state.step)
-        acc = accumulate(
-            loss,
-            num_microbatches=num_microbatches,
-            batch_argnums=1,
-            state_argnums=2,
-            rng_argnums=3,
-            axis_name=data_axis,
-            accumulator_dtype=accumulator_dtype,
-        )(state.params, batch, state.model_state, rng)
-        grads, model_state = acc.grads, acc.state
-        extra = {"weight": acc.mean.count} if isinstance(optimizer, MultiSteps) else {}
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params, **extra)
-        has_updated = getattr(optimizer, "has_updated", None)
-        metrics = {
-            "loss": acc.mean.value,
-            "count": acc.mean.count,
-            "grad_norm": optax.tree.norm(grads),
-            "learning_rate": _learning_rate(opt_state),
-            "applied": jnp.asarray(True if has_updated is None else has_updated(opt_state)),
-        }
+    def step(state: Any, batch: Any) -> tuple[Any, Metrics]:
+        _check_state(state)
+        rng = getattr(state, "rng", None)
+        rng = None if rng is None else jax.random.fold_in(rng, state.step)
+        acc = grad_fn(state.params, batch, _get_model_state(state), rng)
+        updates, opt_state = state.tx.update(
+            acc.grads, state.opt_state, state.params, **_weight_of(state.tx, acc)
+        )
         new_state = state.replace(
             step=state.step + 1,
             params=optax.apply_updates(state.params, updates),
             opt_state=opt_state,
-            model_state=model_state,
         )
-        return new_state, metrics
+        return _set_model_state(new_state, acc.state), _metrics(acc, opt_state)
 
-    donate_argnums = (0,) if donate else ()
-    if mesh is None:
-        return jax.jit(step, donate_argnums=donate_argnums)
-    sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(axis_name)), out_specs=(P(), P()))
-    jitted = jax.jit(
-        sharded,
-        donate_argnums=donate_argnums,
-        in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P(axis_name))),
+    jit_options: dict[str, Any] = {"donate_argnums": (0,) if donate else ()}
+    if mesh is not None:
+        replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(axis_name))
+        per_device = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(axis_name)), out_specs=P())
+
+        explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis_name] == AxisType.Explicit
+
+        def step(state: Any, batch: Any) -> tuple[Any, Metrics]:
+            if explicit:  # shard_map checks the shardings in the arguments' types too
+                state, batch = jax.reshard(state, replicated), jax.reshard(batch, sharded)
+            return per_device(state, batch)
+
+        jit_options.update(in_shardings=(replicated, sharded), out_shardings=replicated)
+    return _with_donation_error(jax.jit(step, **jit_options))
+
+
+def nnx_train_step(
+    loss: Callable[..., Any],
+    num_microbatches: int = 1,
+    *,
+    accumulator_dtype: Any = None,
+) -> Callable[[Any, Any, Any], Metrics]:
+    """Builds one ``nnx.jit``-compiled train step ``(model, optimizer, batch) -> metrics``.
+
+    The Flax NNX counterpart of :func:`make_train_step`: ``loss(model, batch)`` runs
+    on each micro-batch through :func:`jaxga.accumulate`, so the model's
+    ``nnx.Param``s are differentiated and every other ``nnx.Variable`` (BatchNorm
+    statistics, ``nnx.Rngs`` counters for Dropout) is threaded through the
+    micro-batches and written back, as if they had run one after another. Then
+    ``optimizer.update(model, grads, weight=count)`` updates the model in place: a
+    :class:`jaxga.MultiSteps` optimiser weighs each call by its item count, so
+    accumulation across calls is exact too; other transformations ignore ``weight``.
+
+    Args:
+        loss: ``loss(model, batch) -> loss``, a :class:`jaxga.Mean` or a scalar mean
+            over its micro-batch.
+        num_microbatches: micro-batches per call.
+        accumulator_dtype: dtype of the gradient sums; ``None`` (default) is at least
+            float32.
+
+    Returns:
+        The step; it updates ``model`` and ``optimizer`` in place and returns the
+        metrics of :func:`make_train_step`.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jaxga
+        >>> from flax import nnx
+        >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        >>> loss = lambda m, b: jaxga.Mean.of((m(b["x"])[:, 0] - b["y"]) ** 2)
+        >>> step = jaxga.nnx_train_step(loss, num_microbatches=4)
+        >>> metrics = step(model, optimizer, {"x": jnp.ones((8, 3)), "y": jnp.ones(8)})
+        >>> int(metrics["count"]), int(optimizer.step[...])
+        (8, 1)
+    """
+    positive_int(num_microbatches, "num_microbatches")
+    if not callable(loss):
+        raise TypeError(
+            f"`loss` must be a function `loss(model, batch) -> loss`; got {loss!r} of type "
+            f"{type(loss).__name__}."
+        )
+    grad_fn = accumulate(
+        loss, num_microbatches=num_microbatches, accumulator_dtype=accumulator_dtype
     )
 
-    return _MeshStep(jitted, mesh, axis_name)
+    @nnx.jit
+    def step(model: Any, optimizer: Any, batch: Any) -> Metrics:
+        acc = grad_fn(model, batch)
+        _check_wrt(optimizer, model, acc.grads)
+        optimizer.update(model, acc.grads, **_weight_of(optimizer.tx, acc))
+        return _metrics(acc, nnx.as_pure(optimizer.opt_state))
 
-
-class _MeshStep:
-    """The train step on a mesh: places its arguments, then calls the jitted step.
-
-    A host batch holds this process's rows: it is placed on the mesh with
-    :func:`jaxga.sharding.shard_batch`, as jit alone cannot (an explicit mesh's
-    ``shard_map`` rejects unsharded inputs, and with several processes jit takes only
-    global arrays). A state not yet on the mesh (fresh from ``TrainState.create``) is
-    replicated first, so that the first call compiles the step the later calls use.
-    ``lower`` and ``trace`` take arrays or ``jax.ShapeDtypeStruct``s of the global
-    shapes, so :func:`jaxga.memory_report` and :func:`jaxga.plan` work on the step.
-    """
-
-    def __init__(self, jitted: Any, mesh: Mesh, axis_name: str):
-        self.jitted, self.mesh, self.axis_name = jitted, mesh, axis_name
-
-    def _place(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((state, batch))):
-            return state, batch
-        on_mesh = lambda x: getattr(getattr(x, "sharding", None), "mesh", None) == self.mesh
-        if not all(on_mesh(x) for x in jax.tree.leaves(state)):
-            state = replicate(state, self.mesh)
-        return state, shard_batch(batch, self.mesh, self.axis_name)
-
-    def _abstract(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
-        """Arrays or shape structs as shape structs placed as the step takes them."""
-
-        def spec(partition):
-            sharding = NamedSharding(self.mesh, partition)
-            return lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype, sharding=sharding)
-
-        return jax.tree.map(spec(P()), state), jax.tree.map(spec(P(self.axis_name)), batch)
-
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        return self.jitted(*self._place(state, batch))
-
-    def lower(self, state: TrainState, batch: Any) -> Any:
-        return self.jitted.lower(*self._abstract(state, batch))
-
-    def trace(self, state: TrainState, batch: Any) -> Any:
-        return self.jitted.trace(*self._abstract(state, batch))
+    return step

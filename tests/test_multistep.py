@@ -199,7 +199,7 @@ def test_weighted_calls_equal_one_step_on_the_global_token_mean():
     k, groups = 4, 2
     params, data = embed_params(), token_batches(k * groups)
     inner = optax.adam(0.1)
-    tx = jaxga.MultiSteps(inner, k, weighted=True)
+    tx = jaxga.MultiSteps(inner, k)
     ours = train_calls(tx, params, data, k * groups, token_loss, weighted=True)
 
     @jax.jit
@@ -326,7 +326,7 @@ def test_custom_skip_predicate_from_optax():
 
 def test_a_traced_negative_weight_skips_its_call():
     params, data = embed_params(), token_batches(3)
-    tx = jaxga.MultiSteps(optax.sgd(0.1), 2, weighted=True)
+    tx = jaxga.MultiSteps(optax.sgd(0.1), 2)
     update = jax.jit(lambda g, s, p, w: tx.update(g, s, p, weight=w))
     grads = jax.vmap(token_mean_grad, in_axes=(None, 0))(params, call_axis(data))
     grads = unstack(as_numpy(grads), 3)
@@ -430,9 +430,9 @@ def test_shard_map_with_replicated_and_with_sharded_gradients():
     # data parallel: gradients already reduced, the same on every device
     p, _ = run(tx, P(), P())
     assert_trees_close(p, reference)
-    # FSDP-like: the arrays of params, gradients and state are sharded; axis_name makes
-    # the skip decision (and so the step counters) the same on every device
-    fsdp = jaxga.MultiSteps(optax.adam(0.05), k, axis_name="data")
+    # FSDP-like: the arrays of params, gradients and state are sharded; the skip decision
+    # (and so the step counters) is summed over the axes the gradients vary over
+    fsdp = jaxga.MultiSteps(optax.adam(0.05), k)
     spec = lambda tree: jax.tree.map(lambda x: P("data") if jnp.ndim(x) else P(), tree)
     p, s = run(fsdp, spec(params), spec(fsdp.init(params)))
     assert_trees_close(p, reference)
@@ -442,14 +442,14 @@ def test_shard_map_with_replicated_and_with_sharded_gradients():
 def test_composes_in_optax_chain_and_receives_weight_through_it():
     k, calls = 2, 4
     params, data = embed_params(), token_batches(calls)
-    alone = jaxga.MultiSteps(optax.adam(0.1), k, weighted=True)
-    chained = optax.chain(optax.identity(), jaxga.MultiSteps(optax.adam(0.1), k, weighted=True))
+    alone = jaxga.MultiSteps(optax.adam(0.1), k)
+    chained = optax.chain(optax.identity(), jaxga.MultiSteps(optax.adam(0.1), k))
     a = train_calls(alone, params, data, calls, token_loss, weighted=True)
     b = train_calls(chained, params, data, calls, token_loss, weighted=True)
     assert_trees_close(b["params"][-1], a["params"][-1], rtol=0, atol=0)
     # and as the first element of a chain, followed by a scaling
     c = train_calls(
-        optax.chain(jaxga.MultiSteps(optax.scale_by_adam(), k, weighted=True), optax.scale(-0.1)),
+        optax.chain(jaxga.MultiSteps(optax.scale_by_adam(), k), optax.scale(-0.1)),
         params,
         data,
         calls,
@@ -465,17 +465,16 @@ def test_is_a_gradient_transformation_and_a_static_pytree():
     assert jax.tree.leaves(tx) == [] and jax.tree.map(lambda x: x, tx) is tx
     assert isinstance(tx.gradient_transformation(), optax.GradientTransformationExtraArgs)
     for clone in (copy.copy, copy.deepcopy):
-        other = clone(jaxga.MultiSteps(optax.identity(), 3, weighted=True))
-        assert isinstance(other, jaxga.MultiSteps) and "every_k=3, weighted=True" in repr(other)
+        other = clone(jaxga.MultiSteps(optax.identity(), 3, accumulator_dtype=jnp.bfloat16))
+        assert isinstance(other, jaxga.MultiSteps) and other.inner_opt is not None
+        assert "every_k=3, accumulator_dtype=bfloat16" in repr(other)
 
 
 def test_flax_nnx_optimizer_passes_weight_through():
     from flax import nnx
 
     model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-    optimizer = nnx.Optimizer(
-        model, jaxga.MultiSteps(optax.sgd(1.0), 2, weighted=True), wrt=nnx.Param
-    )
+    optimizer = nnx.Optimizer(model, jaxga.MultiSteps(optax.sgd(1.0), 2), wrt=nnx.Param)
     x = jnp.arange(12.0).reshape(4, 3) / 10
 
     @nnx.jit
@@ -515,7 +514,6 @@ def test_bad_every_k(every_k, error, match):
     "kwargs, error, match",
     [
         ({"inner": "adam"}, TypeError, "`inner` must be an optax GradientTransformation .* str"),
-        ({"weighted": 1}, TypeError, "`weighted` must be a bool; got 1"),
         ({"accumulator_dtype": jnp.int32}, TypeError, "`accumulator_dtype` .* got int32"),
         ({"accumulator_dtype": "nope"}, TypeError, "`accumulator_dtype` .* got 'nope'"),
         ({"should_skip_update_fn": 3}, TypeError, "`should_skip_update_fn` .* got int"),
@@ -544,36 +542,32 @@ def test_bad_schedule_outputs():
 
 
 @pytest.mark.parametrize(
-    "weighted, weight, error, match",
+    "weight, error, match",
     [
-        (
-            False,
-            3.0,
-            ValueError,
-            "`weight` was given, but this MultiSteps was built with weighted=False",
-        ),
-        (True, None, ValueError, "weighted=True, so every call needs `weight=`.*got none"),
-        (True, jnp.ones(2), ValueError, "`weight` must be a scalar; got shape \\(2,\\)"),
-        (True, -1.0, ValueError, "`weight` must be finite and non-negative; got -1.0"),
-        (True, float("nan"), ValueError, "finite and non-negative; got nan"),
-        (True, "ten", TypeError, "`weight` must be a number; got 'ten'"),
-        (True, True, TypeError, "`weight` must be an int or float scalar; got dtype bool"),
+        (jnp.ones(2), ValueError, "`weight` must be a scalar; got shape \\(2,\\)"),
+        (-1.0, ValueError, "`weight` must be finite and non-negative; got -1.0"),
+        (float("nan"), ValueError, "finite and non-negative; got nan"),
+        ("ten", TypeError, "`weight` must be a number; got 'ten'"),
+        (True, TypeError, "`weight` must be an int or float scalar; got dtype bool"),
     ],
 )
-def test_bad_weight(weighted, weight, error, match):
-    tx = jaxga.MultiSteps(optax.sgd(0.1), 2, weighted=weighted)
+def test_bad_weight(weight, error, match):
+    tx = jaxga.MultiSteps(optax.sgd(0.1), 2)
     params = jnp.zeros(3)
     with pytest.raises(error, match=match):
         tx.update(params, tx.init(params), params, weight=weight)
 
 
-def test_weight_given_on_some_calls_only_fails_at_trace_time():
+def test_a_call_without_weight_weighs_one():
     params = jnp.zeros(3)
-    weighted = jaxga.MultiSteps(optax.sgd(0.1), 2, weighted=True)
-    update = jax.jit(lambda g, s, **kw: weighted.update(g, s, params, **kw))
-    _, state = update(params, weighted.init(params), weight=2.0)
-    with pytest.raises(ValueError, match="needs `weight=`"):
-        update(params, state)
+    tx = jaxga.MultiSteps(optax.sgd(1.0), 3)
+    update = jax.jit(lambda g, s, **kw: tx.update(g, s, params, **kw))
+    g = [jnp.array([1.0, 2.0, 3.0]), jnp.array([4.0, 0.0, -1.0]), jnp.array([0.5, 0.5, 0.5])]
+    _, state = update(g[0], tx.init(params))
+    _, state = update(g[1], state, weight=3.0)
+    updates, state = update(g[2], state)
+    assert bool(tx.has_updated(state)) and float(state.weight_sum) == 5.0
+    chex.assert_trees_all_close(updates, -(g[0] + 3 * g[1] + g[2]) / 5, rtol=1e-6)
 
 
 def test_bad_grads_and_state():
@@ -592,13 +586,10 @@ def test_bad_grads_and_state():
         tx.has_updated({})
 
 
-def test_bad_skip_predicate_and_unbound_axis():
+def test_bad_skip_predicate():
     params = jnp.zeros(3)
     tx = jaxga.MultiSteps(optax.sgd(0.1), 2, should_skip_update_fn=lambda g, s, p: (0, ()))
     with pytest.raises(ValueError, match="`should_skip_update_fn` must return a bool scalar"):
-        tx.update(params, tx.init(params), params)
-    tx = jaxga.MultiSteps(optax.sgd(0.1), 2, axis_name="data")
-    with pytest.raises(ValueError, match="`axis_name`='data' is not bound"):
         tx.update(params, tx.init(params), params)
 
 

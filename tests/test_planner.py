@@ -38,7 +38,7 @@ def build(k, remat):
         h = jaxga.remat_scan(layer, params["blocks"], h, **remat_options(remat))
         return jaxga.Mean.of(jnp.square(h @ params["out"] - batch["y"])), model_state
 
-    return jaxga.make_train_step(loss, TX, k)
+    return jaxga.make_train_step(loss, k)
 
 
 PARAMS = {
@@ -49,7 +49,7 @@ PARAMS = {
     },
     "out": jax.ShapeDtypeStruct((DIM, 1), jnp.float32),
 }
-STATE = jax.eval_shape(lambda p: jaxga.TrainState.create(p, TX), PARAMS)
+STATE = jax.eval_shape(lambda p: jaxga.TrainState.create(params=p, tx=TX), PARAMS)
 BATCH_SHAPES = {  # sequences of 16 tokens, so that activations outweigh parameters
     "x": jax.ShapeDtypeStruct((BATCH, 16, FEATURES), jnp.float32),
     "y": jax.ShapeDtypeStruct((BATCH, 16, 1), jnp.float32),
@@ -144,7 +144,7 @@ def test_arrays_or_shapes_give_the_same_plan_and_nothing_runs():
         return jax.jit(counted)
 
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), PARAMS)
-    state = jaxga.TrainState.create(params, TX)
+    state = jaxga.TrainState.create(params=params, tx=TX)
     batch = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), BATCH_SHAPES)
     options = {"budget": compiled_peak(4, "full"), "microbatches": (2, 4), "remat": ("full",)}
     from_arrays = jaxga.plan(counting_build, state, batch, **options)
@@ -268,10 +268,12 @@ def test_train_lm_plans_its_microbatches(tmp_path, capsys):
     model = nnx.eval_shape(lambda: train_lm.Transformer(cfg, nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = train_lm.optimizer(3e-3)
-    state = jax.eval_shape(lambda p, r: jaxga.TrainState.create(p, tx, model_state=r), params, rest)
+    state = jax.eval_shape(
+        lambda p, r: jaxga.TrainState.create(params=p, tx=tx, model_state=r), params, rest
+    )
     tokens = jax.ShapeDtypeStruct((4, 16), jnp.int32)
     batch = {"inputs": tokens, "labels": tokens, "mask": jax.ShapeDtypeStruct((4, 16), jnp.float32)}
-    step = jaxga.make_train_step(jaxga.nnx_loss(graphdef, train_lm.loss), tx, 1)
+    step = jaxga.make_train_step(jaxga.nnx_loss(graphdef, train_lm.loss), 1)
     budget = jaxga.memory_report(step, state, batch).peak_bytes - 1  # one byte short
 
     run = [*TINY_LM, "--dtype", "float32", "--microbatches", "auto", "--memory-budget", str(budget)]

@@ -517,16 +517,12 @@ def merge(*batches):
     return jax.tree.map(lambda *xs: np.concatenate(xs), *batches)
 
 
-def copy(tree):  # the train step donates its state
-    return jax.tree.map(jnp.array, tree)
-
-
 @pytest.mark.parametrize("setup", ["nnx", "linen-eval"])
 @pytest.mark.parametrize("multisteps", [False, True], ids=["optax", "multisteps"])
 def test_train_step_on_a_mesh_matches_full_batch_training(setup, multisteps):
     """make_train_step(mesh=...) with skewed token lengths equals a one-device full-batch loop.
 
-    With jaxga.MultiSteps(every_k=2, weighted=True), calls 2j and 2j + 1 together make
+    With jaxga.MultiSteps(every_k=2), calls 2j and 2j + 1 together make
     one full-batch step on their merged batches. The batch comes as host numpy arrays, as
     a batch already sharded with shard_batch, and as a one-device jax array.
     """
@@ -534,7 +530,7 @@ def test_train_step_on_a_mesh_matches_full_batch_training(setup, multisteps):
     calls = 4 if multisteps else 3
     batches = [make_batch(seed) for seed in range(calls)]
     if multisteps:
-        optimizer = jaxga.MultiSteps(inner_optimizer(), every_k=2, weighted=True)
+        optimizer = jaxga.MultiSteps(inner_optimizer(), every_k=2)
         merged = [merge(batches[i], batches[i + 1]) for i in range(0, calls, 2)]
         groups = full_batch_steps(loss, params, model_state, inner_optimizer(), merged)
         history = [params] + [groups[(call + 1) // 2] for call in range(calls)]
@@ -543,8 +539,8 @@ def test_train_step_on_a_mesh_matches_full_batch_training(setup, multisteps):
         history = full_batch_steps(loss, params, model_state, optimizer, batches)
     metrics_of = full_batch_metrics(loss, model_state)
 
-    step = jaxga.make_train_step(loss, optimizer, K, mesh=MESH)
-    state = jaxga.TrainState.create(copy(params), optimizer, model_state=copy(model_state))
+    step = jaxga.make_train_step(loss, K, mesh=MESH)
+    state = jaxga.TrainState.create(params=params, tx=optimizer, model_state=model_state)
     found = assert_reduces_once_after_the_loop(step.lower(state, batches[0]).compile().as_text())
     assert [c.opcode for c in found] == ["all-reduce"], [c.line[:160] for c in found]
 
@@ -601,8 +597,8 @@ def test_train_step_on_a_mesh_averages_batch_norm_statistics_over_devices():
         mean, new_state = bn_loss(params, batch, {"batch_stats": stats}, None)
         return mean, new_state["batch_stats"]
 
-    step = jaxga.make_train_step(loss, optimizer, K, mesh=MESH)
-    state = jaxga.TrainState.create(copy(params), optimizer, model_state=copy(model_state))
+    step = jaxga.make_train_step(loss, K, mesh=MESH)
+    state = jaxga.TrainState.create(params=params, tx=optimizer, model_state=model_state)
     ref_params, ref_opt_state, ref_state = params, optimizer.init(params), model_state
     for batch in batches:
         state, _ = step(state, batch)
@@ -628,27 +624,20 @@ def poisoned(grads, poison):
 
 def test_multisteps_under_shard_map_matches_optax_multisteps():
     """Gradients reduced by jaxga.value_and_grad(axis_name=...), then jaxga.MultiSteps in the
-    same shard_map, with and without axis_name, equal optax.MultiSteps on full-batch
-    gradients; a non-finite call is skipped and counted once, not once per device."""
+    same shard_map, equal optax.MultiSteps on full-batch gradients; a non-finite call is
+    skipped and counted once, not once per device."""
     calls, poison = 5, 2
     batches = [make_batch(seed) for seed in range(calls)]
     tx = jaxga.MultiSteps(optax.adam(0.05), every_k=2)
-    tx_axis = jaxga.MultiSteps(optax.adam(0.05), every_k=2, axis_name="data")
     vg = jaxga.value_and_grad(mean_loss, num_microbatches=K, axis_name="data")
 
-    def train(params, states, batch, poison):
-        _, grads = vg(params[0], batch)
-        grads = poisoned(grads, poison)
-        new_params, new_states = [], []
-        for opt, p, s in zip((tx, tx_axis), params, states):
-            updates, s = opt.update(grads, s, p)
-            new_params.append(optax.apply_updates(p, updates))
-            new_states.append(s)
-        return new_params, new_states
+    def train(params, state, batch, poison):
+        _, grads = vg(params, batch)
+        updates, state = tx.update(poisoned(grads, poison), state, params)
+        return optax.apply_updates(params, updates), state
 
     step = data_parallel(train, (P(), P(), P("data"), P()), P())
-    params = [REPLICATED, REPLICATED]
-    states = [replicate(opt.init(PARAMS), MESH) for opt in (tx, tx_axis)]
+    params, state = REPLICATED, replicate(tx.init(PARAMS), MESH)
 
     reference = optax.MultiSteps(optax.adam(0.05), 2, should_skip_update_fn=optax.skip_not_finite)
 
@@ -660,20 +649,18 @@ def test_multisteps_under_shard_map_matches_optax_multisteps():
 
     ref_params, ref_state = PARAMS, reference.init(PARAMS)
     for call, batch in enumerate(batches):
-        params, states = step(params, states, shard_batch(batch, MESH), call == poison)
+        params, state = step(params, state, shard_batch(batch, MESH), call == poison)
         ref_params, ref_state = reference_step(ref_params, ref_state, batch, call == poison)
-        for p, s in zip(params, states):
-            assert_close(p, ref_params)
-            assert int(s.mini_step) == int(ref_state.mini_step)
-            assert int(s.skip_state["num_not_finite"]) == (call == poison)
-    for s in states:
-        assert int(s.num_skipped) == 1 and int(s.gradient_step) == (calls - 1) // 2
+        assert_close(params, ref_params)
+        assert int(state.mini_step) == int(ref_state.mini_step)
+        assert int(state.skip_state["num_not_finite"]) == (call == poison)
+    assert int(state.num_skipped) == 1 and int(state.gradient_step) == (calls - 1) // 2
 
 
-def test_multisteps_axis_name_with_sharded_gradients():
-    """Gradients sharded over "data" (FSDP-style), NaN on one device only: with axis_name
-    every device skips the call, as optax.MultiSteps does on the whole gradient; without
-    it shard_map rejects the replicated step counters."""
+def test_multisteps_with_sharded_gradients_skips_on_every_device():
+    """Gradients sharded over "data" (FSDP-style), NaN on one device only: every device
+    skips the call, as optax.MultiSteps does on the whole gradient, because the devices'
+    reports are summed over the axis the gradients vary over."""
     size, calls, poison = 8 * DEVICES, 5, 2
     rng = np.random.default_rng(1)
     params0 = rng.normal(size=size).astype(np.float32)
@@ -704,12 +691,10 @@ def test_multisteps_axis_name_with_sharded_gradients():
         return optax.apply_updates(params, updates), state
 
     ref_params, ref_state = params0, reference.init(params0)
-    history = run(jaxga.MultiSteps(optax.adam(0.05), every_k=2, axis_name="data"))
+    history = run(jaxga.MultiSteps(optax.adam(0.05), every_k=2))
     for call, (params, state) in enumerate(history):
         ref_params, ref_state = reference_step(ref_params, ref_state, grads[call])
         assert_close(params, ref_params)
         assert int(state.mini_step) == int(ref_state.mini_step)
         assert bool(state.skip_state["should_skip"]) == (call == poison)
         assert int(state.skip_state["num_not_finite"]) == (call == poison)  # summed
-    with pytest.raises(ValueError, match="out_specs"):
-        run(jaxga.MultiSteps(optax.adam(0.05), every_k=2))

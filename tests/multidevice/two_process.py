@@ -13,11 +13,11 @@ its own rows of a global batch, trains a tiny token model for a few Adam steps w
 and checks every step against a single-process reference computed in the same
 script without jaxga: ``jax.value_and_grad`` of the global batch on one device (with
 micro-batch ``i`` of device ``d`` given ``fold_in(key, d * K + i)``). It then trains
-the same steps with ``jaxga.make_train_step(..., mesh=mesh)``, giving it host rows and
-an unplaced ``TrainState``, and checks the losses, the token counts, the parameters and
-the model state (averaged over the devices of both processes) against the same
-reference. It exits 1 on a mismatch and writes both runs' losses and final parameters
-to the JSON file.
+the same steps with ``jaxga.make_train_step(..., mesh=mesh)``, giving it each process's
+rows placed with ``shard_batch`` and a replicated ``TrainState``, and checks the losses,
+the token counts, the parameters and the model state (averaged over the devices of both
+processes) against the same reference. It exits 1 on a mismatch and writes both runs'
+losses and final parameters to the JSON file.
 """
 
 import functools
@@ -162,21 +162,25 @@ def main(argv: list[str]) -> int:
 
     log(f"process {process_id}: reference losses {ref_losses}")
 
-    # --- the same run with jaxga.make_train_step(mesh=...): host rows in, state created
-    # (not placed) by every process. Its model state, a running mean of the hidden
-    # activations threaded through each device's micro-batches, comes back averaged
-    # over the devices of both processes.
+    # --- the same run with jaxga.make_train_step(mesh=...): each process's host rows
+    # placed with shard_batch, the state created by every process and replicated. Its
+    # model state, a running mean of the hidden activations threaded through each
+    # device's micro-batches, comes back averaged over the devices of both processes.
     def train_step_loss(params, batch, model_state, key):
         hidden = jnp.tanh(params["embed"][batch["inputs"]])
         ema = 0.5 * model_state["ema"] + 0.5 * jnp.mean(hidden, axis=(0, 1))
         return loss(params, batch, key), {"ema": jax.lax.stop_gradient(ema)}
 
-    train_step = jaxga.make_train_step(train_step_loss, optimizer, K, mesh=mesh)
+    train_step = jaxga.make_train_step(train_step_loss, K, mesh=mesh)
     ema0 = np.zeros(DIM, np.float32)
-    state = jaxga.TrainState.create(params0, optimizer, model_state={"ema": ema0}, rng=base_key)
+    state = jaxga.TrainState.create(
+        params=params0, tx=optimizer, model_state={"ema": ema0}, rng=base_key
+    )
+    state = jaxga.sharding.replicate(state, mesh)
     step_losses, counts = [], []
     for _ in range(STEPS):
-        state, metrics = train_step(state, jax.tree.map(lambda x: x[rows], full))
+        host_rows = jax.tree.map(lambda x: x[rows], full)
+        state, metrics = train_step(state, jaxga.sharding.shard_batch(host_rows, mesh))
         step_losses.append(float(metrics["loss"]))
         counts.append(float(metrics["count"]))
     log(f"process {process_id}: make_train_step losses {step_losses}")
