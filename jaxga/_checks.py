@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -55,6 +57,38 @@ def positive_int(value: Any, name: str, expected: str = "a positive int") -> int
     if value < 1:
         raise ValueError(f"`{name}` must be {expected}; got {value}.")
     return int(value)
+
+
+def function(fn: Any, name: str, signature: str, num_args: int) -> Callable[..., Any]:
+    """Returns ``fn`` if it takes ``num_args`` positional arguments; else names ``signature``.
+
+    Functions whose signature Python cannot read (some builtins) are taken as they are.
+
+    Example:
+        >>> from jaxga._checks import function
+        >>> try:
+        ...     function(lambda model: 0.0, "loss", "loss(model, batch)", 2)
+        ... except TypeError as e:
+        ...     print(str(e).split(";")[0])
+        `loss` must be a function loss(model, batch)
+    """
+    if not callable(fn):
+        raise TypeError(
+            f"`{name}` must be a function {signature}; got {fn!r} of type {type(fn).__name__}."
+        )
+    try:
+        params = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn
+    try:
+        params.bind(*range(num_args))
+    except TypeError:
+        raise TypeError(
+            f"`{name}` must be a function {signature}; got "
+            f"{getattr(fn, '__qualname__', fn)}{params}, which cannot take {num_args} "
+            f"positional argument(s)."
+        ) from None
+    return fn
 
 
 def accumulator_dtype(value: Any, name: str = "accumulator_dtype") -> jnp.dtype | None:

@@ -101,7 +101,7 @@ def _check_every_k(every_k: Any) -> EveryK:
             raise ValueError(f"`every_k` must be at least 1; got {every_k}.")
         return int(every_k)
     if callable(every_k):
-        return every_k
+        return _checks.function(every_k, "every_k", "of the applied-step count, `every_k(step)`", 1)
     raise TypeError(
         f"`every_k` must be a positive int or a function of the applied-step count that "
         f"returns one; got {every_k!r} of type {type(every_k).__name__}."
@@ -384,11 +384,9 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
                 f"every_k_schedule={every_k_schedule!r}."
             )
         every_k = _check_every_k(every_k if every_k_schedule is None else every_k_schedule)
-        if should_skip_update_fn is not None and not callable(should_skip_update_fn):
-            raise TypeError(
-                f"`should_skip_update_fn` must be a function or None; got "
-                f"{type(should_skip_update_fn).__name__}."
-            )
+        if should_skip_update_fn is not None:
+            signature = "`(grads, gradient_step, params) -> (skip, report)` or None"
+            _checks.function(should_skip_update_fn, "should_skip_update_fn", signature, 3)
         checked = _check_inner(inner)
         dtype = _checks.accumulator_dtype(accumulator_dtype)
         self = super().__new__(

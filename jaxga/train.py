@@ -24,7 +24,7 @@ from flax.training import train_state
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxga._checks import positive_int
+from jaxga import _checks
 from jaxga.accumulation import Accumulated, accumulate
 from jaxga.loss import Mean
 from jaxga.multistep import MultiStepsState
@@ -148,11 +148,7 @@ def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
             f"`graphdef` must be the GraphDef of `graphdef, params, rest = nnx.split(model, "
             f"nnx.Param, ...)`; got {type(graphdef).__name__}."
         )
-    if not callable(loss):
-        raise TypeError(
-            f"`loss` must be a function `loss(model, batch, rng)`; got {loss!r} of type "
-            f"{type(loss).__name__}."
-        )
+    _checks.function(loss, "loss", "`loss(model, batch, rng)`", 3)
 
     def functional(params, batch, model_state, rng):
         try:
@@ -362,12 +358,9 @@ def make_train_step(
         >>> float(metrics["loss"]), int(metrics["count"]), int(state.step)
         (1.0, 8, 1)
     """
-    positive_int(num_microbatches, "num_microbatches")
-    if not callable(loss):
-        raise TypeError(
-            f"`loss` must be a function `loss(params, batch, model_state, rng) -> (loss, "
-            f"new_model_state)`; got {loss!r} of type {type(loss).__name__}."
-        )
+    _checks.positive_int(num_microbatches, "num_microbatches")
+    signature = "`loss(params, batch, model_state, rng) -> (loss, new_model_state)`"
+    _checks.function(loss, "loss", signature, 4)
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(
             f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh((n,), ('data',))); "
@@ -455,12 +448,8 @@ def nnx_train_step(
         >>> int(metrics["count"]), int(optimizer.step[...])
         (8, 1)
     """
-    positive_int(num_microbatches, "num_microbatches")
-    if not callable(loss):
-        raise TypeError(
-            f"`loss` must be a function `loss(model, batch) -> loss`; got {loss!r} of type "
-            f"{type(loss).__name__}."
-        )
+    _checks.positive_int(num_microbatches, "num_microbatches")
+    _checks.function(loss, "loss", "`loss(model, batch) -> loss`", 2)
     grad_fn = accumulate(
         loss, num_microbatches=num_microbatches, accumulator_dtype=accumulator_dtype
     )

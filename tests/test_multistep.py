@@ -18,13 +18,7 @@ RTOL = 2e-5
 ATOL = 1e-6
 
 
-def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-        assert jnp.shape(a) == jnp.shape(e)
-        np.testing.assert_allclose(
-            np.asarray(a, np.float32), np.asarray(e, np.float32), rtol=rtol, atol=atol
-        )
+assert_trees_close = functools.partial(chex.assert_trees_all_close, rtol=RTOL, atol=ATOL)
 
 
 def max_abs_diff(a, b):
@@ -516,7 +510,13 @@ def test_bad_every_k(every_k, error, match):
         ({"inner": "adam"}, TypeError, "`inner` must be an optax GradientTransformation .* str"),
         ({"accumulator_dtype": jnp.int32}, TypeError, "`accumulator_dtype` .* got int32"),
         ({"accumulator_dtype": "nope"}, TypeError, "`accumulator_dtype` .* got 'nope'"),
-        ({"should_skip_update_fn": 3}, TypeError, "`should_skip_update_fn` .* got int"),
+        ({"should_skip_update_fn": 3}, TypeError, "`should_skip_update_fn` .* got 3 of type int"),
+        (
+            {"should_skip_update_fn": lambda grads: (False, ())},
+            TypeError,
+            r"`should_skip_update_fn` must be a function `\(grads, gradient_step, params\)",
+        ),
+        ({"every_k": lambda: 2}, TypeError, r"`every_k` must be a function .*`every_k\(step\)`"),
     ],
 )
 def test_bad_construction_arguments(kwargs, error, match):

@@ -280,6 +280,12 @@ def test_bad_arguments():
         jaxga.make_train_step(lambda *a: a, 0)
     with pytest.raises(TypeError, match="`loss` must be a function"):
         jaxga.make_train_step("loss", 2)
+    with pytest.raises(
+        TypeError, match=r"`loss\(params, batch, model_state, rng\) .*<lambda>\(p, b\)"
+    ):
+        jaxga.make_train_step(lambda p, b: (p, b), 2)
+    with pytest.raises(TypeError, match=r"`loss\(model, batch\) -> loss`; got .*\(model\)"):
+        jaxga.nnx_train_step(lambda model: 0.0, 2)
     with pytest.raises(TypeError, match=r"`mesh` must be a jax.sharding.Mesh .* got 'data'"):
         jaxga.make_train_step(lambda *a: a, 2, mesh="data")
     mesh = jax.make_mesh((1,), ("batch",))
