@@ -18,18 +18,23 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
     "Collective",
     "check_axis_bound",
+    "fsdp_spec",
     "hlo_collectives",
     "indivisible_error",
     "psum_invariant",
     "psum_varying",
+    "put",
     "replicate",
     "shard_batch",
+    "state_shardings",
+    "state_specs",
     "varying",
 ]
 
@@ -245,15 +250,26 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
         True
     """
     sharding = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: put(x, sharding), tree)
 
-    def put(x):
-        if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
-            # device_put takes a typed key to one process's devices only; its data travels.
-            data = jax.device_put(jax.random.key_data(x), sharding)
-            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-        return jax.device_put(x, sharding)
 
-    return jax.tree.map(put, tree)
+def put(x: Any, sharding: NamedSharding) -> jax.Array:
+    """``jax.device_put``, for typed PRNG keys too under ``jax.distributed``.
+
+    Every process passes the same value.
+
+    Example:
+        >>> import jax, jaxga
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        >>> key = jaxga.sharding.put(jax.random.key(0), jax.NamedSharding(mesh, jax.P()))
+        >>> key.sharding.is_fully_replicated
+        True
+    """
+    if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
+        # device_put takes a typed key to one process's devices only; its data travels.
+        data = jax.device_put(jax.random.key_data(x), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jax.device_put(x, sharding)
 
 
 class Collective(NamedTuple):
@@ -349,3 +365,147 @@ def hlo_collectives(hlo_text: str) -> list[Collective]:
         for line in lines
         if (match := _COLLECTIVE.search(line))
     ]
+
+
+# --- sharded train state (FSDP / ZeRO) -------------------------------------------------
+
+STRATEGIES = ("data_parallel", "zero1", "fsdp")
+
+
+def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:
+    """Returns the spec that splits the largest axis of ``shape`` divisible by ``size``.
+
+    Ties go to the first such axis; a shape with none (a scalar, a bias whose length
+    ``size`` does not divide) is replicated, ``P()``. This is the rule by which
+    :func:`state_shardings` shards parameters and optimiser state over a mesh axis of
+    ``size`` devices.
+
+    Example:
+        >>> from jaxga.sharding import fsdp_spec
+        >>> tuple(fsdp_spec((768, 3072), 8)), tuple(fsdp_spec((10,), 8))
+        ((None, 'data'), ())
+    """
+    dims = [i for i, n in enumerate(shape) if n >= size and n % size == 0]
+    if not dims:
+        return P()
+    dim = max(dims, key=lambda i: (shape[i], -i))
+    return P(*(axis_name if i == dim else None for i in range(dim + 1)))
+
+
+def _rule(tree: Any, size: int, axis_name: Any) -> Any:
+    return jax.tree.map(lambda x: fsdp_spec(jnp.shape(x), size, axis_name), tree)
+
+
+def _replicated(tree: Any) -> Any:
+    return jax.tree.map(lambda _: P(), tree)
+
+
+def _check_param_specs(specs: Any, params: Any, size: int, axis_name: Any) -> Any:
+    """``specs``, a PartitionSpec per parameter, checked against ``params`` and the mesh."""
+    is_spec = lambda x: isinstance(x, P)
+    if jax.tree.structure(specs, is_leaf=is_spec) != jax.tree.structure(params):
+        raise ValueError(
+            f"`strategy`, a tree of PartitionSpecs, must have the structure of the "
+            f"parameters, {jax.tree.structure(params)}; got "
+            f"{jax.tree.structure(specs, is_leaf=is_spec)}."
+        )
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, x), spec in zip(flat, jax.tree.leaves(specs, is_leaf=is_spec)):
+        where, shape = f"params{jax.tree_util.keystr(path)}", jnp.shape(x)
+        if not is_spec(spec) or len(spec) > len(shape):
+            raise ValueError(
+                f"The spec for {where} must be a PartitionSpec of at most {len(shape)} "
+                f"entries (its shape is {shape}); got {spec!r}."
+            )
+        for dim, entry in enumerate(spec):
+            if entry is None:
+                continue
+            if entry != axis_name:
+                raise ValueError(
+                    f"The spec for {where}, {spec}, names {entry!r}; jaxga shards the state "
+                    f"over the data axis {axis_name!r} only."
+                )
+            if shape[dim] % size:
+                raise ValueError(
+                    f"The spec for {where}, {spec}, splits its axis {dim} of size "
+                    f"{shape[dim]} over the {size} devices of {axis_name!r}, which do not "
+                    f"divide it."
+                )
+    return specs
+
+
+def state_specs(
+    state: Any, mesh: Mesh, strategy: Any = "data_parallel", *, axis_name: Any = "data"
+) -> Any:
+    """Returns the PartitionSpec of every leaf of a train state under ``strategy``.
+
+    ``state`` is a ``flax.training.train_state.TrainState`` (arrays or
+    ``jax.ShapeDtypeStruct``s); the result has its structure. ``strategy``:
+
+    * ``"data_parallel"``: everything replicated.
+    * ``"zero1"``: the optimiser state sharded over ``axis_name`` by
+      :func:`fsdp_spec`, the parameters replicated.
+    * ``"fsdp"``: parameters and optimiser state sharded by :func:`fsdp_spec`.
+    * a tree of ``PartitionSpec``s shaped like the parameters: FSDP with these specs
+      for the parameters; optimiser state shaped like the parameters (Adam's moments,
+      :class:`jaxga.MultiSteps`' accumulator) follows them (``optax.tree_map_params``).
+
+    Everything else (the step, model state, PRNG key, counters) is replicated.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, jaxga
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        >>> state = jaxga.TrainState.create(params={"w": jnp.zeros((8, 16))}, tx=optax.adam(0.1))
+        >>> specs = jaxga.sharding.state_specs(state, mesh, "fsdp")
+        >>> tuple(specs.params["w"]), tuple(specs.opt_state[0].mu["w"]), tuple(specs.step)
+        ((None, 'data'), (None, 'data'), ())
+    """
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"`axis_name`={axis_name!r} is not an axis of `mesh` {mesh.axis_names}.")
+    size = mesh.shape[axis_name]
+    specs = _replicated(state)
+    if isinstance(strategy, str):
+        if strategy not in STRATEGIES:
+            raise ValueError(
+                f"`strategy` must be one of {', '.join(map(repr, STRATEGIES))} or a tree of "
+                f"PartitionSpecs for the parameters; got {strategy!r}."
+            )
+        if strategy == "data_parallel":
+            return specs
+        params = _rule(state.params, size, axis_name) if strategy == "fsdp" else specs.params
+        return specs.replace(params=params, opt_state=_rule(state.opt_state, size, axis_name))
+    params = _check_param_specs(strategy, state.params, size, axis_name)
+    opt_state = optax.tree_map_params(
+        state.tx,
+        lambda _, spec: spec,
+        state.opt_state,
+        params,
+        transform_non_params=lambda tree: _rule(tree, size, axis_name),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    return specs.replace(params=params, opt_state=opt_state)
+
+
+def state_shardings(
+    state: Any, mesh: Mesh, strategy: Any = "data_parallel", *, axis_name: Any = "data"
+) -> Any:
+    """Returns :func:`state_specs` as ``NamedSharding``s on ``mesh``.
+
+    Use them to place a state (``jax.device_put(state, shardings)``), to describe one
+    without allocating it (``jax.ShapeDtypeStruct(..., sharding=...)`` for
+    :func:`jaxga.memory_report` or an orbax restore onto another device count), or as
+    ``out_shardings`` of a jitted initialiser, so that the state is never whole on one
+    device.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, jaxga
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        >>> state = jaxga.TrainState.create(params={"w": jnp.zeros((8, 16))}, tx=optax.sgd(0.1))
+        >>> state = jax.device_put(state, jaxga.sharding.state_shardings(state, mesh, "fsdp"))
+        >>> tuple(state.params["w"].sharding.spec)
+        (None, 'data')
+    """
+    specs = state_specs(state, mesh, strategy, axis_name=axis_name)
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
+    )

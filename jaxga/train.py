@@ -24,7 +24,7 @@ from flax.training import train_state
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxga import _checks
+from jaxga import _checks, sharding
 from jaxga.accumulation import Accumulated, accumulate
 from jaxga.loss import Mean
 from jaxga.multistep import MultiStepsState
@@ -255,13 +255,14 @@ def _checked_loss(loss: Callable[..., Any]) -> Callable[..., Any]:
     return checked
 
 
-def _with_donation_error(jitted: Any) -> Callable[..., Any]:
-    """``jitted``, saying so when it is called with a state an earlier call donated."""
+def _as_step(jitted: Any, place: Callable[[Any], Any]) -> Callable[..., Any]:
+    """``jitted`` with its state placed by ``place`` first, and a clear error for a state
+    an earlier call donated."""
 
     @functools.wraps(jitted)
-    def step(*args: Any) -> Any:
+    def step(state: Any, batch: Any) -> Any:
         try:
-            return jitted(*args)
+            return jitted(place(state), batch)
         except (RuntimeError, ValueError) as e:  # the type differs across jax versions
             if "deleted" not in str(e):
                 raise
@@ -271,8 +272,36 @@ def _with_donation_error(jitted: Any) -> Callable[..., Any]:
                 "one you gave it (or build it with donate=False)."
             ) from None
 
-    step.lower, step.trace = jitted.lower, jitted.trace
+    step.lower = lambda state, batch: jitted.lower(place(state), batch)
+    step.trace = lambda state, batch: jitted.trace(place(state), batch)
     return step
+
+
+def _state_placer(mesh: Mesh | None, strategy: Any, axis_name: str) -> Callable[[Any], Any]:
+    """Puts a state that is not on ``mesh`` yet (fresh from ``create``) where the step keeps
+    it, so that its first call compiles the program the later ones run and donates.
+
+    One leaf, the step counter, tells; arrays and ``jax.ShapeDtypeStruct``s are placed.
+    """
+
+    def place(state: Any) -> Any:
+        counter = getattr(state, "step", None)
+        if mesh is None or isinstance(counter, jax.core.Tracer):
+            return state
+        current = getattr(counter, "sharding", None)
+        if isinstance(current, NamedSharding) and current.mesh == mesh:
+            return state
+        _check_state(state)
+        shardings = sharding.state_shardings(state, mesh, strategy, axis_name=axis_name)
+
+        def put(x, where):
+            if isinstance(x, jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
+            return sharding.put(x, where)
+
+        return jax.tree.map(put, state, shardings)
+
+    return place
 
 
 def _check_wrt(optimizer: Any, model: Any, grads: Any) -> None:
@@ -295,6 +324,7 @@ def make_train_step(
     *,
     mesh: Mesh | None = None,
     axis_name: str = "data",
+    strategy: Any = "data_parallel",
     accumulator_dtype: Any = None,
     donate: bool = True,
 ) -> Callable[[Any, Any], tuple[Any, Metrics]]:
@@ -325,16 +355,24 @@ def make_train_step(
             call ``model.apply({"params": params, **model_state}, ..., rngs=...,
             mutable=list(model_state))``.
         num_microbatches: micro-batches per call.
-        mesh: data parallelism: the state is replicated over ``mesh``, the batch
-            sharded over its ``axis_name`` axis; each device scans its own
-            micro-batches and the gradients are reduced once per call. A single
-            process may pass host arrays; with several processes pass global arrays
+        mesh: data parallelism: the batch is sharded over ``mesh``'s ``axis_name``
+            axis; each device scans its own micro-batches and the gradients are
+            reduced once per call, after the loop. A single process may pass host
+            arrays; with several processes pass global arrays
             (:func:`jaxga.sharding.shard_batch` places this process's rows,
-            :func:`jaxga.sharding.replicate` the state). Model state is threaded per
-            device; then floating leaves (BatchNorm statistics) are averaged over
-            devices and the others (counters, keys) take their maximum. See
-            ``docs/distributed.md``.
+            ``jax.device_put(state, jaxga.sharding.state_shardings(...))`` the state).
+            Model state is threaded per device; then floating leaves (BatchNorm
+            statistics) are averaged over devices and the others (counters, keys)
+            take their maximum. See ``docs/distributed.md``.
         axis_name: the mesh axis the batch is sharded over.
+        strategy: with ``mesh``, how the state is laid out over ``axis_name``
+            (:func:`jaxga.sharding.state_specs`): ``"data_parallel"`` replicates it;
+            ``"zero1"`` shards the optimiser state (the gradient is reduce-scattered
+            into its shards, the updated parameters all-gathered); ``"fsdp"`` shards
+            the parameters and optimiser state too — they are all-gathered once per
+            call, before the micro-batch loop, and the gradient is reduce-scattered
+            once, after it. A tree of ``PartitionSpec``s for the parameters is FSDP
+            with those specs. The returned state keeps the layout.
         accumulator_dtype: dtype of the gradient sums; ``None`` (default) is at least
             float32, an explicit dtype is used as given.
         donate: donate the state's buffers to the step.
@@ -368,6 +406,8 @@ def make_train_step(
         )
     if mesh is not None and axis_name not in mesh.axis_names:
         raise ValueError(f"`axis_name`={axis_name!r} is not an axis of `mesh` {mesh.axis_names}.")
+    if mesh is None and not (isinstance(strategy, str) and strategy == "data_parallel"):
+        raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
     grad_fn = accumulate(
         _checked_loss(loss),
         num_microbatches=num_microbatches,
@@ -382,31 +422,122 @@ def make_train_step(
         _check_state(state)
         rng = getattr(state, "rng", None)
         rng = None if rng is None else jax.random.fold_in(rng, state.step)
-        acc = grad_fn(state.params, batch, _get_model_state(state), rng)
+        model_state = _get_model_state(state)
+        if mesh is None:
+            acc = grad_fn(state.params, batch, model_state, rng)
+            params_view, place = state.params, lambda tree, _: tree
+        else:
+            specs = sharding.state_specs(state, mesh, strategy, axis_name=axis_name)
+            place = functools.partial(_place, mesh)
+            state = place(state, specs)
+            grad_specs = _grad_specs(state.params, specs.params, strategy, mesh, axis_name)
+            acc = _accumulate_on_mesh(
+                grad_fn,
+                mesh,
+                axis_name,
+                specs.params,
+                grad_specs,
+                state.params,
+                place(batch, jax.tree.map(lambda _: P(axis_name), batch)),
+                model_state,
+                rng,
+            )
+            # zero1: the optimiser runs on its shards of the (replicated) parameters
+            params_view = place(state.params, grad_specs)
         updates, opt_state = state.tx.update(
-            acc.grads, state.opt_state, state.params, **_weight_of(state.tx, acc)
+            acc.grads, state.opt_state, params_view, **_weight_of(state.tx, acc)
         )
+        if mesh is not None:
+            updates = place(updates, specs.params)
         new_state = state.replace(
             step=state.step + 1,
             params=optax.apply_updates(state.params, updates),
             opt_state=opt_state,
         )
-        return _set_model_state(new_state, acc.state), _metrics(acc, opt_state)
+        new_state = _set_model_state(new_state, acc.state)
+        if mesh is not None:
+            new_state = place(new_state, specs)
+        return new_state, _metrics(acc, opt_state)
 
-    jit_options: dict[str, Any] = {"donate_argnums": (0,) if donate else ()}
-    if mesh is not None:
-        replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(axis_name))
-        per_device = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(axis_name)), out_specs=P())
+    jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
+    return _as_step(jitted, _state_placer(mesh, strategy, axis_name))
 
-        explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis_name] == AxisType.Explicit
 
-        def step(state: Any, batch: Any) -> tuple[Any, Metrics]:
-            if explicit:  # shard_map checks the shardings in the arguments' types too
-                state, batch = jax.reshard(state, replicated), jax.reshard(batch, sharded)
-            return per_device(state, batch)
+def _place(mesh: Mesh, tree: Any, specs: Any) -> Any:
+    """``tree`` with the sharding of ``specs``, in its type too on a mesh of explicit axes."""
+    explicit = AxisType.Explicit in mesh.axis_types
 
-        jit_options.update(in_shardings=(replicated, sharded), out_shardings=replicated)
-    return _with_donation_error(jax.jit(step, **jit_options))
+    def put(x, spec):
+        if x is None:
+            return x
+        sharding_ = NamedSharding(mesh, spec)
+        if explicit:
+            return jax.reshard(x, sharding_)
+        return jax.lax.with_sharding_constraint(x, sharding_)
+
+    return jax.tree.map(put, tree, specs, is_leaf=lambda x: x is None)
+
+
+def _sharded_dim(spec: P) -> int | None:
+    return next((i for i, entry in enumerate(spec) if entry is not None), None)
+
+
+def _grad_specs(params: Any, param_specs: Any, strategy: Any, mesh: Mesh, axis_name: str) -> Any:
+    """How the gradient leaves the micro-batch loop: reduce-scattered to the shards of the
+    state it updates (the parameters' under FSDP, the optimiser state's under ZeRO-1)."""
+    if strategy == "zero1":
+        return sharding._rule(params, mesh.shape[axis_name], axis_name)
+    return param_specs
+
+
+def _accumulate_on_mesh(
+    grad_fn: Callable[..., Accumulated],
+    mesh: Mesh,
+    axis_name: str,
+    param_specs: Any,
+    grad_specs: Any,
+    params: Any,
+    batch: Any,
+    model_state: Any,
+    rng: Any,
+) -> Accumulated:
+    """The micro-batch loop on every device, with one gradient reduction after it.
+
+    Sharded parameters are all-gathered once, before the loop. A gradient that stays
+    replicated is all-reduced by :func:`jaxga.accumulate`; one whose state is sharded is
+    kept local through the loop and reduce-scattered into its shard after it.
+    """
+    is_spec = lambda x: isinstance(x, P)
+
+    def gather(x, spec):
+        dim = _sharded_dim(spec)
+        return x if dim is None else jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)
+
+    def scatter(g, spec):
+        dim = _sharded_dim(spec)
+        if dim is None:
+            return g
+        return jax.lax.psum_scatter(g, axis_name, scatter_dimension=dim, tiled=True)
+
+    def local(params, batch, model_state, rng):
+        full = jax.tree.map(gather, params, param_specs, is_leaf=is_spec)
+        # local sums through the loop for the gradients that are reduce-scattered
+        full = jax.tree.map(
+            lambda x, spec: x if _sharded_dim(spec) is None else sharding.varying(x, axis_name),
+            full,
+            grad_specs,
+            is_leaf=is_spec,
+        )
+        acc = grad_fn(full, batch, model_state, rng)
+        return acc._replace(grads=jax.tree.map(scatter, acc.grads, grad_specs, is_leaf=is_spec))
+
+    out_specs = Accumulated(mean=P(), grads=grad_specs, aux=P(), state=P())
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(param_specs, P(axis_name), P(), P()),
+        out_specs=out_specs,
+    )(params, batch, model_state, rng)
 
 
 def nnx_train_step(

@@ -104,11 +104,16 @@ def assert_close(actual, expected, rtol=RTOL, atol=ATOL):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
 
 
-def assert_reduces_once_after_the_loop(compiled_text):
+def assert_no_collective_in_the_loop(compiled_text):
     assert " while(" in compiled_text, "no while loop in the compiled HLO"
     found = hlo_collectives(compiled_text)
     inside = [c.line for c in found if c.in_loop]
     assert not inside, "collectives inside the micro-batch loop:\n" + "\n".join(inside)
+    return found
+
+
+def assert_reduces_once_after_the_loop(compiled_text):
+    found = assert_no_collective_in_the_loop(compiled_text)
     assert any(c.opcode == "all-reduce" for c in found), "no all-reduce after the loop"
     return found
 
@@ -519,12 +524,16 @@ def merge(*batches):
 
 @pytest.mark.parametrize("setup", ["nnx", "linen-eval"])
 @pytest.mark.parametrize("multisteps", [False, True], ids=["optax", "multisteps"])
-def test_train_step_on_a_mesh_matches_full_batch_training(setup, multisteps):
+@pytest.mark.parametrize("strategy", ["data_parallel", "zero1", "fsdp"])
+def test_train_step_on_a_mesh_matches_full_batch_training(setup, multisteps, strategy):
     """make_train_step(mesh=...) with skewed token lengths equals a one-device full-batch loop.
 
     With jaxga.MultiSteps(every_k=2), calls 2j and 2j + 1 together make
     one full-batch step on their merged batches. The batch comes as host numpy arrays, as
-    a batch already sharded with shard_batch, and as a one-device jax array.
+    a batch already sharded with shard_batch, and as a one-device jax array. Under every
+    strategy the compiled step has no collective inside the micro-batch loop; with a
+    sharded state the gradient is reduce-scattered after it, and the state keeps its
+    layout.
     """
     params, model_state, loss = nnx_setup() if setup == "nnx" else linen_setup(train=False)
     calls = 4 if multisteps else 3
@@ -539,10 +548,13 @@ def test_train_step_on_a_mesh_matches_full_batch_training(setup, multisteps):
         history = full_batch_steps(loss, params, model_state, optimizer, batches)
     metrics_of = full_batch_metrics(loss, model_state)
 
-    step = jaxga.make_train_step(loss, K, mesh=MESH)
+    step = jaxga.make_train_step(loss, K, mesh=MESH, strategy=strategy)
     state = jaxga.TrainState.create(params=params, tx=optimizer, model_state=model_state)
-    found = assert_reduces_once_after_the_loop(step.lower(state, batches[0]).compile().as_text())
-    assert [c.opcode for c in found] == ["all-reduce"], [c.line[:160] for c in found]
+    found = assert_no_collective_in_the_loop(step.lower(state, batches[0]).compile().as_text())
+    if strategy == "data_parallel":
+        assert [c.opcode for c in found] == ["all-reduce"], [c.line[:160] for c in found]
+    else:
+        assert "reduce-scatter" in {c.opcode for c in found}, [c.line[:160] for c in found]
 
     place = [lambda b: b, lambda b: shard_batch(b, MESH), lambda b: jax.tree.map(jnp.array, b)]
     for call, batch in enumerate(batches):
@@ -553,8 +565,12 @@ def test_train_step_on_a_mesh_matches_full_batch_training(setup, multisteps):
         assert bool(metrics["applied"]) == (not multisteps or call % 2 == 1)
     assert_close(state.model_state, model_state, rtol=0, atol=0)  # eval mode: unchanged
     assert int(state.step) == calls
-    for leaf in jax.tree.leaves(state):
-        assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == DEVICES
+    shardings = jaxga.sharding.state_shardings(state, MESH, strategy)
+    for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.sharding, sharding)
+    sharded = lambda tree: any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(tree))
+    assert sharded(state.params) == (strategy == "fsdp")
+    assert sharded(state.opt_state) == (strategy != "data_parallel")
 
 
 def test_train_step_on_a_mesh_averages_batch_norm_statistics_over_devices():
