@@ -714,3 +714,119 @@ def test_multisteps_with_sharded_gradients_skips_on_every_device():
         assert int(state.mini_step) == int(ref_state.mini_step)
         assert bool(state.skip_state["should_skip"]) == (call == poison)
         assert int(state.skip_state["num_not_finite"]) == (call == poison)  # summed
+
+
+# ----------------------------------------------------------------------------- sharded state
+
+
+def wide_setup():
+    """A state whose parameters dwarf the batch: what FSDP is for."""
+    params = {"w1": jnp.ones((64, 128)) / 8, "w2": jnp.ones((128, 64)) / 11, "b": jnp.zeros(7)}
+
+    def loss(params, batch, model_state, rng):
+        hidden = jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"] + params["b"].sum()
+        return jaxga.Mean.of((hidden - batch["x"]) ** 2, where=batch["w"][:, None]), model_state
+
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "x": rng.normal(size=(GLOBAL, 64)).astype(np.float32),
+            "w": rng.integers(0, 3, GLOBAL).astype(np.float32),  # skewed weights
+        }
+        for _ in range(3)
+    ]
+    return params, loss, batches
+
+
+def test_fsdp_state_per_device_is_an_eighth_of_the_replicated_one():
+    params, loss, batches = wide_setup()
+    state = jaxga.TrainState.create(params=params, tx=jaxga.MultiSteps(optax.adam(1e-3), 2))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batches[0])
+    reports = {
+        strategy: jaxga.memory_report(
+            jaxga.make_train_step(loss, K, mesh=MESH, strategy=strategy), state, abstract
+        )
+        for strategy in ("data_parallel", "zero1", "fsdp")
+    }
+    batch_bytes = sum(x.nbytes for x in jax.tree.leaves(batches[0])) // DEVICES
+    state_bytes = {k: r.argument_bytes - batch_bytes for k, r in reports.items()}
+    replicated = state_bytes["data_parallel"]
+    assert replicated > 4 * 4 * 64 * 128  # params, two moments and the accumulator
+    assert state_bytes["fsdp"] <= 0.2 * replicated, state_bytes
+    assert 0.2 * replicated < state_bytes["zero1"] < 0.5 * replicated, state_bytes
+
+
+def test_plan_fits_a_sharded_state_per_device():
+    """The planner sizes the compiled SPMD program per device: a budget that only the
+    sharded state meets is met with strategy="fsdp" and not with data parallelism."""
+    params, loss, batches = wide_setup()
+    state = jaxga.TrainState.create(params=params, tx=optax.adam(1e-3))
+
+    def build(strategy):
+        return lambda k, remat: jaxga.make_train_step(loss, k, mesh=MESH, strategy=strategy)
+
+    def peak(strategy):
+        return jaxga.memory_report(build(strategy)(K, "none"), state, batches[0]).peak_bytes
+
+    budget = (peak("fsdp") + peak("data_parallel")) // 2
+    options = {"budget": budget, "remat": ("none",), "microbatches": (1, 2, 4, 8)}
+    plan = jaxga.plan(build("fsdp"), state, batches[0], **options)
+    assert plan.report.peak_bytes <= budget
+    with pytest.raises(jaxga.planner.InfeasibleBudgetError):
+        jaxga.plan(build("data_parallel"), state, batches[0], **options)
+
+
+def test_sharded_checkpoint_restores_on_four_devices_and_continues(tmp_path):
+    """Saved from 8 devices (FSDP), restored onto 4 with orbax, resharded on restore: the
+    next step equals the one the 8 devices take."""
+    import orbax.checkpoint as ocp
+
+    params, loss, batches = wide_setup()
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    state = jaxga.TrainState.create(params=params, tx=tx, rng=3)
+    eight = jaxga.make_train_step(loss, K, mesh=MESH, strategy="fsdp")
+    state, _ = eight(state, batches[0])
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "state", state)
+    checkpointer.wait_until_finished()
+
+    mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    shardings = jaxga.sharding.state_shardings(state, mesh4, "fsdp")
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
+    restored = checkpointer.restore(tmp_path / "state", abstract)
+    assert restored.params["w1"].sharding.mesh == mesh4
+    assert restored.params["w1"].addressable_shards[0].data.shape == (64, 128 // 4)
+    four = jaxga.make_train_step(loss, 2 * K, mesh=mesh4, strategy="fsdp")
+    on_four, metrics4 = four(restored, batches[1])
+    on_eight, metrics8 = eight(state, batches[1])
+    assert_close(on_four.params, on_eight.params, rtol=1e-5)
+    assert_close(on_four.opt_state, on_eight.opt_state, rtol=1e-5)
+    assert_close(metrics4["loss"], metrics8["loss"], rtol=1e-6)
+
+
+def test_bad_sharding_strategies_are_named():
+    params, loss, batches = wide_setup()
+    state = jaxga.TrainState.create(params=params, tx=optax.sgd(0.1))
+    bad = [
+        ("zero3", ValueError, r"`strategy` must be one of 'data_parallel', 'zero1', 'fsdp'"),
+        ({"w1": P("data")}, ValueError, r"`strategy`, a tree of PartitionSpecs, must have"),
+        (
+            {"w1": P(None, "data"), "w2": P("data"), "b": P("data")},
+            ValueError,
+            r"params\['b'\], .*\('data',\), splits its axis 0 of size 7 over the 8 devices",
+        ),
+        (
+            {"w1": P("model"), "w2": P(), "b": P()},
+            ValueError,
+            r"params\['w1'\], .* names 'model'; jaxga shards the state over .* 'data' only",
+        ),
+    ]
+    for strategy, error, match in bad:
+        with pytest.raises(error, match=match):
+            jaxga.make_train_step(loss, K, mesh=MESH, strategy=strategy)(state, batches[0])
+    with pytest.raises(ValueError, match=r"`axis_name`='batch' is not an axis of `mesh`"):
+        jaxga.sharding.state_shardings(state, MESH, "fsdp", axis_name="batch")
+    with pytest.raises(ValueError, match=r"`strategy`='fsdp' shards the state over a mesh"):
+        jaxga.make_train_step(loss, K, strategy="fsdp")
