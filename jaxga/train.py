@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxga._checks import positive_int
 from jaxga.accumulation import accumulate
+from jaxga.compiler import compiler_options
 from jaxga.multistep import MultiSteps, MultiStepsState
 from jaxga.sharding import replicate, shard_batch
 
@@ -305,13 +306,15 @@ def make_train_step(
         return new_state, metrics
 
     donate_argnums = (0,) if donate else ()
+    options = compiler_options()  # on a GPU: no zero-filled scan buffers (jaxga.compiler)
     if mesh is None:
-        return jax.jit(step, donate_argnums=donate_argnums)
+        return jax.jit(step, donate_argnums=donate_argnums, compiler_options=options)
     sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(axis_name)), out_specs=(P(), P()))
     jitted = jax.jit(
         sharded,
         donate_argnums=donate_argnums,
         in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P(axis_name))),
+        compiler_options=options,
     )
 
     return _MeshStep(jitted, mesh, axis_name)
