@@ -20,6 +20,10 @@ measured peak where it has one, matmul FLOPs and MFU.
   by k, then a jitted update.
 * jaxga + remat: the scan at k=4 with each ``jaxga.remat_scan`` policy.
 
+Every method's programs are compiled with the same XLA options,
+``jaxga.compiler_options()`` (on a GPU: scans' stacked outputs not zero-filled first; see
+``jaxga/compiler.py``), the options ``jaxga.make_train_step`` compiles with.
+
     .venv/bin/python benchmarks/run.py --quick     # CPU, small models (about 6 min on 2 cores)
     python benchmarks/run.py --only 2              # GPU: Transformer M alone
 
@@ -119,7 +123,7 @@ def make_step(grad_fn: Callable[..., Any], tx: optax.GradientTransformation):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(step, donate_argnums=(0, 1), compiler_options=jaxga.compiler_options())
 
 
 def make_apply(tx: optax.GradientTransformation):
@@ -129,7 +133,7 @@ def make_apply(tx: optax.GradientTransformation):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    return jax.jit(apply, donate_argnums=(0, 1))
+    return jax.jit(apply, donate_argnums=(0, 1), compiler_options=jaxga.compiler_options())
 
 
 def optax_microbatched(loss: Callable[..., jaxga.Mean], k: int, batch_size: int):
@@ -229,7 +233,9 @@ def prepare(method: Method, w: _workloads.Workload, tx: optax.GradientTransforma
 def micro_grad(w: _workloads.Workload, k: int) -> tuple[Callable[..., Any], MemoryReport]:
     """``jax.jit(jax.value_and_grad(mean loss))`` and its report on one micro-batch of k."""
     loss = w.loss_for("none")
-    grad = jax.jit(jax.value_and_grad(lambda p, b: loss(p, b).value))
+    grad = jax.jit(
+        jax.value_and_grad(lambda p, b: loss(p, b).value), compiler_options=jaxga.compiler_options()
+    )
     micro = jax.tree.map(lambda x: x[0], jaxga.split_microbatches(w.batch, k))
     return grad, jaxga.memory_report(grad, w.params, micro)
 

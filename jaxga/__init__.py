@@ -9,6 +9,7 @@ from jaxga.accumulation import (
     split_microbatches,
     value_and_grad,
 )
+from jaxga.compiler import compiler_options
 from jaxga.loss import Mean, as_mean, token_cross_entropy
 from jaxga.memory import MemoryReport, memory_report
 from jaxga.multistep import MultiSteps, MultiStepsState, skip_not_finite
@@ -29,6 +30,7 @@ __all__ = [
     "accumulate",
     "as_mean",
     "checkpoint_policy",
+    "compiler_options",
     "grad",
     "make_train_step",
     "memory_report",

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, sharding
 from jaxga.accumulation import Accumulated, accumulate
+from jaxga.compiler import compiler_options
 from jaxga.loss import Mean
 from jaxga.multistep import MultiStepsState
 
@@ -459,7 +460,10 @@ def make_train_step(
             new_state = place(new_state, specs)
         return new_state, _metrics(acc, opt_state)
 
-    jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
+    # on a GPU: no zero-filled scan buffers (jaxga.compiler)
+    jitted = jax.jit(
+        step, donate_argnums=(0,) if donate else (), compiler_options=compiler_options()
+    )
     return _as_step(jitted, _state_placer(mesh, strategy, axis_name))
 
 
@@ -546,7 +550,7 @@ def nnx_train_step(
     *,
     accumulator_dtype: Any = None,
 ) -> Callable[[Any, Any, Any], Metrics]:
-    """Builds one ``nnx.jit``-compiled train step ``(model, optimizer, batch) -> metrics``.
+    """Builds one compiled train step ``(model, optimizer, batch) -> metrics`` for Flax NNX.
 
     The Flax NNX counterpart of :func:`make_train_step`: ``loss(model, batch)`` runs
     on each micro-batch through :func:`jaxga.accumulate`, so the model's
@@ -566,7 +570,8 @@ def nnx_train_step(
 
     Returns:
         The step; it updates ``model`` and ``optimizer`` in place and returns the
-        metrics of :func:`make_train_step`.
+        metrics of :func:`make_train_step`. It is ``jax.jit``-compiled over
+        ``nnx.split((model, optimizer))``, with :func:`jaxga.compiler_options`.
 
     Example:
         >>> import jax.numpy as jnp, optax, jaxga
@@ -585,11 +590,22 @@ def nnx_train_step(
         loss, num_microbatches=num_microbatches, accumulator_dtype=accumulator_dtype
     )
 
-    @nnx.jit
-    def step(model: Any, optimizer: Any, batch: Any) -> Metrics:
+    def pure(graphdef: Any, state: Any, batch: Any) -> tuple[Any, Metrics]:
+        model, optimizer = nnx.merge(graphdef, state)
         acc = grad_fn(model, batch)
         _check_wrt(optimizer, model, acc.grads)
         optimizer.update(model, acc.grads, **_weight_of(optimizer.tx, acc))
-        return _metrics(acc, nnx.as_pure(optimizer.opt_state))
+        return nnx.state((model, optimizer)), _metrics(acc, nnx.as_pure(optimizer.opt_state))
+
+    # jax.jit of the split objects rather than nnx.jit: it takes XLA's options
+    jitted = jax.jit(pure, static_argnums=0, compiler_options=compiler_options())
+
+    def step(model: Any, optimizer: Any, batch: Any) -> Metrics:
+        if not isinstance(optimizer, nnx.Optimizer):
+            _check_wrt(optimizer, model, None)
+        graphdef, state = nnx.split((model, optimizer))
+        state, metrics = jitted(graphdef, state, batch)
+        nnx.update((model, optimizer), state)
+        return metrics
 
     return step

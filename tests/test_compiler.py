@@ -1,0 +1,36 @@
+"""jaxga.compiler_options: the XLA options jaxga compiles with change no result."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxga
+from jaxga.compiler import _GPU_OPTIONS, _accepted
+
+
+def test_options_are_for_gpus_only():
+    assert jaxga.compiler_options("cpu") == {}
+    assert jaxga.compiler_options("tpu") == {}
+    # This jaxlib knows the option (jax 0.10 on): a GPU gets it, as a copy.
+    assert _accepted()
+    options = jaxga.compiler_options("gpu")
+    assert options == _GPU_OPTIONS and options is not _GPU_OPTIONS
+
+
+def test_options_change_no_result_of_a_scan_with_stacked_outputs():
+    # The option's target: buffers a scan stacks per-layer residuals into, nested in the
+    # micro-batch loop. Compiled with the GPU options (inert off a GPU; on one, the
+    # buffers are left uninitialised), results must equal a plain jit's bit for bit.
+    w = jax.random.normal(jax.random.key(0), (6, 8, 8)) / 3
+    batch = jax.random.normal(jax.random.key(1), (16, 8))
+
+    def loss(w, x):
+        y = jaxga.remat_scan(lambda w, h: jnp.tanh(h @ w), w, x, policy="none")
+        return jaxga.Mean.of(jnp.sum(y**2, -1))
+
+    grad_fn = jaxga.value_and_grad(loss, num_microbatches=4)
+    plain = jax.jit(grad_fn)(w, batch)
+    options = jaxga.compiler_options("gpu")
+    tuned = jax.jit(grad_fn, compiler_options=options)(w, batch)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(tuned)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
