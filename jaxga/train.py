@@ -256,12 +256,20 @@ def _checked_loss(loss: Callable[..., Any]) -> Callable[..., Any]:
     return checked
 
 
-def _as_step(jitted: Any, place: Callable[[Any], Any]) -> Callable[..., Any]:
+def _traced(tree: Any) -> bool:
+    """Whether ``tree`` is being traced by an enclosing transformation (one leaf tells)."""
+    return isinstance(next(iter(jax.tree.leaves(tree)), None), jax.core.Tracer)
+
+
+def _as_step(fn: Callable[..., Any], jitted: Any, place: Callable[[Any], Any]) -> Callable:
     """``jitted`` with its state placed by ``place`` first, and a clear error for a state
-    an earlier call donated."""
+    an earlier call donated. Under an enclosing ``jit`` it is ``fn`` itself, inlined:
+    XLA options belong to the outermost ``jit``."""
 
     @functools.wraps(jitted)
     def step(state: Any, batch: Any) -> Any:
+        if _traced(state):
+            return fn(state, batch)
         try:
             return jitted(place(state), batch)
         except (RuntimeError, ValueError) as e:  # the type differs across jax versions
@@ -464,7 +472,7 @@ def make_train_step(
     jitted = jax.jit(
         step, donate_argnums=(0,) if donate else (), compiler_options=compiler_options()
     )
-    return _as_step(jitted, _state_placer(mesh, strategy, axis_name))
+    return _as_step(step, jitted, _state_placer(mesh, strategy, axis_name))
 
 
 def _place(mesh: Mesh, tree: Any, specs: Any) -> Any:
@@ -604,7 +612,7 @@ def nnx_train_step(
         if not isinstance(optimizer, nnx.Optimizer):
             _check_wrt(optimizer, model, None)
         graphdef, state = nnx.split((model, optimizer))
-        state, metrics = jitted(graphdef, state, batch)
+        state, metrics = (pure if _traced(state) else jitted)(graphdef, state, batch)
         nnx.update((model, optimizer), state)
         return metrics
 

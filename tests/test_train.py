@@ -493,3 +493,28 @@ def test_nnx_train_step_bad_optimizers():
         step(model, nnx.Linear(2, 2, rngs=nnx.Rngs(0)), batch)
     with pytest.raises(TypeError, match="`loss` must be a function `loss\\(model, batch\\)"):
         jaxga.nnx_train_step("mse")
+
+
+def test_steps_with_xla_options_run_inside_an_enclosing_jit(monkeypatch):
+    """XLA options belong to the outermost jit: under one, the steps inline themselves.
+
+    The GPU options are forced here (the CPU compiler accepts and ignores them), so that
+    the test means the same on every backend.
+    """
+    from jaxga.compiler import _GPU_OPTIONS
+
+    monkeypatch.setattr(jaxga.train, "compiler_options", lambda: dict(_GPU_OPTIONS))
+    params, rest, loss = nnx_setup()
+    batch = batches(1)[0]
+    step = jaxga.make_train_step(loss, 2, donate=False)
+    state = jaxga.TrainState.create(params=params, tx=optax.sgd(0.1), model_state=rest)
+    direct, _ = step(state, batch)
+    nested, _ = jax.jit(step)(state, batch)
+    assert_trees_close(nested.params, direct.params, rtol=1e-6)
+
+    models = [NNXEval(nnx.Rngs(0)) for _ in range(2)]
+    optimizers = [nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param) for m in models]
+    nnx_step = jaxga.nnx_train_step(nnx_loss_fn, 2)
+    nnx_step(models[0], optimizers[0], batch)
+    nnx.jit(nnx_step)(models[1], optimizers[1], batch)
+    chex.assert_trees_all_close(*(nnx.as_pure(nnx.state(m, nnx.Param)) for m in models), rtol=1e-6)
