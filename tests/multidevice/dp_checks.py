@@ -31,7 +31,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxga
-from jaxga.sharding import hlo_collectives, replicate, shard_batch
+from jaxga.sharding import replicate, shard_batch
+from tests._hlo import hlo_collectives
 
 DEVICES = 8
 K = 4  # micro-batches per device
