@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -94,3 +96,30 @@ def accumulation_dtype(dtype: jnp.dtype | None, leaf_dtype: Any) -> jnp.dtype:
     if dtype is not None:
         return jnp.dtype(dtype)
     return jnp.promote_types(jnp.float32, jnp.result_type(leaf_dtype))
+
+
+def check_arity(fn: Any, name: str, nargs: int, signature: str) -> Callable[..., Any]:
+    """Returns ``fn`` if it can be called with ``nargs`` positional arguments; raises naming it.
+
+    ``signature`` is the expected call, for the message. A callable whose signature
+    Python cannot read (some builtins) is accepted: its call will tell.
+
+    Example:
+        >>> from jaxga._checks import check_arity
+        >>> try:
+        ...     check_arity(lambda x: x, "layer_fn", 2, "layer_fn(params, x) -> x")
+        ... except TypeError as e:
+        ...     print(e)
+        `layer_fn` must be callable as layer_fn(params, x) -> x; it takes (x).
+    """
+    if not callable(fn):
+        raise TypeError(f"`{name}` must be callable; got {type(fn).__name__}.")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn
+    try:
+        sig.bind(*range(nargs))
+    except TypeError:
+        raise TypeError(f"`{name}` must be callable as {signature}; it takes {sig}.") from None
+    return fn
