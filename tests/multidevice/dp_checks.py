@@ -21,6 +21,7 @@ if os.environ.get("JAXGA_MULTIDEVICE") != "1":
         allow_module_level=True,
     )
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -99,10 +100,10 @@ def data_parallel(fun, in_specs, out_specs, **options):
 
 
 def assert_close(actual, expected, rtol=RTOL, atol=ATOL):
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-        assert np.shape(a) == np.shape(e)
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+    """chex's tree closeness on host copies, with equal shapes (no broadcasting)."""
+    actual, expected = jax.tree.map(np.asarray, actual), jax.tree.map(np.asarray, expected)
+    chex.assert_trees_all_equal_shapes(actual, expected)
+    chex.assert_trees_all_close(actual, expected, rtol=rtol, atol=atol)
 
 
 def assert_reduces_once_after_the_loop(compiled_text):

@@ -1,4 +1,4 @@
-"""tests/_hlo.py: the HLO collectives helper the data-parallel tests rely on."""
+"""The helpers tests share: tests/_hlo.py (HLO collectives) and tests/_models.py."""
 
 import doctest
 
@@ -9,12 +9,13 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tests import _hlo
+from tests import _hlo, _models
 from tests._hlo import hlo_collectives
 
 
-def test_docstring_examples():
-    assert doctest.testmod(_hlo).failed == 0
+@pytest.mark.parametrize("module", [_hlo, _models])
+def test_docstring_examples(module):
+    assert doctest.testmod(module).failed == 0
 
 
 def summed_over_devices():
