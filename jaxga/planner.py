@@ -39,7 +39,8 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
     """Returns a byte count given as an int or a string such as ``"512MiB"`` or ``"2GB"``.
 
     Units: ``B``, decimal ``KB MB GB TB`` (powers of 1000) and binary ``KiB MiB GiB TiB``
-    (powers of 1024), case-insensitive; no unit means bytes. Fractions are rounded down.
+    (powers of 1024), case-insensitive; no unit means bytes. Fractions are rounded down;
+    more than 2**63 - 1 bytes (XLA counts bytes in int64) is a ``ValueError``.
 
     Args:
         value: the size.

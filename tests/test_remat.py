@@ -26,10 +26,10 @@ ATOL = 2e-6
 LAYERS = 4
 
 
-# strict: shapes and dtypes equal too.
-assert_trees_close = functools.partial(
-    chex.assert_trees_all_close, rtol=RTOL, atol=ATOL, strict=True
-)
+def assert_trees_close(actual, expected):
+    """chex's closeness at RTOL and ATOL, with equal shapes and dtypes."""
+    chex.assert_trees_all_equal_shapes_and_dtypes(actual, expected)
+    chex.assert_trees_all_close(actual, expected, rtol=RTOL, atol=ATOL)
 
 
 def attention_block(p, x):
