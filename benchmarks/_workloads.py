@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 import jaxga
-from jaxga.planner import remat_options
+from jaxga.remat import remat_options
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import train_lm

@@ -39,7 +39,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 import jaxga
-from jaxga.planner import DEFAULT_REMAT, REMAT_ORDER, remat_options
+from jaxga.remat import REMAT, remat_options
 
 VOCAB = 256  # bytes
 
@@ -233,7 +233,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="global batch (documents)")
     p.add_argument("--microbatches", default="4", help="micro-batches per step, or 'auto'")
     p.add_argument("--memory-budget", default=None, help="with --microbatches auto, e.g. 512MiB")
-    p.add_argument("--remat", choices=REMAT_ORDER, default=Config.remat)
+    p.add_argument("--remat", choices=tuple(REMAT), default=Config.remat)
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
@@ -434,7 +434,7 @@ def plan_microbatches(
         return jaxga.make_train_step(jaxga.nnx_loss(graphdef_for(remat), loss), num_microbatches)
 
     try:
-        plan = jaxga.plan(build, state, example, budget=budget, remat=DEFAULT_REMAT)
+        plan = jaxga.plan(build, state, example, budget=budget)
     except jaxga.planner.InfeasibleBudgetError as e:
         message = str(e)
         raise UsageError(

@@ -59,38 +59,6 @@ def positive_int(value: Any, name: str, expected: str = "a positive int") -> int
     return int(value)
 
 
-def function(fn: Any, name: str, signature: str, num_args: int) -> Callable[..., Any]:
-    """Returns ``fn`` if it takes ``num_args`` positional arguments; else names ``signature``.
-
-    Functions whose signature Python cannot read (some builtins) are taken as they are.
-
-    Example:
-        >>> from jaxga._checks import function
-        >>> try:
-        ...     function(lambda model: 0.0, "loss", "loss(model, batch)", 2)
-        ... except TypeError as e:
-        ...     print(str(e).split(";")[0])
-        `loss` must be a function loss(model, batch)
-    """
-    if not callable(fn):
-        raise TypeError(
-            f"`{name}` must be a function {signature}; got {fn!r} of type {type(fn).__name__}."
-        )
-    try:
-        params = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return fn
-    try:
-        params.bind(*range(num_args))
-    except TypeError:
-        raise TypeError(
-            f"`{name}` must be a function {signature}; got "
-            f"{getattr(fn, '__qualname__', fn)}{params}, which cannot take {num_args} "
-            f"positional argument(s)."
-        ) from None
-    return fn
-
-
 def accumulator_dtype(value: Any, name: str = "accumulator_dtype") -> jnp.dtype | None:
     """Returns ``value`` as a floating dtype (``None`` stays ``None``); raises naming ``name``.
 
@@ -128,3 +96,32 @@ def accumulation_dtype(dtype: jnp.dtype | None, leaf_dtype: Any) -> jnp.dtype:
     if dtype is not None:
         return jnp.dtype(dtype)
     return jnp.promote_types(jnp.float32, jnp.result_type(leaf_dtype))
+
+
+def check_arity(fn: Any, name: str, nargs: int, signature: str) -> Callable[..., Any]:
+    """Returns ``fn`` if it can be called with ``nargs`` positional arguments; raises naming it.
+
+    ``signature`` is the expected call, for the message. A callable whose signature
+    Python cannot read (some builtins) is accepted: its call will tell.
+
+    Example:
+        >>> from jaxga._checks import check_arity
+        >>> try:
+        ...     check_arity(lambda x: x, "layer_fn", 2, "layer_fn(params, x) -> x")
+        ... except TypeError as e:
+        ...     print(e)
+        `layer_fn` must be callable as layer_fn(params, x) -> x; it takes (x).
+    """
+    if not callable(fn):
+        raise TypeError(
+            f"`{name}` must be callable as {signature}; got {fn!r} of type {type(fn).__name__}."
+        )
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn
+    try:
+        sig.bind(*range(nargs))
+    except TypeError:
+        raise TypeError(f"`{name}` must be callable as {signature}; it takes {sig}.") from None
+    return fn

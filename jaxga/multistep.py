@@ -101,7 +101,9 @@ def _check_every_k(every_k: Any) -> EveryK:
             raise ValueError(f"`every_k` must be at least 1; got {every_k}.")
         return int(every_k)
     if callable(every_k):
-        return _checks.function(every_k, "every_k", "of the applied-step count, `every_k(step)`", 1)
+        return _checks.check_arity(
+            every_k, "every_k", 1, "`every_k(step)` of the applied-step count"
+        )
     raise TypeError(
         f"`every_k` must be a positive int or a function of the applied-step count that "
         f"returns one; got {every_k!r} of type {type(every_k).__name__}."
@@ -386,7 +388,7 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
         every_k = _check_every_k(every_k if every_k_schedule is None else every_k_schedule)
         if should_skip_update_fn is not None:
             signature = "`(grads, gradient_step, params) -> (skip, report)` or None"
-            _checks.function(should_skip_update_fn, "should_skip_update_fn", signature, 3)
+            _checks.check_arity(should_skip_update_fn, "should_skip_update_fn", 3, signature)
         checked = _check_inner(inner)
         dtype = _checks.accumulator_dtype(accumulator_dtype)
         self = super().__new__(

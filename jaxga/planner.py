@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import re
 import statistics
 import time
@@ -12,26 +13,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxga._checks import leading_size
+from jaxga._checks import check_arity, leading_size
 from jaxga.memory import MemoryReport, format_bytes, memory_report
+from jaxga.remat import REMAT
+from jaxga.sharding import IndivisibleBatchError
 
-__all__ = [
-    "DEFAULT_REMAT",
-    "REMAT_ORDER",
-    "Candidate",
-    "InfeasibleBudgetError",
-    "Plan",
-    "parse_bytes",
-    "plan",
-    "remat_options",
-]
-
-# Remat names from least to most recomputation. "dots" keeps every matmul output and
-# recomputes only the cheap element-wise work; "dots_no_batch" also recomputes batched
-# matmuls (attention scores); "full" recomputes each layer; "sqrt" (full remat over √L
-# segments of layers) recomputes each layer twice.
-REMAT_ORDER: tuple[str, ...] = ("none", "dots", "dots_no_batch", "full", "sqrt")
-DEFAULT_REMAT: tuple[str, ...] = ("none", "dots", "full", "sqrt")
+__all__ = ["Candidate", "InfeasibleBudgetError", "Plan", "parse_bytes", "plan"]
 
 _UNITS = {
     "": 1,
@@ -45,6 +32,7 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+_MAX_BYTES = 2**63 - 1
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?\s*([a-zA-Z]*)\s*$")
 
 
@@ -52,7 +40,8 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
     """Returns a byte count given as an int or a string such as ``"512MiB"`` or ``"2GB"``.
 
     Units: ``B``, decimal ``KB MB GB TB`` (powers of 1000) and binary ``KiB MiB GiB TiB``
-    (powers of 1024), case-insensitive; no unit means bytes. Fractions are rounded down.
+    (powers of 1024), case-insensitive; no unit means bytes. Fractions are rounded down;
+    more than 2**63 - 1 bytes (XLA counts bytes in int64) is a ``ValueError``.
 
     Args:
         value: the size.
@@ -66,6 +55,10 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
             raise ValueError(f"`{name}` must be a non-negative number of bytes; got {value}.")
+        if value > _MAX_BYTES:
+            raise ValueError(
+                f"`{name}`={value} is more bytes than a byte count holds (2**63 - 1, XLA's int64)."
+            )
         return value
     if not isinstance(value, str):  # bool too: True is not a size
         raise TypeError(
@@ -80,30 +73,24 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
             f"of B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), "
             f"e.g. '512MiB' or '1.5GiB'."
         )
-    number = float(match.group(1)) * 10 ** int(match.group(2) or 0)
-    return int(number * _UNITS[unit])
-
-
-def remat_options(name: str) -> dict[str, Any]:
-    """Returns the :func:`jaxga.remat_scan` keyword arguments for a remat name.
-
-    ``"sqrt"`` is full remat over √L segments of layers; every other name is a
-    per-layer policy (see :data:`jaxga.remat.POLICIES`). Use it in a ``build``
-    function for :func:`plan`.
-
-    Example:
-        >>> from jaxga.planner import remat_options
-        >>> remat_options("sqrt"), remat_options("dots")
-        ({'policy': 'full', 'segments': 'sqrt'}, {'policy': 'dots', 'segments': 1})
-    """
-    if name == "sqrt":
-        return {"policy": "full", "segments": "sqrt"}
-    if name not in REMAT_ORDER:
+    try:
+        number = decimal.Decimal(f"{match.group(1)}e{match.group(2) or 0}")  # exact
+    except decimal.InvalidOperation:  # an exponent beyond what decimal represents
+        number = decimal.Decimal(0 if match.group(2).startswith("-") else "Infinity")
+    if number > _MAX_BYTES:  # before multiplying: a huge exponent would overflow the context
         raise ValueError(
-            f"`name`={name!r} is not a remat name; expected one of "
-            f"{', '.join(map(repr, REMAT_ORDER))}."
+            f"`{name}`={value!r} is more bytes than a byte count holds (2**63 - 1, XLA's int64); "
+            f"expected a size such as '512MiB' or '80GB'."
         )
-    return {"policy": name, "segments": 1}
+    with decimal.localcontext() as context:
+        context.prec = 64
+        size = int(number * _UNITS[unit])  # rounds down
+    if size > _MAX_BYTES:
+        raise ValueError(
+            f"`{name}`={value!r} is {size} bytes, more than a byte count holds (2**63 - 1, "
+            f"XLA's int64); expected a size such as '512MiB' or '80GB'."
+        )
+    return size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,41 +237,61 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
-def _batch_size(args: tuple[Any, ...], batch_argnum: int) -> int:
-    if isinstance(batch_argnum, bool) or not isinstance(batch_argnum, int):
-        raise TypeError(f"`batch_argnum` must be an int; got {batch_argnum!r}.")
-    if not -len(args) <= batch_argnum < len(args):
-        raise ValueError(
-            f"`batch_argnum`={batch_argnum} does not name one of the {len(args)} positional "
-            f"argument(s) given to plan."
+def _batch_size(args: tuple[Any, ...], batch_argnums: int | Sequence[int]) -> int:
+    """The leading size every array of the batch arguments ``args[batch_argnums]`` shares."""
+    argnums = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
+    if (
+        isinstance(batch_argnums, bool)
+        or not isinstance(argnums, Sequence)
+        or not argnums
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in argnums)
+    ):
+        raise TypeError(
+            f"`batch_argnums` must be an int or a non-empty sequence of ints (positions in "
+            f"args); got {batch_argnums!r}."
         )
-    try:
-        size = leading_size(args[batch_argnum], f"args[{batch_argnum}]", "batch")
-    except ValueError as e:
-        raise ValueError(f"{e} (`batch_argnum`={batch_argnum} names the batch.)") from None
-    if size is None:
+    if bad := [i for i in argnums if not -len(args) <= i < len(args)]:
         raise ValueError(
-            f"args[{batch_argnum}] (`batch_argnum`={batch_argnum}) holds no arrays; it must be "
-            f"the batch, a pytree of arrays with a leading batch axis."
+            f"`batch_argnums`={batch_argnums!r} holds {bad}, which name none of the "
+            f"{len(args)} positional argument(s) given to plan."
         )
-    return size
+    sizes = {}
+    for i in argnums:
+        name = f"args[{i % len(args)}]"
+        try:
+            size = leading_size(args[i], name, "batch")
+        except ValueError as e:
+            raise ValueError(f"{e} (`batch_argnums`={batch_argnums!r} names the batch.)") from None
+        if size is not None:
+            sizes[name] = size
+    if not sizes:
+        raise ValueError(
+            f"`batch_argnums`={batch_argnums!r} names arguments that hold no arrays; they must "
+            f"be the batch, pytrees of arrays with a leading batch axis."
+        )
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"The batch arguments (`batch_argnums`={batch_argnums!r}) have different leading "
+            f"sizes ({', '.join(f'{k}: {v}' for k, v in sizes.items())}); they must share one "
+            f"batch size."
+        )
+    return next(iter(sizes.values()))
 
 
-def _microbatch_counts(microbatches: Sequence[int] | None, batch_size: int) -> list[int]:
-    if microbatches is None:
+def _microbatch_counts(num_microbatches: int | Sequence[int] | None, batch_size: int) -> list[int]:
+    if num_microbatches is None:
         return [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-    if isinstance(microbatches, int):
-        microbatches = (microbatches,)
-    counts = list(microbatches)
+    counts = [num_microbatches] if isinstance(num_microbatches, int) else list(num_microbatches)
     bad = [k for k in counts if isinstance(k, bool) or not isinstance(k, int) or k < 1]
     if not counts or bad:
         raise ValueError(
-            f"`microbatches` must be a non-empty sequence of positive ints; got {microbatches!r}."
+            f"`num_microbatches` must be a positive int or a non-empty sequence of them; got "
+            f"{num_microbatches!r}."
         )
     if indivisible := [k for k in counts if batch_size % k]:
         raise ValueError(
-            f"`microbatches`={microbatches!r} holds {indivisible}, which do not divide the "
-            f"batch size {batch_size}."
+            f"`num_microbatches`={num_microbatches!r} holds {indivisible}, which do not divide "
+            f"the batch size {batch_size}."
         )
     return sorted(set(counts))
 
@@ -361,9 +368,9 @@ def plan(
     build: Callable[[int, Any], Callable[..., Any]],
     *args: Any,
     budget: int | str | None = None,
-    microbatches: Sequence[int] | None = None,
-    remat: Sequence[Any] = DEFAULT_REMAT,
-    batch_argnum: int = -1,
+    num_microbatches: int | Sequence[int] | None = None,
+    remat: Sequence[Any] = tuple(REMAT),
+    batch_argnums: int | Sequence[int] = -1,
     margin: float = 0.1,
     exhaustive: bool = False,
     time_top: int = 0,
@@ -374,8 +381,9 @@ def plan(
 
     Candidates are pairs ``(num_microbatches, remat)``, tried in order: fewest
     micro-batches first (each extra micro-batch is a sequential scan iteration), then
-    least recomputation, in the order of ``remat`` (the default follows
-    :data:`REMAT_ORDER`: ``none < dots < dots_no_batch < full < sqrt``). Each is built
+    least recomputation, in the order of ``remat`` (by default every name of
+    :data:`jaxga.remat.REMAT`: ``none < dots < dots_no_batch < offload_dots < full <
+    sqrt``). Each is built
     with ``build`` and compiled ahead of time for the shapes of ``args``, with
     :func:`jaxga.memory_report`: nothing is allocated and nothing runs, so a candidate
     that does not fit cannot run out of memory. The first that fits wins, so a
@@ -390,18 +398,23 @@ def plan(
     Args:
         build: ``build(num_microbatches, remat) -> step``, a (preferably ``jax.jit``-ed)
             train step for that configuration, e.g. ``lambda k, r:
-            jaxga.make_train_step(loss_for(r), tx, k)``. ``remat`` values are handed over
-            as they are (see :func:`remat_options` for :func:`jaxga.remat_scan`).
+            jaxga.make_train_step(loss_for(r), k)``. ``remat`` values are handed over
+            as they are (:func:`jaxga.remat.remat_options` turns a name of
+            :data:`jaxga.remat.REMAT` into :func:`jaxga.remat_scan` arguments).
         *args: the step's arguments, arrays or :class:`jax.ShapeDtypeStruct` (e.g. from
             :func:`jax.eval_shape`); only their shapes, dtypes and shardings are used.
         budget: bytes (an int or a string such as ``"512MiB"``, see :func:`parse_bytes`).
             Default: the device's memory limit (``memory_stats()["bytes_limit"]``) less
             ``margin``. CPUs report no limit: pass a budget there.
-        microbatches: the micro-batch counts to try. Default: every divisor of the batch
-            size (the leading axis of ``args[batch_argnum]``).
-        remat: the remat values to try for each count, from least to most recomputation.
-            Use ``(None,)`` if ``build`` has no remat choice.
-        batch_argnum: which of ``args`` is the batch (default: the last).
+        num_microbatches: the candidate micro-batch counts, an int or a sequence of
+            ints, each a divisor of the batch size. Default: every divisor of the batch
+            size (for a step on a mesh, those whose micro-batches the devices divide; a
+            step on a mesh is sized per device, as its compiled program is).
+        remat: the candidate remat values for each count, from least to most
+            recomputation. Use ``(None,)`` if ``build`` has no remat choice.
+        batch_argnums: the position(s) in ``args`` of the batch, an int or a sequence of
+            ints as in :func:`jaxga.value_and_grad` (default: the last argument); the
+            batch size is the leading size every array there shares.
         margin: with the default budget, the fraction of device memory left free (for
             the runtime, fragmentation and arrays outside the step).
         exhaustive: compile every candidate for the table instead of stopping early.
@@ -429,8 +442,7 @@ def plan(
         >>> p.num_microbatches > 1, p.report.peak_bytes <= p.budget
         (True, True)
     """
-    if not callable(build):
-        raise TypeError(f"`build` must be callable; got {type(build).__name__}.")
+    check_arity(build, "build", 2, "build(num_microbatches, remat) -> step")
     if not args:
         raise ValueError("plan needs the step's arguments (arrays or jax.ShapeDtypeStruct).")
     margin = _check_margin(margin)
@@ -443,16 +455,23 @@ def plan(
         raise ValueError("`remat` must hold at least one value; use (None,) for no choice.")
     budget = _default_budget(margin, device) if budget is None else parse_bytes(budget)
     args = _abstract(args)
-    batch_size = _batch_size(args, batch_argnum)
-    order = list(_candidates(_microbatch_counts(microbatches, batch_size), remat))
+    batch_size = _batch_size(args, batch_argnums)
+    order = list(_candidates(_microbatch_counts(num_microbatches, batch_size), remat))
 
     found: list[Candidate] = []
     steps: dict[int, Callable[..., Any]] = {}
+    passed_over = 0
     wanted = max(time_top, 1)
     for i, (k, r) in enumerate(order):
         if not exhaustive and sum(c.fits for c in found) >= wanted:
             break
-        step, report = _compile(build, k, r, args)
+        try:
+            step, report = _compile(build, k, r, args)
+        except IndivisibleBatchError:
+            if num_microbatches is not None:
+                raise
+            passed_over += 1  # a step on a mesh: k micro-batches a device do not divide its rows
+            continue
         fits = report.peak_bytes <= budget
         if fits:
             steps[i] = step
@@ -483,6 +502,6 @@ def plan(
         budget=budget,
         batch_size=batch_size,
         candidates=tuple(found),
-        num_skipped=len(order) - len(found),
+        num_skipped=len(order) - len(found) - passed_over,
         step=steps[best],
     )

@@ -4,35 +4,83 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxga._checks import leading_size, positive_int
+from jaxga._checks import check_arity, leading_size, positive_int
 
-__all__ = ["POLICIES", "checkpoint_policy", "remat_scan", "resolve_segments", "stack_length"]
+__all__ = [
+    "REMAT",
+    "Remat",
+    "checkpoint_policy",
+    "remat_options",
+    "remat_scan",
+    "resolve_segments",
+    "stack_length",
+]
 
 Policy = str | Sequence[str] | Callable[..., Any]
 
-# Known policy names and what each keeps from a layer's forward pass for the backward pass.
-POLICIES: dict[str, str] = {
-    "none": "everything (no rematerialisation)",
-    "full": "nothing but the layer's input; the whole layer is recomputed",
-    "dots": "the outputs of matrix multiplications and convolutions",
-    "dots_no_batch": "the outputs of matrix multiplications without batch dimensions",
-    "offload_dots": "as 'dots_no_batch', offloaded to pinned host memory where the backend has it",
+
+class Remat(NamedTuple):
+    """A named remat strategy of :func:`remat_scan`; the rows of :data:`REMAT`.
+
+    Attributes:
+        policy: the ``jax.checkpoint`` policy of each layer; ``None``: no checkpoint.
+        segments: ``remat_scan``'s ``segments``: 1 (per-layer remat) or ``"sqrt"``.
+        keeps: what the backward pass keeps of the forward pass.
+    """
+
+    policy: Callable[..., Any] | None
+    segments: int | str
+    keeps: str
+
+
+_cp = jax.checkpoint_policies
+
+# The remat names, from least to most recomputation: checkpoint_policy, remat_options,
+# jaxga.plan's default candidates and the examples' --remat choices all come from here.
+REMAT: dict[str, Remat] = {
+    "none": Remat(None, 1, "everything (no rematerialisation)"),
+    "dots": Remat(
+        _cp.dots_saveable,
+        1,
+        "the outputs of matrix multiplications and convolutions; element-wise work is recomputed",
+    ),
+    "dots_no_batch": Remat(
+        _cp.dots_with_no_batch_dims_saveable,
+        1,
+        "the outputs of matrix multiplications without batch dimensions; batched ones "
+        "(attention scores) are recomputed too",
+    ),
+    "offload_dots": Remat(
+        _cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
+        1,
+        "as 'dots_no_batch', offloaded to pinned host memory where the backend has it",
+    ),
+    "full": Remat(_cp.nothing_saveable, 1, "each layer's input; every layer is recomputed once"),
+    "sqrt": Remat(
+        _cp.nothing_saveable,
+        "sqrt",
+        "the inputs of √L segments of layers; every layer is recomputed twice",
+    ),
 }
+
+
+def _names(segments: int | str | None = None) -> str:
+    return ", ".join(repr(n) for n, r in REMAT.items() if segments in (None, r.segments))
 
 
 def checkpoint_policy(policy: Policy) -> Callable[..., Any] | None:
     """Returns the ``jax.checkpoint`` policy for a policy name, list of names or callable.
 
-    ``"none"`` gives ``None``: do not checkpoint at all. A list (or tuple) of strings
-    saves exactly the values tagged with those names by
-    :func:`jax.ad_checkpoint.checkpoint_name`. A callable is taken to be a
-    :data:`jax.checkpoint_policies` policy and is returned as it is. The known names
-    are the keys of :data:`POLICIES`.
+    A name is a per-layer row of :data:`REMAT` (all but ``"sqrt"``, which is
+    ``policy="full"`` over √L segments); ``"none"`` gives ``None``: do not checkpoint
+    at all. A list (or tuple) of strings saves exactly the values tagged with those
+    names by :func:`jax.ad_checkpoint.checkpoint_name`. A callable is taken to be a
+    :data:`jax.checkpoint_policies` policy and is returned as it is.
 
     Example:
         >>> import jax, jaxga
@@ -41,31 +89,48 @@ def checkpoint_policy(policy: Policy) -> Callable[..., Any] | None:
         >>> jaxga.checkpoint_policy("none") is None
         True
     """
-    cp = jax.checkpoint_policies
     if isinstance(policy, str):
-        named = {
-            "none": None,
-            "full": cp.nothing_saveable,
-            "dots": cp.dots_saveable,
-            "dots_no_batch": cp.dots_with_no_batch_dims_saveable,
-        }
-        if policy in named:
-            return named[policy]
-        if policy == "offload_dots":
-            return cp.offload_dot_with_no_batch_dims("device", "pinned_host")
+        row = REMAT.get(policy)
+        if row is not None and row.segments == 1:
+            return row.policy
+        hint = (
+            f" ({policy!r} is not a per-layer policy: pass **remat_options({policy!r}) to "
+            f"remat_scan)"
+            if row is not None
+            else ""
+        )
         raise ValueError(
-            f"`policy`={policy!r} is not a known policy name; expected one of "
-            f"{', '.join(map(repr, POLICIES))}, a list of checkpoint_name names, or a "
+            f"`policy`={policy!r} is not a known policy name{hint}; expected one of "
+            f"{_names(segments=1)}, a list of checkpoint_name names, or a "
             f"jax.checkpoint_policies callable."
         )
     if callable(policy):
         return policy
     if isinstance(policy, (list, tuple)) and all(isinstance(n, str) for n in policy):
-        return cp.save_only_these_names(*policy)
+        return _cp.save_only_these_names(*policy)
     raise TypeError(
         f"`policy` must be a policy name, a list of checkpoint_name names or a "
         f"jax.checkpoint_policies callable; got {policy!r} of type {type(policy).__name__}."
     )
+
+
+def remat_options(name: str) -> dict[str, Any]:
+    """Returns the :func:`remat_scan` keyword arguments for a name of :data:`REMAT`.
+
+    Use it to turn a remat name (a command-line choice, or a candidate of
+    :func:`jaxga.plan`) into ``remat_scan(..., **remat_options(name))``.
+
+    Example:
+        >>> from jaxga.remat import remat_options
+        >>> remat_options("sqrt"), remat_options("dots")
+        ({'policy': 'full', 'segments': 'sqrt'}, {'policy': 'dots', 'segments': 1})
+    """
+    row = REMAT.get(name) if isinstance(name, str) else None
+    if row is None:
+        raise ValueError(f"`name`={name!r} is not a remat name; expected one of {_names()}.")
+    # The per-layer row with the same policy names it; "sqrt" is "full" over segments.
+    policy = next(n for n, r in REMAT.items() if r.segments == 1 and r.policy is row.policy)
+    return {"policy": policy, "segments": row.segments}
 
 
 def stack_length(stacked_params: Any) -> int:
@@ -200,7 +265,7 @@ def remat_scan(
             ``"full"`` (nothing), ``"dots"``, ``"dots_no_batch"``, ``"offload_dots"``
             (where the backend has pinned host memory), a list of
             :func:`jax.ad_checkpoint.checkpoint_name` names to save, or any
-            ``jax.checkpoint_policies`` callable. See :data:`POLICIES`.
+            ``jax.checkpoint_policies`` callable. See :data:`REMAT`.
         segments: 1 (per-layer remat), a divisor s of L (two-level remat over s
             segments), or ``"sqrt"``.
 
@@ -222,8 +287,7 @@ def remat_scan(
     num_layers = stack_length(stacked_params)
     save = checkpoint_policy(policy)
     num_segments = resolve_segments(segments, num_layers)
-    if not callable(layer_fn):
-        raise TypeError(f"`layer_fn` must be callable; got {type(layer_fn).__name__}.")
+    check_arity(layer_fn, "layer_fn", 2, "layer_fn(params_of_one_layer, x) -> x")
 
     step = _carry_checked(layer_fn)
     if save is not None:

@@ -3,17 +3,14 @@
 ``jaxga.value_and_grad(..., axis_name="data")`` called inside ``jax.shard_map`` (or
 ``jax.pmap``) scans each device's local micro-batches and reduces gradients, loss
 totals and counts across the axis **once**, after the loop. This module holds the
-pieces that make that work (:func:`check_axis_bound`, :func:`varying`), helpers to
-put data on a mesh from one or many processes (:func:`shard_batch`,
-:func:`replicate`), and :func:`hlo_collectives`, which finds the collectives of a
-compiled step and tells whether each one runs inside a loop. See
-``docs/distributed.md``.
+pieces that make that work (:func:`check_axis_bound`, :func:`varying`,
+:func:`psum_invariant`) and helpers to put data on a mesh from one or many processes
+(:func:`shard_batch`, :func:`replicate`). See ``docs/distributed.md``.
 """
 
 from __future__ import annotations
 
-import re
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +20,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
-    "Collective",
+    "IndivisibleBatchError",
     "check_axis_bound",
     "fsdp_spec",
-    "hlo_collectives",
     "indivisible_error",
     "psum_invariant",
     "psum_varying",
@@ -179,11 +175,15 @@ def psum_varying(tree: Any) -> Any:
     return jax.tree.map(reduce, tree)
 
 
-def indivisible_error(batches: Any, num_microbatches: int, axis_name: Any) -> ValueError:
+class IndivisibleBatchError(ValueError):
+    """A global batch that the devices × micro-batches do not divide."""
+
+
+def indivisible_error(batches: Any, num_microbatches: int, axis_name: Any) -> IndivisibleBatchError:
     """Returns the error for a global batch not divisible by devices × micro-batches."""
     local = jax.tree.leaves(batches)[0].shape[0]
     devices = jax.lax.axis_size(axis_name)
-    return ValueError(
+    return IndivisibleBatchError(
         f"The global batch of {local * devices} ({local} per device on {devices} devices of "
         f"axis {axis_name!r}) is not divisible by devices × num_microbatches = {devices} × "
         f"{num_microbatches} = {devices * num_microbatches}."
@@ -270,101 +270,6 @@ def put(x: Any, sharding: NamedSharding) -> jax.Array:
         data = jax.device_put(jax.random.key_data(x), sharding)
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
     return jax.device_put(x, sharding)
-
-
-class Collective(NamedTuple):
-    """A collective operation in compiled HLO text; see :func:`hlo_collectives`.
-
-    Attributes:
-        opcode: ``"all-reduce"``, ``"reduce-scatter"``, ``"all-gather"``,
-            ``"collective-permute"``, ``"all-to-all"``, ... (without ``-start``).
-        computation: name of the HLO computation that holds it.
-        in_loop: whether that computation runs inside a ``while`` loop (is a loop
-            body or condition, or is called from one, directly or not).
-        line: the HLO instruction.
-    """
-
-    opcode: str
-    computation: str
-    in_loop: bool
-    line: str
-
-
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
-_COLLECTIVE = re.compile(
-    r"(?<=\s)(all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all|"
-    r"ragged-all-to-all|collective-broadcast)(?:-start)?\("
-)
-_WHILE = re.compile(r"(?<=\s)while\(")
-_ATTRIBUTE = re.compile(r"\b\w+=(\{[^{}]*\}|%[\w.\-]+)")
-_NAME = re.compile(r"%([\w.\-]+)")
-
-
-def _parse_computations(hlo_text: str) -> dict[str, list[str]]:
-    computations: dict[str, list[str]] = {}
-    current = None
-    for line in hlo_text.splitlines():
-        if line.startswith("}"):
-            current = None
-        elif not line[:1].isspace() and (match := _COMPUTATION.match(line)):
-            current = computations.setdefault(match.group(1), [])
-        elif current is not None and line.strip():
-            current.append(line.strip())
-    return computations
-
-
-def hlo_collectives(hlo_text: str) -> list[Collective]:
-    """Lists the collectives in compiled HLO text, each marked as inside a loop or not.
-
-    Pass the text of a compiled function, ``jax.jit(f).lower(*args).compile().as_text()``.
-    A computation is *in a loop* if it is the body or condition of a ``while``
-    instruction or is called (as a fusion, call, reducer, branch, ...) from such a
-    computation, directly or through others. With ``axis_name`` set, jaxga's
-    micro-batch loop has no collective inside it and one all-reduce after it.
-
-    Example:
-        >>> import jaxga
-        >>> hlo = '''
-        ... %body (p: f32[]) -> f32[] {
-        ...   %p = f32[] parameter(0)
-        ...   ROOT %r = f32[] all-reduce(%p), replica_groups={}, to_apply=%add
-        ... }
-        ... ENTRY %main (x: f32[]) -> f32[] {
-        ...   %x = f32[] parameter(0)
-        ...   %w = f32[] while(%x), condition=%cond, body=%body
-        ...   ROOT %s = f32[] all-reduce-start(%w), replica_groups={}, to_apply=%add
-        ... }'''
-        >>> [(c.opcode, c.in_loop) for c in jaxga.sharding.hlo_collectives(hlo)]
-        [('all-reduce', True), ('all-reduce', False)]
-    """
-    computations = _parse_computations(hlo_text)
-
-    def callees(name: str) -> set[str]:
-        found = set()
-        for line in computations.get(name, ()):
-            for value in _ATTRIBUTE.findall(line):
-                found.update(n for n in _NAME.findall(value) if n in computations)
-        return found
-
-    in_loop: set[str] = set()
-    pending = [
-        callee
-        for lines in computations.values()
-        for line in lines
-        if _WHILE.search(line)
-        for _, callee in re.findall(r"\b(body|condition)=%?([\w.\-]+)", line)
-    ]
-    while pending:
-        name = pending.pop()
-        if name not in in_loop:
-            in_loop.add(name)
-            pending.extend(callees(name))
-    return [
-        Collective(match.group(1), name, name in in_loop, line)
-        for name, lines in computations.items()
-        for line in lines
-        if (match := _COLLECTIVE.search(line))
-    ]
 
 
 # --- sharded train state (FSDP / ZeRO) -------------------------------------------------

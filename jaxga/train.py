@@ -149,7 +149,7 @@ def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
             f"`graphdef` must be the GraphDef of `graphdef, params, rest = nnx.split(model, "
             f"nnx.Param, ...)`; got {type(graphdef).__name__}."
         )
-    _checks.function(loss, "loss", "`loss(model, batch, rng)`", 3)
+    _checks.check_arity(loss, "loss", 3, "`loss(model, batch, rng)`")
 
     def functional(params, batch, model_state, rng):
         try:
@@ -407,7 +407,7 @@ def make_train_step(
     """
     _checks.positive_int(num_microbatches, "num_microbatches")
     signature = "`loss(params, batch, model_state, rng) -> (loss, new_model_state)`"
-    _checks.function(loss, "loss", signature, 4)
+    _checks.check_arity(loss, "loss", 4, signature)
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(
             f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh((n,), ('data',))); "
@@ -593,7 +593,7 @@ def nnx_train_step(
         (8, 1)
     """
     _checks.positive_int(num_microbatches, "num_microbatches")
-    _checks.function(loss, "loss", "`loss(model, batch) -> loss`", 2)
+    _checks.check_arity(loss, "loss", 2, "`loss(model, batch) -> loss`")
     grad_fn = accumulate(
         loss, num_microbatches=num_microbatches, accumulator_dtype=accumulator_dtype
     )

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import jaxga
+from tests._models import mlp, mlp_params
 
 RTOL = 2e-5
 ATOL = 1e-6
@@ -20,20 +21,6 @@ BATCH = 24
 
 # Exact to float32 rounding: tests run at "highest" matmul precision (tests/conftest.py).
 assert_trees_close = functools.partial(chex.assert_trees_all_close, rtol=RTOL, atol=ATOL)
-
-
-def mlp_params(key, sizes=(6, 16, 16, 3)):
-    keys = jax.random.split(key, len(sizes) - 1)
-    return [
-        {"w": jax.random.normal(k, (m, n)) / jnp.sqrt(m), "b": jnp.zeros(n)}
-        for k, m, n in zip(keys, sizes[:-1], sizes[1:])
-    ]
-
-
-def mlp(params, x):
-    for layer in params[:-1]:
-        x = jnp.tanh(x @ layer["w"] + layer["b"])
-    return x @ params[-1]["w"] + params[-1]["b"]
 
 
 def mlp_scalar_loss(params, batch):

@@ -23,7 +23,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxga
-from jaxga.sharding import hlo_collectives, replicate, shard_batch
+from jaxga.sharding import replicate, shard_batch
+from tests._hlo import hlo_collectives
 
 ROOT = Path(__file__).resolve().parent.parent
 MULTIDEVICE = ROOT / "tests" / "multidevice"

@@ -514,9 +514,9 @@ def test_bad_every_k(every_k, error, match):
         (
             {"should_skip_update_fn": lambda grads: (False, ())},
             TypeError,
-            r"`should_skip_update_fn` must be a function `\(grads, gradient_step, params\)",
+            r"`should_skip_update_fn` must be callable as `\(grads, gradient_step, params\)",
         ),
-        ({"every_k": lambda: 2}, TypeError, r"`every_k` must be a function .*`every_k\(step\)`"),
+        ({"every_k": lambda: 2}, TypeError, r"`every_k` must be callable as `every_k\(step\)`"),
     ],
 )
 def test_bad_construction_arguments(kwargs, error, match):

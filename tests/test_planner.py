@@ -13,13 +13,8 @@ import pytest
 from flax import nnx
 
 import jaxga
-from jaxga.planner import (
-    DEFAULT_REMAT,
-    REMAT_ORDER,
-    InfeasibleBudgetError,
-    format_bytes,
-    remat_options,
-)
+from jaxga.planner import InfeasibleBudgetError, format_bytes
+from jaxga.remat import REMAT, remat_options
 
 BATCH, FEATURES, DIM, HIDDEN, LAYERS = 8, 4, 8, 64, 4
 TX = optax.sgd(0.1)
@@ -121,7 +116,7 @@ def test_impossible_budget_states_the_smallest_peak():
     counts, remats = (2, 4), ("none", "full")
     smallest = min(compiled_peak(k, r) for k in counts for r in remats)
     with pytest.raises(InfeasibleBudgetError) as info:
-        jaxga.plan(build, *ARGS, budget=smallest - 1, microbatches=counts, remat=remats)
+        jaxga.plan(build, *ARGS, budget=smallest - 1, num_microbatches=counts, remat=remats)
     message = str(info.value)
     assert isinstance(info.value, ValueError)
     assert f"({smallest - 1} bytes)" in message and f"({smallest} bytes)" in message
@@ -146,7 +141,7 @@ def test_arrays_or_shapes_give_the_same_plan_and_nothing_runs():
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), PARAMS)
     state = jaxga.TrainState.create(params=params, tx=TX)
     batch = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), BATCH_SHAPES)
-    options = {"budget": compiled_peak(4, "full"), "microbatches": (2, 4), "remat": ("full",)}
+    options = {"budget": compiled_peak(4, "full"), "num_microbatches": (2, 4), "remat": ("full",)}
     from_arrays = jaxga.plan(counting_build, state, batch, **options)
     from_shapes = jaxga.plan(counting_build, *ARGS, **options)
     assert rank_of(from_arrays) == rank_of(from_shapes)
@@ -160,7 +155,7 @@ def rank_of(p):
 
 def test_time_top_times_fitting_candidates_and_picks_the_fastest():
     budget = compiled_peak(4, "none")
-    p = jaxga.plan(build, *ARGS, budget=budget, microbatches=(4, 8), time_top=3, repeats=1)
+    p = jaxga.plan(build, *ARGS, budget=budget, num_microbatches=(4, 8), time_top=3, repeats=1)
     timed = [c for c in p.candidates if c.seconds is not None]
     assert len(timed) == 3 and all(c.fits for c in timed)
     assert min(timed, key=lambda c: c.seconds).remat == p.remat
@@ -174,7 +169,7 @@ def test_default_budget_is_the_device_limit_less_the_margin():
         def memory_stats(self):
             return {"bytes_limit": 2**30}  # room for any backend's compiled peak
 
-    p = jaxga.plan(build, *ARGS, device=Device(), margin=0.25, microbatches=(BATCH,))
+    p = jaxga.plan(build, *ARGS, device=Device(), margin=0.25, num_microbatches=BATCH)
     assert p.budget == int(2**30 * 0.75)
 
 
@@ -189,11 +184,24 @@ def test_default_budget_on_cpu_asks_for_a_budget():
         jaxga.plan(build, *ARGS, device=Device())
 
 
-def test_remat_order():
-    assert REMAT_ORDER == ("none", "dots", "dots_no_batch", "full", "sqrt")
-    assert [REMAT_ORDER.index(r) for r in DEFAULT_REMAT] == sorted(
-        REMAT_ORDER.index(r) for r in DEFAULT_REMAT
-    )
+def test_default_candidates_are_the_remat_table_in_order():
+    p = jaxga.plan(build, *ARGS, budget="1GiB", num_microbatches=BATCH, exhaustive=True)
+    assert [c.remat for c in p.candidates] == list(REMAT)
+
+
+def test_batch_argnums_names_every_batch_argument():
+    def split_build(k, remat):
+        step = build(k, remat)
+        return jax.jit(lambda state, x, y: step(state, {"x": x, "y": y}))
+
+    args = (STATE, BATCH_SHAPES["x"], BATCH_SHAPES["y"])
+    options = {"budget": "1GiB", "remat": ("none",), "exhaustive": True}
+    p = jaxga.plan(split_build, *args, batch_argnums=(1, 2), **options)
+    assert [c.num_microbatches for c in p.candidates] == [1, 2, 4, 8]
+    assert p.batch_size == BATCH
+    short = jax.ShapeDtypeStruct((BATCH // 2, 16, 1), jnp.float32)
+    with pytest.raises(ValueError, match=r"`batch_argnums`=\(1, 2\).*args\[1\]: 8, args\[2\]: 4"):
+        jaxga.plan(split_build, STATE, BATCH_SHAPES["x"], short, batch_argnums=(1, 2), **options)
 
 
 @pytest.mark.parametrize(
@@ -231,10 +239,13 @@ def test_parse_bytes_errors_name_the_argument(value, error, message):
 @pytest.mark.parametrize(
     "options, error, message",
     [
-        ({"batch_argnum": 2}, ValueError, r"`batch_argnum`=2 does not name one of the 2"),
-        ({"batch_argnum": 0}, ValueError, r"args\[0\].*scalar.*`batch_argnum`=0"),
-        ({"microbatches": (3,)}, ValueError, r"`microbatches`=\(3,\) holds \[3\].*size 8"),
-        ({"microbatches": (0, 2)}, ValueError, r"`microbatches` must be a non-empty sequence"),
+        ({"batch_argnums": 2}, ValueError, r"`batch_argnums`=2 holds \[2\], which name none"),
+        ({"batch_argnums": 0}, ValueError, r"args\[0\].*scalar.*`batch_argnums`=0"),
+        ({"batch_argnums": (1, 1.0)}, TypeError, r"`batch_argnums` must be an int or a non-empty"),
+        ({"batch_argnums": ()}, TypeError, r"`batch_argnums` must be an int or a non-empty"),
+        ({"num_microbatches": (3,)}, ValueError, r"`num_microbatches`=\(3,\) holds \[3\].*size 8"),
+        ({"num_microbatches": 0}, ValueError, r"`num_microbatches` must be a positive int or"),
+        ({"num_microbatches": (0, 2)}, ValueError, r"`num_microbatches` must be a positive int"),
         ({"margin": 1.0}, ValueError, r"`margin` must be a fraction.*got 1.0"),
         ({"time_top": -1}, ValueError, r"`time_top` must be a non-negative int; got -1"),
         ({"remat": ()}, ValueError, r"`remat` must hold at least one value"),
@@ -246,10 +257,40 @@ def test_plan_errors_name_the_argument(options, error, message):
         jaxga.plan(build, *ARGS, **{"budget": "1GiB", **options})
 
 
+@pytest.mark.parametrize("value", ["1e400B", "1e400", "9.3e18", "inf", "nan", 2**63])
+def test_parse_bytes_rejects_sizes_beyond_a_byte_count(value):
+    with pytest.raises(ValueError, match=r"`budget`"):
+        jaxga.parse_bytes(value)
+
+
+def test_parse_bytes_takes_the_largest_byte_count():
+    assert jaxga.parse_bytes(str(2**63 - 1)) == 2**63 - 1
+    assert jaxga.parse_bytes("1e-400GB") == 0
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [lambda k: build(k, "none"), lambda k, remat, extra: None, functools.partial(build, 2, "none")],
+)
+def test_build_with_the_wrong_arity_says_the_expected_signature(wrong):
+    with pytest.raises(
+        TypeError, match=r"`build` must be callable as build\(num_microbatches, remat\)"
+    ):
+        jaxga.plan(wrong, *ARGS, budget="1GiB")
+
+
+def test_build_as_a_partial_or_with_defaults_is_accepted():
+    options = {"budget": "1GiB", "num_microbatches": 1, "remat": ("none",)}
+    assert jaxga.plan(functools.partial(build), *ARGS, **options).remat == "none"
+    assert jaxga.plan(lambda k, r="full", *_: build(k, r), *ARGS, **options).remat == "none"
+
+
 def test_build_must_return_a_step():
     with pytest.raises(TypeError, match=r"build\(1, 'none'\) returned int"):
         jaxga.plan(lambda k, r: 3, *ARGS, budget="1GiB")
-    with pytest.raises(TypeError, match=r"`build` must be callable; got str"):
+    with pytest.raises(
+        TypeError, match=r"`build` must be callable as build\(.*; got .step. of type str"
+    ):
         jaxga.plan("step", *ARGS, budget="1GiB")
 
 

@@ -1,19 +1,21 @@
 """jaxga.remat_scan against a plain Python loop over the layers, and its memory."""
 
+import functools
 import math
 import sys
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxga
-from jaxga.remat import POLICIES, resolve_segments, stack_length
+from jaxga._checks import check_arity
+from jaxga.remat import REMAT, remat_options, resolve_segments, stack_length
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 
@@ -24,12 +26,10 @@ ATOL = 2e-6
 LAYERS = 4
 
 
-def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-        assert jnp.shape(a) == jnp.shape(e)
-        assert jnp.result_type(a) == jnp.result_type(e)
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+def assert_trees_close(actual, expected):
+    """chex's closeness at RTOL and ATOL, with equal shapes and dtypes."""
+    chex.assert_trees_all_equal_shapes_and_dtypes(actual, expected)
+    chex.assert_trees_all_close(actual, expected, rtol=RTOL, atol=ATOL)
 
 
 def attention_block(p, x):
@@ -179,7 +179,29 @@ def test_checkpoint_policy_names():
     assert jaxga.checkpoint_policy("dots_no_batch") is cp.dots_with_no_batch_dims_saveable
     assert callable(jaxga.checkpoint_policy("offload_dots"))
     assert jaxga.checkpoint_policy(cp.everything_saveable) is cp.everything_saveable
-    assert set(POLICIES) == {"none", "full", "dots", "dots_no_batch", "offload_dots"}
+
+
+def test_remat_table_orders_names_from_least_to_most_recomputation():
+    assert tuple(REMAT) == ("none", "dots", "dots_no_batch", "offload_dots", "full", "sqrt")
+    for name, row in REMAT.items():
+        options = remat_options(name)
+        assert jaxga.checkpoint_policy(options["policy"]) is row.policy
+        assert options["segments"] == row.segments
+    assert remat_options("sqrt") == {"policy": "full", "segments": "sqrt"}
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: remat_options("most"), ValueError, r"`name`='most' is not a remat name.*'sqrt'"),
+        (lambda: remat_options(None), ValueError, r"`name`=None is not a remat name"),
+        (lambda: jaxga.checkpoint_policy("sqrt"), ValueError, r"`policy`='sqrt'.*remat_options"),
+        (lambda: jaxga.checkpoint_policy("most"), ValueError, r"`policy`='most' is not a known"),
+    ],
+)
+def test_remat_name_errors_name_the_argument(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
 
 
 # --- errors -------------------------------------------------------------------------
@@ -224,7 +246,9 @@ def test_error_on_bad_segments(segments, error):
 
 
 def test_error_on_unknown_policy_name_lists_known_ones():
-    with pytest.raises(ValueError, match=r"'dot'.*'none', 'full', 'dots', 'dots_no_batch'"):
+    with pytest.raises(
+        ValueError, match=r"'dot'.*'none', 'dots', 'dots_no_batch', 'offload_dots', 'full'\.*"
+    ):
         jaxga.remat_scan(layer, W, X, policy="dot")
 
 
@@ -254,6 +278,39 @@ def test_error_when_layer_changes_the_carry(bad_layer, match, policy):
 def test_error_on_layer_fn_not_callable():
     with pytest.raises(TypeError, match="`layer_fn` must be callable"):
         jaxga.remat_scan("layer", W, X)
+
+
+@pytest.mark.parametrize(
+    "wrong", [lambda x: x, lambda w, x, scale: x, functools.partial(layer, W[0])]
+)
+def test_error_on_layer_fn_with_the_wrong_arity_says_the_signature(wrong):
+    expected = r"`layer_fn` must be callable as layer_fn\(params_of_one_layer, x\) -> x; it takes"
+    with pytest.raises(TypeError, match=expected):
+        jaxga.remat_scan(wrong, W, X)
+
+
+@pytest.mark.parametrize(
+    "layer_fn",
+    [
+        functools.partial(lambda scale, w, x: layer(w, x) * scale, 0.5),
+        lambda w, x, scale=0.5: layer(w, x) * scale,
+        lambda *args: layer(*args) * 0.5,
+    ],
+)
+def test_layer_fn_as_partial_with_defaults_or_varargs_is_accepted(layer_fn):
+    expected = X
+    for w in W:
+        expected = layer(w, expected) * 0.5
+    assert_trees_close(jaxga.remat_scan(layer_fn, W, X), expected)
+
+
+def test_a_ufunc_is_a_layer_fn():
+    halves = jnp.full((6, *X.shape), 0.5)
+    assert_trees_close(jaxga.remat_scan(jnp.multiply, halves, X), X * 0.5**6)
+
+
+def test_callables_without_a_readable_signature_are_not_rejected():
+    assert check_arity(max, "layer_fn", 2, "layer_fn(params_of_one_layer, x) -> x") is max
 
 
 # --- the Flax example ---------------------------------------------------------------

@@ -278,13 +278,13 @@ def test_bad_arguments():
         jaxga.TrainState.create(params=jnp.ones(()), tx="adam")
     with pytest.raises(ValueError, match="`num_microbatches` must be a positive int; got 0"):
         jaxga.make_train_step(lambda *a: a, 0)
-    with pytest.raises(TypeError, match="`loss` must be a function"):
+    with pytest.raises(TypeError, match="`loss` must be callable as"):
         jaxga.make_train_step("loss", 2)
     with pytest.raises(
-        TypeError, match=r"`loss\(params, batch, model_state, rng\) .*<lambda>\(p, b\)"
+        TypeError, match=r"`loss\(params, batch, model_state, rng\) .*; it takes \(p, b\)"
     ):
         jaxga.make_train_step(lambda p, b: (p, b), 2)
-    with pytest.raises(TypeError, match=r"`loss\(model, batch\) -> loss`; got .*\(model\)"):
+    with pytest.raises(TypeError, match=r"`loss\(model, batch\) -> loss`; it takes \(model\)"):
         jaxga.nnx_train_step(lambda model: 0.0, 2)
     with pytest.raises(TypeError, match=r"`mesh` must be a jax.sharding.Mesh .* got 'data'"):
         jaxga.make_train_step(lambda *a: a, 2, mesh="data")
@@ -298,7 +298,7 @@ def test_nnx_loss_names_a_bad_split():
     graphdef, params, _ = nnx.split(model, nnx.Param, ...)
     with pytest.raises(TypeError, match=r"`graphdef` must be the GraphDef .* got str"):
         jaxga.nnx_loss("mse", lambda m, b, rng: 0.0)
-    with pytest.raises(TypeError, match=r"`loss` must be a function `loss\(model, batch, rng\)`"):
+    with pytest.raises(TypeError, match=r"`loss` must be callable as `loss\(model, batch, rng\)`"):
         jaxga.nnx_loss(graphdef, "mse")
     loss = jaxga.nnx_loss(graphdef, lambda m, b, rng: xent(m(b["x"]), b))
     state = jaxga.TrainState.create(params=params, tx=optax.sgd(0.1))  # model_state forgotten
@@ -491,7 +491,7 @@ def test_nnx_train_step_bad_optimizers():
         step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Variable), batch)
     with pytest.raises(TypeError, match=r"`optimizer` must be an nnx.Optimizer.*got Linear"):
         step(model, nnx.Linear(2, 2, rngs=nnx.Rngs(0)), batch)
-    with pytest.raises(TypeError, match="`loss` must be a function `loss\\(model, batch\\)"):
+    with pytest.raises(TypeError, match=r"`loss` must be callable as `loss\(model, batch\)"):
         jaxga.nnx_train_step("mse")
 
 
