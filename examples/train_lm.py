@@ -30,6 +30,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -253,15 +254,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--sample", type=int, default=120, help="bytes of sample text at the end")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--devices", type=int, default=1, help="data-parallel devices (a 'data' mesh)")
+    p.add_argument(
+        "--strategy",
+        choices=jaxga.sharding.STRATEGIES,
+        default="data_parallel",
+        help="with --devices: replicate the state, shard the optimiser state (zero1) or all (fsdp)",
+    )
     return p.parse_args(argv)
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for name in ("steps", "batch_size", "seq_len", "dim", "heads", "layers", "save_every"):
+    for name in (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "dim",
+        "heads",
+        "layers",
+        "save_every",
+        "devices",
+    ):
         if getattr(args, name) < 1:
             raise UsageError(
                 f"--{name.replace('_', '-')} must be positive; got {getattr(args, name)}"
             )
+    if args.devices > jax.device_count():
+        raise UsageError(f"--devices {args.devices}: this machine has {jax.device_count()}")
     if args.microbatches != "auto":
         try:
             args.microbatches = int(args.microbatches)
@@ -269,9 +288,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(
                 f"--microbatches must be a positive int or 'auto'; got {args.microbatches!r}"
             ) from None
-        if args.microbatches < 1 or args.batch_size % args.microbatches:
+        if args.microbatches < 1 or args.batch_size % (args.devices * args.microbatches):
             raise UsageError(
-                f"--batch-size {args.batch_size} is not divisible by "
+                f"--batch-size {args.batch_size} is not divisible by --devices {args.devices} × "
                 f"--microbatches {args.microbatches}"
             )
     if args.dim % args.heads:
@@ -293,9 +312,25 @@ def checkpointer(directory: Path) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(directory.resolve(), options=options)
 
 
-def restore(manager: ocp.CheckpointManager, state: jaxga.TrainState) -> jaxga.TrainState:
+def restore(
+    manager: ocp.CheckpointManager, state: jaxga.TrainState, shardings: Any = None
+) -> jaxga.TrainState:
+    """The latest checkpoint, laid out by ``shardings`` (any device count) if given."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    if shardings is not None:
+        abstract = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+        )
     return manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(abstract))
+
+
+def make_step(args: argparse.Namespace, graphdef: nnx.GraphDef, num_microbatches: int):
+    """The jaxga train step, on a mesh of ``--devices`` with ``--strategy`` if more than one."""
+    mesh = jax.make_mesh((args.devices,), ("data",)) if args.devices > 1 else None
+    strategy = args.strategy if mesh is not None else "data_parallel"
+    return jaxga.make_train_step(
+        jaxga.nnx_loss(graphdef, loss), num_microbatches, mesh=mesh, strategy=strategy
+    )
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -325,15 +360,19 @@ def train(args: argparse.Namespace) -> dict:
 
     if args.microbatches == "auto":
         args.microbatches, args.remat, graphdef = plan_microbatches(args, cfg, tx, state, example)
-    step_fn = jaxga.make_train_step(jaxga.nnx_loss(graphdef, loss), args.microbatches)
-    report = jaxga.memory_report(step_fn, state, example)
+    step_fn = make_step(args, graphdef, args.microbatches)
+    report = jaxga.memory_report(step_fn, state, example)  # per device on a mesh
 
     manager = None
     if args.resume or args.save_every <= args.steps:
         manager = checkpointer(args.checkpoint_dir)
         config_file.write_text(json.dumps(dataclasses.asdict(cfg)))
     if args.resume and manager.latest_step() is not None:
-        state = restore(manager, state)
+        shardings = None
+        if args.devices > 1:  # a checkpoint from any device count, laid out for this one
+            mesh = jax.make_mesh((args.devices,), ("data",))
+            shardings = jaxga.sharding.state_shardings(state, mesh, args.strategy)
+        state = restore(manager, state, shardings)
     start = int(state.step)
 
     n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -341,6 +380,7 @@ def train(args: argparse.Namespace) -> dict:
         f"{n_params / 1e6:.2f}M parameters, {len(tokens)} documents, batch {args.batch_size} = "
         f"{args.microbatches} micro-batches × {args.batch_size // args.microbatches}, "
         f"remat {args.remat}, {args.dtype} matmuls, steps {start}→{args.steps}"
+        + (f", {args.devices} devices ({args.strategy})" if args.devices > 1 else "")
     )
     tokens_per_step = args.batch_size * args.seq_len
     peak = peak_flops(args.dtype)
@@ -373,7 +413,8 @@ def train(args: argparse.Namespace) -> dict:
         manager.wait_until_finished()
 
     print(
-        f"compiled step: peak {report.peak_bytes / 2**20:.1f} MiB "
+        f"compiled step{' per device' if args.devices > 1 else ''}: "
+        f"peak {report.peak_bytes / 2**20:.1f} MiB "
         f"(arguments {report.argument_bytes / 2**20:.1f} MiB, "
         f"temporaries {report.temp_bytes / 2**20:.1f} MiB)"
     )
@@ -431,7 +472,7 @@ def plan_microbatches(
         return nnx.split(model, nnx.Param, ...)[0]
 
     def build(num_microbatches: int, remat: str):
-        return jaxga.make_train_step(jaxga.nnx_loss(graphdef_for(remat), loss), num_microbatches)
+        return make_step(args, graphdef_for(remat), num_microbatches)
 
     try:
         plan = jaxga.plan(build, state, example, budget=budget)

@@ -45,6 +45,28 @@ def test_train_lm_resume_is_bit_for_bit(tmp_path, capsys):
     assert "compiled step: peak" in out and "sample:" in out
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (the CPU has them here)")
+def test_train_lm_fsdp_on_eight_devices_resumes_on_four(tmp_path, capsys):
+    """--devices 8 --strategy fsdp trains as one device does; its checkpoint restores onto
+    4 devices, resharded, and goes on as the 8 devices go on."""
+    wide = [*TINY, "--batch-size", "16", "--dropout", "0"]
+    run = lambda *extra: train_lm.train(train_lm.parse_args([*wide, *map(str, extra)]))
+    one = run("--steps", "4", "--checkpoint-dir", tmp_path / "one")
+    eight = run("--steps", "4", "--checkpoint-dir", tmp_path / "eight", "--devices", 8,
+                "--strategy", "fsdp")  # fmt: skip
+    np.testing.assert_allclose(eight["losses"], one["losses"], rtol=1e-5)
+    assert "per device" in capsys.readouterr().out
+    first = run("--steps", "2", "--checkpoint-dir", tmp_path / "b", "--devices", 8,
+                "--strategy", "fsdp")  # fmt: skip
+    four = run("--steps", "4", "--checkpoint-dir", tmp_path / "b", "--devices", 4,
+               "--strategy", "fsdp", "--resume")  # fmt: skip
+    np.testing.assert_allclose(first["losses"] + four["losses"], eight["losses"], rtol=1e-5)
+    shards = {x.sharding.num_devices for x in jax.tree.leaves(four["params"])}
+    assert shards == {4}
+    sharded = [x for x in jax.tree.leaves(four["params"]) if not x.sharding.is_fully_replicated]
+    assert sharded  # FSDP: parameters are split over the 4 devices
+
+
 def test_train_lm_on_user_text(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -61,6 +83,7 @@ def test_train_lm_on_user_text(tmp_path):
         (["--data", "/no/such/path"], "--data /no/such/path: no such file or folder"),
         (["--data", "{empty}"], "holds no UTF-8 text"),
         (["--batch-size", "6", "--microbatches", "4"], "--batch-size 6 is not divisible by"),
+        (["--devices", "999"], "--devices 999: this machine has"),
         (["--microbatches", "two"], "--microbatches must be a positive int or 'auto'"),
     ],
 )
