@@ -76,7 +76,7 @@ class TrainState(train_state.TrainState):
     ) -> TrainState:
         """Returns the initial state for ``params`` and the optimiser ``tx``.
 
-        ``params`` and ``model_state`` are copied: the train step donates the state's
+        ``params``, ``model_state`` and ``rng`` are copied: the train step donates the state's
         buffers, which would otherwise delete arrays you still hold (an NNX model's
         own parameters, say). ``rng`` is an integer seed or a PRNG key.
 
@@ -94,7 +94,7 @@ class TrainState(train_state.TrainState):
             params=params,
             tx=tx,
             model_state=model_state,
-            rng=_as_key(rng),
+            rng=_copy(_as_key(rng)),
             **kwargs,
         )
         return state.replace(step=jnp.zeros((), jnp.int32))
@@ -279,7 +279,7 @@ def _as_step(fn: Callable[..., Any], jitted: Any, place: Callable[[Any], Any]) -
                 "The train step was given arrays that an earlier call deleted: it donates "
                 "its state's buffers (donate=True), so pass the state it returned, not the "
                 "one you gave it (or build it with donate=False)."
-            ) from None
+            ) from e
 
     step.lower = lambda state, batch: jitted.lower(place(state), batch)
     step.trace = lambda state, batch: jitted.trace(place(state), batch)

@@ -518,3 +518,15 @@ def test_steps_with_xla_options_run_inside_an_enclosing_jit(monkeypatch):
     nnx_step(models[0], optimizers[0], batch)
     nnx.jit(nnx_step)(models[1], optimizers[1], batch)
     chex.assert_trees_all_close(*(nnx.as_pure(nnx.state(m, nnx.Param)) for m in models), rtol=1e-6)
+
+
+def test_create_copies_what_the_step_donates():
+    params, key = {"w": jnp.ones(3)}, jax.random.key(5)
+
+    def loss(params, batch, model_state, rng):
+        return jaxga.Mean.of(batch["x"] @ params["w"] + jax.random.normal(rng)), model_state
+
+    state = jaxga.TrainState.create(params=params, tx=optax.sgd(0.1), rng=key)
+    jaxga.make_train_step(loss, 2)(state, {"x": jnp.ones((4, 3))})
+    assert not params["w"].is_deleted() and not jax.random.key_data(key).is_deleted()
+    assert state.params["w"].is_deleted()  # the state's own copy was donated

@@ -68,6 +68,7 @@ def main(argv: list[str]) -> int:
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from jax.experimental import multihost_utils
     from jax.sharding import PartitionSpec as P
 
     import jaxga
@@ -185,6 +186,21 @@ def main(argv: list[str]) -> int:
         counts.append(float(metrics["count"]))
     log(f"process {process_id}: make_train_step losses {step_losses}")
 
+    # --- and with FSDP: parameters and Adam's moments split over the devices of both
+    # processes; the fresh state is placed by the step itself.
+    fsdp_step = jaxga.make_train_step(train_step_loss, K, mesh=mesh, strategy="fsdp")
+    fsdp_state = jaxga.TrainState.create(
+        params=params0, tx=optimizer, model_state={"ema": ema0}, rng=base_key
+    )
+    fsdp_losses = []
+    for _ in range(STEPS):
+        host_rows = jax.tree.map(lambda x: x[rows], full)
+        fsdp_state, metrics = fsdp_step(fsdp_state, jaxga.sharding.shard_batch(host_rows, mesh))
+        fsdp_losses.append(float(metrics["loss"]))
+    assert not fsdp_state.params["out"].is_fully_addressable  # split across the processes
+    fsdp_params = multihost_utils.process_allgather(fsdp_state.params, tiled=True)
+    log(f"process {process_id}: FSDP losses {fsdp_losses}")
+
     def reference_ema(params, ema):  # each device's micro-batches in turn, then the mean
         per_device = jax.tree.map(lambda x: x.reshape(devices, local_rows, *x.shape[1:]), full)
         emas = np.stack([ema] * devices)
@@ -213,8 +229,9 @@ def main(argv: list[str]) -> int:
         )
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(step_losses, ref_losses, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(fsdp_losses, ref_losses, rtol=RTOL, atol=ATOL)
     for name in params0:
-        for trained in (params, state.params):
+        for trained in (params, state.params, fsdp_params):
             np.testing.assert_allclose(
                 np.asarray(trained[name]), np.asarray(ref_params[name]), rtol=1e-4, atol=1e-5
             )
