@@ -364,8 +364,8 @@ def test_docs_quick_start_on_eight_devices(capsys):
     # The train step and MultiSteps sections equal full-batch AdamW steps on one device
     # (two calls of MultiSteps on the same batch: one step on their merged tokens).
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert blocks[3].startswith("def loss(") and blocks[4].startswith("multi = ")
-    exec(blocks[3], namespace)
+    block = lambda start: next(b for b in blocks if b.startswith(start))
+    exec(block("def loss("), namespace)
     host_batch, host_params = ns["host_batch"], ns["host_params"]
     value_and_grad = jax.value_and_grad(lambda p: ns["loss_fn"](p, host_batch).value)
     optimizer = optax.adamw(1e-3)
@@ -385,7 +385,14 @@ def test_docs_quick_start_on_eight_devices(capsys):
     assert_close(ns["metrics"]["loss"], values[2], rtol=1e-5)
     assert float(ns["metrics"]["count"]) == host_batch["mask"].sum()
     assert np.isclose(float(capsys.readouterr().out.split()[0]), ns["metrics"]["loss"])
-    exec(blocks[4], namespace)
+    # The FSDP section: one step from the same start, with the state split over devices.
+    exec(
+        block('step = jaxga.make_train_step(loss, num_microbatches, mesh=mesh, strategy="fsdp")'),
+        namespace,
+    )
+    assert_close(ns["state"].params, history[1], rtol=1e-5)
+    assert not ns["state"].params["w"].sharding.is_fully_replicated
+    exec(block("multi = "), namespace)
     assert_close(ns["params"], history[2], rtol=1e-5)
     assert int(ns["opt_state"].gradient_step) == 2
 
