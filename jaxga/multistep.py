@@ -59,8 +59,8 @@ def skip_not_finite(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Returns whether any leaf of ``updates`` holds an inf or a NaN, and how many do.
 
-    The default ``should_skip_update_fn`` of :class:`MultiSteps`; it has the signature
-    of optax's, so optax's predicates (``optax.skip_large_updates``) fit too.
+    A ``should_skip_update_fn`` for :class:`MultiSteps`, with the signature of optax's
+    (``optax.skip_not_finite``, ``optax.skip_large_updates`` fit too).
 
     Example:
         >>> import jax.numpy as jnp, jaxga
@@ -302,9 +302,9 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     optax's ``inner_opt_state``, ``gradient_step``, ``mini_step`` and ``acc_grads``.
     What differs, and why: ``inner`` runs once per group instead of on every call
     with k − 1 results thrown away (k − 1 fewer optimiser passes); calls may be
-    weighted; non-finite gradients are skipped by default (one NaN would otherwise
-    end the run); and the state (a ``jaxga.MultiStepsState``) adds ``weight_sum``,
-    ``applied``, ``num_skipped`` and ``skip_state``.
+    weighted; and the state (a ``jaxga.MultiStepsState``) adds ``weight_sum``,
+    ``applied``, ``num_skipped`` and ``skip_state``. As in optax, nothing is skipped
+    unless you ask.
 
     **Weights.** ``update(..., weight=w)`` weights a call's gradient, and the group's
     gradient is Σwᵢgᵢ / Σwᵢ (a call without ``weight`` weighs 1, so unweighted calls
@@ -315,15 +315,20 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     sum to 0 holds no items: it ends without running ``inner``, whose state and step
     count stay as they were (``has_updated`` is false).
 
-    **Skipping.** A call whose gradient ``should_skip_update_fn`` rejects (by default
-    :func:`skip_not_finite`: any inf or NaN) leaves the accumulation as if it had not
-    happened: same accumulator, group position, step count and inner state. It says so
+    **Skipping.** With ``should_skip_update_fn=jaxga.skip_not_finite`` (any inf or NaN;
+    optax's predicates fit too), a call whose gradient the predicate rejects leaves the
+    accumulation as if it had not happened: same accumulator, group position, step
+    count and inner state. It says so
     in the state: ``num_skipped`` counts skipped calls, ``skip_state`` holds the
     predicate's report and :meth:`has_updated` is false. With gradients sharded
     inside ``shard_map`` (FSDP), the devices' reports are summed over the mesh axes
     the gradients vary over, so every device takes the same decision.
-    ``should_skip_update_fn=None`` turns skipping off and saves one read of the
-    gradients per call.
+    The check costs one more read of the gradients per call and, since the accumulator
+    may only change once the whole gradient is known to be finite, keeps the gradient
+    in a buffer of its own instead of accumulating it as it is produced: one
+    parameter-sized buffer more (measured in ``benchmarks/multisteps.py``, where
+    ``optax.MultiSteps`` with the same predicate costs the same). That is why it is off
+    by default.
 
     **Under jit** no value can raise an error. Eagerly a negative or non-finite
     ``weight``, or an ``every_k`` schedule returning less than 1, raises; under
@@ -356,7 +361,8 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
             float64); an explicit dtype is used as given (``jnp.bfloat16`` halves its
             memory).
         should_skip_update_fn: ``(grads, gradient_step, params) -> (bool scalar,
-            report)``, as optax's; ``None`` skips nothing.
+            report)``, as optax's, e.g. :func:`skip_not_finite`; ``None`` (default) skips
+            nothing.
 
     Example:
         >>> import jax.numpy as jnp, optax, jaxga
@@ -377,7 +383,7 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
         *,
         every_k_schedule: EveryK | None = None,
         accumulator_dtype: Any = None,
-        should_skip_update_fn: ShouldSkipFn | None = skip_not_finite,
+        should_skip_update_fn: ShouldSkipFn | None = None,
     ) -> MultiSteps:
         if (every_k is None) == (every_k_schedule is None):
             raise TypeError(

@@ -264,7 +264,7 @@ def test_extra_args_reach_the_inner_optimiser_on_the_applying_call():
 def test_non_finite_calls_are_skipped_as_if_they_never_happened():
     k, calls, bad = 3, 11, (2, 6)
     params, data = init_params(), mlp_batches(calls)
-    tx = jaxga.MultiSteps(optax.adam(0.05), k)
+    tx = jaxga.MultiSteps(optax.adam(0.05), k, should_skip_update_fn=jaxga.skip_not_finite)
     grads = unstack(as_numpy(mse_grads(params, data)), calls)
     poison = [jnp.nan, jnp.inf]
     with_bad = [
@@ -294,8 +294,8 @@ def test_non_finite_calls_are_skipped_as_if_they_never_happened():
         for field in ("mini_step", "gradient_step", "acc_grads", "weight_sum", "inner_opt_state"):
             assert_trees_close(getattr(state, field), getattr(before, field), rtol=0, atol=0)
         assert_trees_close(ours["params"][i], ours["params"][i - 1], rtol=0, atol=0)
-    # the predicate is what protects: without it the NaN reaches the parameters
-    unprotected = jaxga.MultiSteps(optax.adam(0.05), k, should_skip_update_fn=None)
+    # the predicate is what protects: without it (the default) the NaN reaches the parameters
+    unprotected = jaxga.MultiSteps(optax.adam(0.05), k)
     out = train_calls(unprotected, params, data, calls, grads=with_bad)
     assert not np.isfinite(np.asarray(out["params"][-1][0]["w"])).all()
 

@@ -653,7 +653,7 @@ def test_multisteps_under_shard_map_matches_optax_multisteps():
     skipped and counted once, not once per device."""
     calls, poison = 5, 2
     batches = [make_batch(seed) for seed in range(calls)]
-    tx = jaxga.MultiSteps(optax.adam(0.05), every_k=2)
+    tx = jaxga.MultiSteps(optax.adam(0.05), every_k=2, should_skip_update_fn=jaxga.skip_not_finite)
     vg = jaxga.value_and_grad(mean_loss, num_microbatches=K, axis_name="data")
 
     def train(params, state, batch, poison):
@@ -716,7 +716,9 @@ def test_multisteps_with_sharded_gradients_skips_on_every_device():
         return optax.apply_updates(params, updates), state
 
     ref_params, ref_state = params0, reference.init(params0)
-    history = run(jaxga.MultiSteps(optax.adam(0.05), every_k=2))
+    history = run(
+        jaxga.MultiSteps(optax.adam(0.05), every_k=2, should_skip_update_fn=jaxga.skip_not_finite)
+    )
     for call, (params, state) in enumerate(history):
         ref_params, ref_state = reference_step(ref_params, ref_state, grads[call])
         assert_close(params, ref_params)
