@@ -259,7 +259,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--strategy",
         choices=jaxga.sharding.STRATEGIES,
         default="data_parallel",
-        help="with --devices: replicate the state, shard the optimiser state (zero1) or all (fsdp)",
+        help="with --devices: the state replicated, or sharded (see docs/distributed.md)",
     )
     return p.parse_args(argv)
 

@@ -274,7 +274,7 @@ def put(x: Any, sharding: NamedSharding) -> jax.Array:
 
 # --- sharded train state (FSDP / ZeRO) -------------------------------------------------
 
-STRATEGIES = ("data_parallel", "zero1", "fsdp")
+STRATEGIES = ("data_parallel", "zero1", "fsdp", "zero3")
 
 
 def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:
@@ -350,7 +350,8 @@ def state_specs(
     * ``"data_parallel"``: everything replicated.
     * ``"zero1"``: the optimiser state sharded over ``axis_name`` by
       :func:`fsdp_spec`, the parameters replicated.
-    * ``"fsdp"``: parameters and optimiser state sharded by :func:`fsdp_spec`.
+    * ``"fsdp"`` and ``"zero3"``: parameters and optimiser state sharded by
+      :func:`fsdp_spec` (the two differ in when the train step gathers the parameters).
     * a tree of ``PartitionSpec``s shaped like the parameters: FSDP with these specs
       for the parameters; optimiser state shaped like the parameters (Adam's moments,
       :class:`jaxga.MultiSteps`' accumulator) follows them (``optax.tree_map_params``).
@@ -377,7 +378,8 @@ def state_specs(
             )
         if strategy == "data_parallel":
             return specs
-        params = _rule(state.params, size, axis_name) if strategy == "fsdp" else specs.params
+        sharded = strategy in ("fsdp", "zero3")
+        params = _rule(state.params, size, axis_name) if sharded else specs.params
         return specs.replace(params=params, opt_state=_rule(state.opt_state, size, axis_name))
     params = _check_param_specs(strategy, state.params, size, axis_name)
     opt_state = optax.tree_map_params(

@@ -380,8 +380,12 @@ def make_train_step(
             into its shards, the updated parameters all-gathered); ``"fsdp"`` shards
             the parameters and optimiser state too — they are all-gathered once per
             call, before the micro-batch loop, and the gradient is reduce-scattered
-            once, after it. A tree of ``PartitionSpec``s for the parameters is FSDP
-            with those specs. The returned state keeps the layout.
+            once, after it; ``"zero3"`` shards the same, but gathers the parameters
+            in every micro-batch and reduce-scatters each micro-batch's gradient, so
+            that neither whole parameters nor a whole gradient sum stay on a device
+            through the loop (k times the communication). A tree of
+            ``PartitionSpec``s for the parameters is FSDP with those specs. The
+            returned state keeps the layout.
         accumulator_dtype: dtype of the gradient sums; ``None`` (default) is at least
             float32, an explicit dtype is used as given.
         donate: donate the state's buffers to the step.
@@ -417,8 +421,8 @@ def make_train_step(
         raise ValueError(f"`axis_name`={axis_name!r} is not an axis of `mesh` {mesh.axis_names}.")
     if mesh is None and not (isinstance(strategy, str) and strategy == "data_parallel"):
         raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
-    grad_fn = accumulate(
-        _checked_loss(loss),
+    accumulate_with = functools.partial(
+        accumulate,
         num_microbatches=num_microbatches,
         batch_argnums=1,
         state_argnums=2,
@@ -426,6 +430,8 @@ def make_train_step(
         axis_name=axis_name if mesh is not None else None,
         accumulator_dtype=accumulator_dtype,
     )
+    checked = _checked_loss(loss)
+    grad_fn = accumulate_with(checked)
 
     def step(state: Any, batch: Any) -> tuple[Any, Metrics]:
         _check_state(state)
@@ -441,7 +447,9 @@ def make_train_step(
             state = place(state, specs)
             grad_specs = _grad_specs(state.params, specs.params, strategy, mesh, axis_name)
             acc = _accumulate_on_mesh(
-                grad_fn,
+                accumulate_with,
+                checked,
+                isinstance(strategy, str) and strategy == "zero3",
                 mesh,
                 axis_name,
                 specs.params,
@@ -503,7 +511,9 @@ def _grad_specs(params: Any, param_specs: Any, strategy: Any, mesh: Mesh, axis_n
 
 
 def _accumulate_on_mesh(
-    grad_fn: Callable[..., Accumulated],
+    accumulate_with: Callable[..., Callable[..., Accumulated]],
+    loss: Callable[..., Any],
+    per_microbatch: bool,
     mesh: Mesh,
     axis_name: str,
     param_specs: Any,
@@ -513,11 +523,14 @@ def _accumulate_on_mesh(
     model_state: Any,
     rng: Any,
 ) -> Accumulated:
-    """The micro-batch loop on every device, with one gradient reduction after it.
+    """The micro-batch loop on every device, with the state's shards gathered for it.
 
-    Sharded parameters are all-gathered once, before the loop. A gradient that stays
-    replicated is all-reduced by :func:`jaxga.accumulate`; one whose state is sharded is
-    kept local through the loop and reduce-scattered into its shard after it.
+    By default sharded parameters are all-gathered once, before the loop; a gradient
+    that stays replicated is all-reduced by :func:`jaxga.accumulate`, one whose state is
+    sharded is kept local through the loop and reduce-scattered into its shard after it.
+    With ``per_microbatch`` the loss gathers the parameters itself, so each micro-batch
+    gathers them and reduce-scatters its gradient (JAX's transpose of the gather), and
+    the accumulator holds only this device's shard.
     """
     is_spec = lambda x: isinstance(x, P)
 
@@ -531,16 +544,27 @@ def _accumulate_on_mesh(
             return g
         return jax.lax.psum_scatter(g, axis_name, scatter_dimension=dim, tiled=True)
 
+    def gathered(tree):
+        return jax.tree.map(gather, tree, param_specs, is_leaf=is_spec)
+
     def local(params, batch, model_state, rng):
-        full = jax.tree.map(gather, params, param_specs, is_leaf=is_spec)
+        if per_microbatch:
+
+            def loss_on_shards(shards, batch, *rest):
+                # tied to the micro-batch, so that XLA does not hoist the gather out of
+                # the loop (and keep the whole parameters through it)
+                shards, batch = jax.lax.optimization_barrier((shards, batch))
+                return loss(gathered(shards), batch, *rest)
+
+            return accumulate_with(loss_on_shards)(params, batch, model_state, rng)
         # local sums through the loop for the gradients that are reduce-scattered
         full = jax.tree.map(
             lambda x, spec: x if _sharded_dim(spec) is None else sharding.varying(x, axis_name),
-            full,
+            gathered(params),
             grad_specs,
             is_leaf=is_spec,
         )
-        acc = grad_fn(full, batch, model_state, rng)
+        acc = accumulate_with(loss)(full, batch, model_state, rng)
         return acc._replace(grads=jax.tree.map(scatter, acc.grads, grad_specs, is_leaf=is_spec))
 
     out_specs = Accumulated(mean=P(), grads=grad_specs, aux=P(), state=P())
