@@ -62,6 +62,11 @@ class Mean:
         values = values.astype(dtype)
         if where is None:
             return cls(jnp.sum(values), jnp.asarray(values.size, dtype))
+        if not _broadcasts_to(jnp.shape(where), values.shape):
+            raise ValueError(
+                f"Mean.of: `where` must broadcast to the shape of `values` {values.shape}; "
+                f"got {jnp.shape(where)}."
+            )
         weights = jnp.broadcast_to(jnp.asarray(where), values.shape).astype(dtype)
         if not isinstance(weights, jax.core.Tracer) and not bool(
             jnp.all(jnp.isfinite(weights) & (weights >= 0))
@@ -72,6 +77,13 @@ class Mean:
                 "give a NaN or wrong mean.)"
             )
         return cls(jnp.sum(values * weights), jnp.sum(weights))
+
+
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    try:
+        return jnp.broadcast_shapes(shape, target) == tuple(target)
+    except ValueError:
+        return False
 
 
 def as_mean(value: Mean | jax.Array) -> Mean:
@@ -122,7 +134,7 @@ def token_cross_entropy(
             f"token_cross_entropy: `logits` has shape {logits.shape}, so `labels` must have "
             f"shape {logits.shape[:-1]}; got {labels.shape}."
         )
-    if mask is not None and jnp.broadcast_shapes(jnp.shape(mask), labels.shape) != labels.shape:
+    if mask is not None and not _broadcasts_to(jnp.shape(mask), labels.shape):
         raise ValueError(
             f"token_cross_entropy: `mask` must broadcast to the shape of `labels` "
             f"{labels.shape}; got {jnp.shape(mask)}."

@@ -66,9 +66,9 @@ class TrainState(train_state.TrainState):
     @classmethod
     def create(
         cls,
-        *,
         params: Any,
         tx: optax.GradientTransformation,
+        *,
         apply_fn: Callable[..., Any] | None = None,
         model_state: Any = None,
         rng: jax.Array | int = 0,

@@ -27,3 +27,16 @@ def test_token_cross_entropy_rejects_labels_outside_the_vocabulary():
 def test_token_cross_entropy_valid_labels_match_a_hand_computation():
     m = jaxga.token_cross_entropy(jnp.zeros((2, 4)), jnp.array([0, 3]))
     np.testing.assert_allclose(m.value, np.log(4.0), rtol=1e-6)
+
+
+def test_a_mask_of_another_shape_is_named():
+    with pytest.raises(
+        ValueError, match=r"`mask` must broadcast to the shape of `labels` \(2, 5\)"
+    ):
+        jaxga.token_cross_entropy(
+            jnp.zeros((2, 5, 7)), jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 4))
+        )
+    with pytest.raises(
+        ValueError, match=r"Mean.of: `where` must broadcast .* \(2, 5\); got \(2, 4\)"
+    ):
+        jaxga.Mean.of(jnp.ones((2, 5)), where=jnp.ones((2, 4)))

@@ -275,7 +275,7 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="`rng` must be an integer seed or a single PRNG key"):
         jaxga.TrainState.create(params=jnp.ones(()), tx=tx, rng=1.5)
     with pytest.raises(TypeError, match=r"`tx` must be an optax GradientTransformation.*'adam'"):
-        jaxga.TrainState.create(params=jnp.ones(()), tx="adam")
+        jaxga.TrainState.create(jnp.ones(()), "adam")
     with pytest.raises(ValueError, match="`num_microbatches` must be a positive int; got 0"):
         jaxga.make_train_step(lambda *a: a, 0)
     with pytest.raises(TypeError, match="`loss` must be callable as"):
