@@ -69,7 +69,12 @@ def skip_not_finite(
         (True, 1)
     """
     del gradient_step, params
-    counts = [jnp.sum(~jnp.isfinite(g), dtype=jnp.int32) for g in jax.tree.leaves(updates)]
+    # each leaf's count over the devices holding its shards (inside shard_map), so that a
+    # replicated leaf is counted once and a sharded one over all its shards
+    counts = [
+        sharding.psum_varying(jnp.sum(~jnp.isfinite(g), dtype=jnp.int32))
+        for g in jax.tree.leaves(updates)
+    ]
     num_not_finite = sum(counts, jnp.zeros((), jnp.int32))
     should_skip = num_not_finite > 0
     return should_skip, {"should_skip": should_skip, "num_not_finite": num_not_finite}
@@ -249,7 +254,10 @@ def _update(
     def accumulate(acc, g):
         dtype = jnp.promote_types(jnp.promote_types(acc.dtype, g.dtype), jnp.float32)
         base = jnp.where(first, 0, acc).astype(dtype)
-        new = (base + ratio.astype(dtype) * (g.astype(dtype) - base)).astype(acc.dtype)
+        new = base + ratio.astype(dtype) * (g.astype(dtype) - base)
+        # a call of weight 0 holds no items: its gradient (0 / 0 for an empty Mean) is
+        # not looked at, rather than multiplied by 0
+        new = jnp.where(ratio > 0, new, base).astype(acc.dtype)
         return jnp.where(keep, new, acc)
 
     acc_grads = jax.tree.map(accumulate, state.acc_grads, grads)
@@ -318,11 +326,15 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     **Skipping.** With ``should_skip_update_fn=jaxga.skip_not_finite`` (any inf or NaN;
     optax's predicates fit too), a call whose gradient the predicate rejects leaves the
     accumulation as if it had not happened: same accumulator, group position, step
-    count and inner state. It says so
-    in the state: ``num_skipped`` counts skipped calls, ``skip_state`` holds the
-    predicate's report and :meth:`has_updated` is false. With gradients sharded
-    inside ``shard_map`` (FSDP), the devices' reports are summed over the mesh axes
-    the gradients vary over, so every device takes the same decision.
+    count and inner state. It says so in the state: ``num_skipped`` counts skipped
+    calls, ``skip_state`` holds the predicate's report and :meth:`has_updated` is false.
+    Inside ``shard_map`` with gradients sharded over a mesh axis, each device sees its
+    shards only: the decisions (and reports) that vary over the axis are combined —
+    skip if any device would — so every device takes the same one. That is exact for
+    :func:`skip_not_finite` (which counts each leaf over its shards), not for a
+    predicate on a global quantity such as ``optax.skip_large_updates``' norm; the
+    train step's FSDP layouts run the optimiser on the whole (sharded) arrays, where
+    both are exact.
     The check costs one more read of the gradients per call and, since the accumulator
     may only change once the whole gradient is known to be finite, keeps the gradient
     in a buffer of its own instead of accumulating it as it is produced: one

@@ -10,6 +10,7 @@ return the same metrics.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -123,7 +124,8 @@ def _as_key(rng: Any) -> jax.Array:
     if dtype == jnp.uint32 and shape == (2,):
         return jax.random.wrap_key_data(rng)
     raise TypeError(
-        f"`rng` must be an integer seed or a single PRNG key; got dtype {dtype} and shape {shape}."
+        f"`rng` must be an integer seed or a single PRNG key; got {rng!r} (dtype {dtype}, "
+        f"shape {shape})."
     )
 
 
@@ -206,12 +208,40 @@ def _weight_of(tx: Any, acc: Accumulated) -> dict[str, jax.Array]:
     return {"weight": acc.mean.count} if extra_args else {}
 
 
-def _model_fields(state: train_state.TrainState) -> list[str]:
-    """The fields a TrainState subclass adds to Flax's, but ``rng``: the model's state."""
+def _added_fields(state: train_state.TrainState) -> list[str]:
+    """The array fields a TrainState subclass adds to Flax's."""
     return [
         f.name
         for f in dataclasses.fields(state)
-        if f.name not in _FLAX_FIELDS and f.name != "rng" and f.metadata.get("pytree_node", True)
+        if f.name not in _FLAX_FIELDS and f.metadata.get("pytree_node", True)
+    ]
+
+
+def _is_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _rng_field(state: train_state.TrainState) -> str | None:
+    """The field the step's keys come from: ``rng`` or ``key``, or the one holding a key."""
+    if isinstance(state, TrainState):
+        return "rng"
+    names = [n for n in _added_fields(state) if n in ("rng", "key") or _is_key(getattr(state, n))]
+    if len(names) > 1:
+        raise ValueError(
+            f"`state` ({type(state).__name__}) has several PRNG-key fields, {names}; the "
+            f"train step draws its keys from one: keep one, or hold the others elsewhere."
+        )
+    return names[0] if names else None
+
+
+def _model_fields(state: train_state.TrainState) -> list[str]:
+    """The variable collections a TrainState subclass adds (``batch_stats``: dicts)."""
+    rng = _rng_field(state)
+    return [
+        n
+        for n in _added_fields(state)
+        if n != rng and isinstance(getattr(state, n), collections.abc.Mapping)
     ]
 
 
@@ -219,6 +249,13 @@ def _get_model_state(state: train_state.TrainState) -> Any:
     if isinstance(state, TrainState):
         return state.model_state
     return {name: getattr(state, name) for name in _model_fields(state)}
+
+
+def _get_rng(state: train_state.TrainState) -> jax.Array | None:
+    """The step's base key: ``fold_in(key, step)``, or ``None`` if the state has none."""
+    name = _rng_field(state)
+    key = None if name is None else getattr(state, name)
+    return None if key is None else jax.random.fold_in(_as_key(key), state.step)
 
 
 def _set_model_state(state: train_state.TrainState, model_state: Any) -> Any:
@@ -246,14 +283,26 @@ def _checked_loss(loss: Callable[..., Any]) -> Callable[..., Any]:
     def checked(params, batch, model_state, rng):
         out = loss(params, batch, model_state, rng)
         if isinstance(out, Mean) or not (isinstance(out, tuple) and len(out) == 2):
+            got = type(out).__name__
+            if not isinstance(out, Mean | tuple):
+                got = f"an array of shape {jnp.shape(out)}"
             raise TypeError(
                 "`loss(params, batch, model_state, rng)` must return a pair (loss, "
                 f"new_model_state) — return `model_state` unchanged if the model has none; "
-                f"got {type(out).__name__}."
+                f"got {got}."
             )
         return out
 
     return checked
+
+
+def _donated(state: Any) -> bool:
+    """Whether ``state`` was donated to an earlier call: its step counter tells (or, while
+    that is a Python int, its first parameter). Every leaf is donated together."""
+    leaf = getattr(state, "step", None)
+    if not isinstance(leaf, jax.Array):
+        leaf = next(iter(jax.tree.leaves(getattr(state, "params", None))), None)
+    return isinstance(leaf, jax.Array) and leaf.is_deleted()
 
 
 def _traced(tree: Any) -> bool:
@@ -270,16 +319,13 @@ def _as_step(fn: Callable[..., Any], jitted: Any, place: Callable[[Any], Any]) -
     def step(state: Any, batch: Any) -> Any:
         if _traced(state):
             return fn(state, batch)
-        try:
-            return jitted(place(state), batch)
-        except (RuntimeError, ValueError) as e:  # the type differs across jax versions
-            if "deleted" not in str(e):
-                raise
+        if _donated(state):
             raise ValueError(
-                "The train step was given arrays that an earlier call deleted: it donates "
+                "The train step was given a state that an earlier call deleted: it donates "
                 "its state's buffers (donate=True), so pass the state it returned, not the "
                 "one you gave it (or build it with donate=False)."
-            ) from e
+            )
+        return jitted(place(state), batch)
 
     step.lower = lambda state, batch: jitted.lower(place(state), batch)
     step.trace = lambda state, batch: jitted.trace(place(state), batch)
@@ -290,17 +336,33 @@ def _state_placer(mesh: Mesh | None, strategy: Any, axis_name: str) -> Callable[
     """Puts a state that is not on ``mesh`` yet (fresh from ``create``) where the step keeps
     it, so that its first call compiles the program the later ones run and donates.
 
-    One leaf, the step counter, tells; arrays and ``jax.ShapeDtypeStruct``s are placed.
+    Two leaves tell, the step counter and the first parameter; arrays and
+    ``jax.ShapeDtypeStruct``s are placed.
     """
+
+    def placed(x: Any, spec: P) -> bool:
+        current = getattr(x, "sharding", None)
+        return (
+            isinstance(current, NamedSharding)
+            and current.mesh == mesh
+            and current.is_equivalent_to(NamedSharding(mesh, spec), len(x.shape))
+        )
+
+    def first_param_spec(param: Any) -> P:
+        if not isinstance(strategy, str):
+            return jax.tree.leaves(strategy, is_leaf=lambda x: isinstance(x, P))[0]
+        if strategy in ("fsdp", "zero3"):
+            return sharding.fsdp_spec(param.shape, mesh.shape[axis_name], axis_name)
+        return P()
 
     def place(state: Any) -> Any:
         counter = getattr(state, "step", None)
         if mesh is None or isinstance(counter, jax.core.Tracer):
             return state
-        current = getattr(counter, "sharding", None)
-        if isinstance(current, NamedSharding) and current.mesh == mesh:
-            return state
         _check_state(state)
+        param = next(iter(jax.tree.leaves(state.params)), None)
+        if placed(counter, P()) and (param is None or placed(param, first_param_spec(param))):
+            return state
         shardings = sharding.state_shardings(state, mesh, strategy, axis_name=axis_name)
 
         def put(x, where):
@@ -354,7 +416,9 @@ def make_train_step(
     The optimiser is handed the call's item count as ``weight=``, so a
     :class:`jaxga.MultiSteps` in it accumulates exactly across calls; other
     transformations ignore it. The state's buffers are donated: use the state the
-    step returns, not the one you gave it.
+    step returns, not the one you gave it. (:meth:`jaxga.TrainState.create` copies the
+    arrays it is given; Flax's own ``TrainState.create`` does not, so the first call
+    deletes the ``params`` you passed it.)
 
     Args:
         loss: ``loss(params, batch, model_state, rng) -> (loss, new_model_state)``,
@@ -421,6 +485,13 @@ def make_train_step(
         raise ValueError(f"`axis_name`={axis_name!r} is not an axis of `mesh` {mesh.axis_names}.")
     if mesh is None and not (isinstance(strategy, str) and strategy == "data_parallel"):
         raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
+    if isinstance(strategy, str) and strategy not in sharding.STRATEGIES:
+        raise ValueError(
+            f"`strategy` must be one of {', '.join(map(repr, sharding.STRATEGIES))} or a tree "
+            f"of PartitionSpecs for the parameters; got {strategy!r}."
+        )
+    if not isinstance(donate, bool):
+        raise TypeError(f"`donate` must be a bool; got {donate!r}.")
     accumulate_with = functools.partial(
         accumulate,
         num_microbatches=num_microbatches,
@@ -435,13 +506,13 @@ def make_train_step(
 
     def step(state: Any, batch: Any) -> tuple[Any, Metrics]:
         _check_state(state)
-        rng = getattr(state, "rng", None)
-        rng = None if rng is None else jax.random.fold_in(rng, state.step)
+        rng = _get_rng(state)
         model_state = _get_model_state(state)
         if mesh is None:
             acc = grad_fn(state.params, batch, model_state, rng)
             params_view, place = state.params, lambda tree, _: tree
         else:
+            _check_mesh_batch(batch, mesh, axis_name, num_microbatches)
             specs = sharding.state_specs(state, mesh, strategy, axis_name=axis_name)
             place = functools.partial(_place, mesh)
             state = place(state, specs)
@@ -481,6 +552,20 @@ def make_train_step(
         step, donate_argnums=(0,) if donate else (), compiler_options=compiler_options()
     )
     return _as_step(step, jitted, _state_placer(mesh, strategy, axis_name))
+
+
+def _check_mesh_batch(batch: Any, mesh: Mesh, axis_name: str, num_microbatches: int) -> None:
+    """Names a batch the devices × micro-batches do not divide, before it is placed."""
+    size = _checks.leading_size(batch, "batch", "batch")
+    if size is None:
+        raise ValueError(f"`batch` has no array leaves to split over the devices; got {batch!r}.")
+    devices = mesh.shape[axis_name]
+    if size % (devices * num_microbatches):
+        raise sharding.IndivisibleBatchError(
+            f"The global batch of {size} is not divisible by devices × num_microbatches = "
+            f"{devices} × {num_microbatches} = {devices * num_microbatches} (mesh axis "
+            f"{axis_name!r})."
+        )
 
 
 def _place(mesh: Mesh, tree: Any, specs: Any) -> Any:
@@ -581,6 +666,7 @@ def nnx_train_step(
     num_microbatches: int = 1,
     *,
     accumulator_dtype: Any = None,
+    donate: bool = True,
 ) -> Callable[[Any, Any, Any], Metrics]:
     """Builds one compiled train step ``(model, optimizer, batch) -> metrics`` for Flax NNX.
 
@@ -599,6 +685,9 @@ def nnx_train_step(
         num_microbatches: micro-batches per call.
         accumulator_dtype: dtype of the gradient sums; ``None`` (default) is at least
             float32.
+        donate: donate the buffers of the model's and the optimiser's state to the step
+            (the model and optimiser get the new ones): one copy of them in memory, not
+            two. Arrays taken out of the model before the call are deleted by it.
 
     Returns:
         The step; it updates ``model`` and ``optimizer`` in place and returns the
@@ -630,7 +719,14 @@ def nnx_train_step(
         return nnx.state((model, optimizer)), _metrics(acc, nnx.as_pure(optimizer.opt_state))
 
     # jax.jit of the split objects rather than nnx.jit: it takes XLA's options
-    jitted = jax.jit(pure, static_argnums=0, compiler_options=compiler_options())
+    if not isinstance(donate, bool):
+        raise TypeError(f"`donate` must be a bool; got {donate!r}.")
+    jitted = jax.jit(
+        pure,
+        static_argnums=0,
+        donate_argnums=(1,) if donate else (),
+        compiler_options=compiler_options(),
+    )
 
     def step(model: Any, optimizer: Any, batch: Any) -> Metrics:
         if not isinstance(optimizer, nnx.Optimizer):

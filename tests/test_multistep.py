@@ -621,3 +621,14 @@ def test_optax_state_says_which_library_it_comes_from():
     optax_state = optax.MultiSteps(optax.sgd(0.1), 2).init(params)
     with pytest.raises(TypeError, match=r"jaxga.MultiStepsState .* got optax's MultiStepsState"):
         jaxga.MultiSteps(optax.sgd(0.1), 2).update(jnp.ones(2), optax_state, params)
+
+
+def test_a_call_of_weight_zero_is_not_looked_at():
+    """An all-padding call (count 0, so a 0 / 0 gradient) leaves the group's mean alone."""
+    params = jnp.zeros(2)
+    tx = jaxga.MultiSteps(optax.sgd(1.0), 2)
+    state = tx.init(params)
+    _, state = tx.update(jnp.array([1.0, 2.0]), state, params, weight=3.0)
+    updates, state = tx.update(jnp.array([jnp.nan, 5.0]), state, params, weight=0.0)
+    assert bool(tx.has_updated(state))
+    chex.assert_trees_all_close(updates, jnp.array([-1.0, -2.0]))

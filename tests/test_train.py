@@ -530,3 +530,62 @@ def test_create_copies_what_the_step_donates():
     jaxga.make_train_step(loss, 2)(state, {"x": jnp.ones((4, 3))})
     assert not params["w"].is_deleted() and not jax.random.key_data(key).is_deleted()
     assert state.params["w"].is_deleted()  # the state's own copy was donated
+
+
+class KeyedState(train_state.TrainState):
+    """As the Flax dropout guide writes it: a `key` field, plus a field that is no
+    variable collection (a counter standing in for Flax's dynamic_scale)."""
+
+    batch_stats: dict
+    key: jax.Array
+    scale: jax.Array
+
+
+def test_a_flax_state_with_a_key_field_draws_from_it_and_leaves_other_fields_alone():
+    params, model_state, bn_loss = linen_setup(train=True)
+    seen = {}
+
+    def loss(params, batch, model_state, rng):
+        seen["model_state"], seen["rng"] = sorted(model_state), rng
+        return bn_loss(params, batch, model_state, rng)
+
+    state = KeyedState.create(
+        apply_fn=None,
+        params=jax.tree.map(jnp.copy, params),
+        tx=optax.sgd(0.1),
+        batch_stats=model_state["batch_stats"],
+        key=jax.random.key(4),
+        scale=jnp.float32(2.0),
+    )
+    new, _ = jaxga.make_train_step(loss, 2, donate=False)(state, batches(1)[0])
+    assert seen["model_state"] == ["batch_stats"] and seen["rng"] is not None
+    assert float(new.scale) == 2.0 and int(new.step) == 1
+    assert not np.allclose(
+        new.batch_stats["BatchNorm_0"]["mean"], model_state["batch_stats"]["BatchNorm_0"]["mean"]
+    )
+
+
+def test_late_bad_options_are_named_when_the_step_is_built():
+    mesh = jax.make_mesh((1,), ("data",))
+    loss = lambda p, b, s, r: (jaxga.Mean.of(b["x"] * p), s)
+    with pytest.raises(ValueError, match=r"`strategy` must be one of .* got 'fsdpp'"):
+        jaxga.make_train_step(loss, 2, mesh=mesh, strategy="fsdpp")
+    with pytest.raises(TypeError, match=r"`donate` must be a bool; got 'no'"):
+        jaxga.make_train_step(loss, 2, donate="no")
+    with pytest.raises(TypeError, match=r"`donate` must be a bool; got 1"):
+        jaxga.nnx_train_step(nnx_loss_fn, 2, donate=1)
+    bare = jaxga.make_train_step(lambda p, b, s, r: jnp.mean(b["x"] * p), 2)
+    state = jaxga.TrainState.create(jnp.ones(()), optax.sgd(0.1))
+    with pytest.raises(TypeError, match=r"must return a pair .* got an array of shape \(\)"):
+        bare(state, {"x": jnp.ones((4, 3))})
+
+
+def test_nnx_train_step_donates_unless_told_not_to():
+    batch = batches(1)[0]
+    for donate in (True, False):
+        model = NNXEval(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+        kernel = model.out.kernel[...]
+        jaxga.nnx_train_step(nnx_loss_fn, 2, donate=donate)(model, optimizer, batch)
+        assert kernel.is_deleted() == donate
+        assert jnp.isfinite(model.out.kernel[...]).all()

@@ -853,3 +853,39 @@ def test_bad_sharding_strategies_are_named():
         jaxga.sharding.state_shardings(state, MESH, "fsdp", axis_name="batch")
     with pytest.raises(ValueError, match=r"`strategy`='fsdp' shards the state over a mesh"):
         jaxga.make_train_step(loss, K, strategy="fsdp")
+
+
+def test_skip_not_finite_counts_each_leaf_once_over_its_shards():
+    """A replicated leaf's NaN is one NaN, not one per device; a sharded leaf's are summed."""
+    tx = jaxga.MultiSteps(optax.sgd(0.1), 2, should_skip_update_fn=jaxga.skip_not_finite)
+    params = {"w": np.zeros((8, 2), np.float32), "b": np.zeros(3, np.float32)}
+    specs = {"w": P("data"), "b": P()}
+    state_specs = jax.tree.map(lambda _: P(), tx.init(params))
+    state_specs = state_specs._replace(acc_grads=specs)
+
+    def update(params, state, grads):
+        return tx.update(grads, state, params)[1]
+
+    step = data_parallel(update, (specs, state_specs, specs), state_specs)
+    place = lambda tree, s: jax.tree.map(
+        lambda x, p: jax.device_put(x, NamedSharding(MESH, p)), tree, s
+    )
+    grads = {"w": np.zeros((8, 2), np.float32), "b": np.array([np.nan, 0, 0], np.float32)}
+    grads["w"][[1, 6], 0] = np.inf  # on two devices' shards
+    state = step(place(params, specs), place(tx.init(params), state_specs), place(grads, specs))
+    assert int(state.skip_state["num_not_finite"]) == 3 and int(state.num_skipped) == 1
+
+
+def test_mesh_step_names_bad_batches_and_reused_states():
+    params, loss, batches = wide_setup()
+    step = jaxga.make_train_step(loss, 2, mesh=MESH, strategy="fsdp")
+    state = jaxga.TrainState.create(params, optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"batch\['x'\] is a scalar"):
+        step(state, {"x": np.float32(1.0), "w": np.ones(GLOBAL, np.float32)})
+    twelve = jax.tree.map(lambda x: x[:12], batches[0])
+    with pytest.raises(jaxga.sharding.IndivisibleBatchError, match=r"global batch of 12 .* 8 × 2"):
+        step(state, twelve)
+    new, _ = step(state, batches[0])
+    with pytest.raises(ValueError, match="an earlier call deleted: it donates"):
+        step(state, batches[0])  # donated by the call before; no segfault, no XLA error
+    step(new, batches[1])
