@@ -409,9 +409,11 @@ def make_train_step(
     ``state`` is a ``flax.training.train_state.TrainState``. With a
     :class:`jaxga.TrainState` the model state is ``state.model_state`` and the keys
     come from ``state.rng``. With any other (a Linen user's own subclass, say, with a
-    ``batch_stats`` field) the model state is the dict of the fields the subclass adds
-    (``{"batch_stats": ...}``, just what Linen's ``apply(..., mutable=...)`` returns),
-    and the keys come from its ``rng`` field if it has one (``None`` otherwise).
+    ``batch_stats`` field) the model state is the dict of the variable collections the
+    subclass adds — its fields that hold dicts (``{"batch_stats": ...}``, just what
+    Linen's ``apply(..., mutable=...)`` returns) — and the keys come from its field
+    named ``rng`` or ``key``, or the one holding a PRNG key (``None`` without one).
+    Other added fields (a ``dynamic_scale``, counters) pass through unchanged.
 
     The optimiser is handed the call's item count as ``weight=``, so a
     :class:`jaxga.MultiSteps` in it accumulates exactly across calls; other
