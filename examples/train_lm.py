@@ -249,8 +249,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", type=Path, default=None, help="a text file or folder of your own")
-    p.add_argument("--checkpoint-dir", type=Path, default=Path("runs/train_lm"))
-    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument(
+        "--checkpoint-dir", type=Path, default=Path("runs/train_lm"), help="orbax checkpoints"
+    )
+    p.add_argument("--save-every", type=int, default=50, help="also save at the last step")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--sample", type=int, default=120, help="bytes of sample text at the end")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -363,10 +365,11 @@ def train(args: argparse.Namespace) -> dict:
     step_fn = make_step(args, graphdef, args.microbatches)
     report = jaxga.memory_report(step_fn, state, example)  # per device on a mesh
 
-    manager = None
-    if args.resume or args.save_every <= args.steps:
-        manager = checkpointer(args.checkpoint_dir)
-        config_file.write_text(json.dumps(dataclasses.asdict(cfg)))
+    manager = checkpointer(args.checkpoint_dir)
+    config_file.write_text(json.dumps(dataclasses.asdict(cfg)))
+    print(f"checkpoints: {args.checkpoint_dir} (every {args.save_every} steps and the last)")
+    if args.resume and manager.latest_step() is None:
+        print(f"--resume: no checkpoint in {args.checkpoint_dir} yet; starting from step 0")
     if args.resume and manager.latest_step() is not None:
         shardings = None
         if args.devices > 1:  # a checkpoint from any device count, laid out for this one
@@ -407,10 +410,9 @@ def train(args: argparse.Namespace) -> dict:
                 mfu = step_flops / seconds / peak
                 stats["mfu"] = f"{mfu:.1%}"
             progress.set_postfix(stats, step_ms=f"{1e3 * seconds:.0f}")
-        if manager is not None and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             manager.save(step + 1, args=ocp.args.StandardSave(state))
-    if manager is not None:
-        manager.wait_until_finished()
+    manager.wait_until_finished()
 
     print(
         f"compiled step{' per device' if args.devices > 1 else ''}: "

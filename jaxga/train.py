@@ -475,6 +475,12 @@ def make_train_step(
         >>> float(metrics["loss"]), int(metrics["count"]), int(state.step)
         (1.0, 8, 1)
     """
+    if callable(getattr(num_microbatches, "update", None)):
+        raise TypeError(
+            "make_train_step takes no optimiser: it runs the state's own (`state.tx`, as "
+            "in Flax's TrainState); build the step as make_train_step(loss, "
+            "num_microbatches) and the state with jaxga.TrainState.create(params, tx)."
+        )
     _checks.positive_int(num_microbatches, "num_microbatches")
     signature = "`loss(params, batch, model_state, rng) -> (loss, new_model_state)`"
     _checks.check_arity(loss, "loss", 4, signature)

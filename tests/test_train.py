@@ -589,3 +589,8 @@ def test_nnx_train_step_donates_unless_told_not_to():
         jaxga.nnx_train_step(nnx_loss_fn, 2, donate=donate)(model, optimizer, batch)
         assert kernel.is_deleted() == donate
         assert jnp.isfinite(model.out.kernel[...]).all()
+
+
+def test_an_optimiser_where_the_micro_batch_count_goes_is_explained():
+    with pytest.raises(TypeError, match=r"make_train_step takes no optimiser: .*state.tx"):
+        jaxga.make_train_step(lambda p, b, s, r: (0.0, s), optax.adam(1e-3))
