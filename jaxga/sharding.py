@@ -23,6 +23,7 @@ __all__ = [
     "IndivisibleBatchError",
     "check_axis_bound",
     "fsdp_spec",
+    "fsdp_specs",
     "indivisible_error",
     "psum_invariant",
     "psum_varying",
@@ -297,7 +298,19 @@ def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:
     return P(*(axis_name if i == dim else None for i in range(dim + 1)))
 
 
-def _rule(tree: Any, size: int, axis_name: Any) -> Any:
+def fsdp_specs(tree: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
+    """Returns :func:`fsdp_spec` for every leaf of ``tree`` over ``mesh``'s ``axis_name``.
+
+    Only the mesh's shape is read, so an abstract mesh will do.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> mesh = jax.sharding.AbstractMesh((8,), ("data",))
+        >>> specs = jaxga.sharding.fsdp_specs({"w": jnp.zeros((4, 8)), "b": jnp.zeros(3)}, mesh)
+        >>> tuple(specs["w"]), tuple(specs["b"])
+        ((None, 'data'), ())
+    """
+    size = mesh.shape[axis_name]
     return jax.tree.map(lambda x: fsdp_spec(jnp.shape(x), size, axis_name), tree)
 
 
@@ -379,15 +392,15 @@ def state_specs(
         if strategy == "data_parallel":
             return specs
         sharded = strategy in ("fsdp", "zero3")
-        params = _rule(state.params, size, axis_name) if sharded else specs.params
-        return specs.replace(params=params, opt_state=_rule(state.opt_state, size, axis_name))
+        params = fsdp_specs(state.params, mesh, axis_name) if sharded else specs.params
+        return specs.replace(params=params, opt_state=fsdp_specs(state.opt_state, mesh, axis_name))
     params = _check_param_specs(strategy, state.params, size, axis_name)
     opt_state = optax.tree_map_params(
         state.tx,
         lambda _, spec: spec,
         state.opt_state,
         params,
-        transform_non_params=lambda tree: _rule(tree, size, axis_name),
+        transform_non_params=lambda tree: fsdp_specs(tree, mesh, axis_name),
         is_leaf=lambda x: isinstance(x, P),
     )
     return specs.replace(params=params, opt_state=opt_state)

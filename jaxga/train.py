@@ -599,7 +599,7 @@ def _grad_specs(params: Any, param_specs: Any, strategy: Any, mesh: Mesh, axis_n
     """How the gradient leaves the micro-batch loop: reduce-scattered to the shards of the
     state it updates (the parameters' under FSDP, the optimiser state's under ZeRO-1)."""
     if strategy == "zero1":
-        return sharding._rule(params, mesh.shape[axis_name], axis_name)
+        return sharding.fsdp_specs(params, mesh, axis_name)
     return param_specs
 
 
