@@ -700,7 +700,9 @@ def nnx_train_step(
     Returns:
         The step; it updates ``model`` and ``optimizer`` in place and returns the
         metrics of :func:`make_train_step`. It is ``jax.jit``-compiled over
-        ``nnx.split((model, optimizer))``, with :func:`jaxga.compiler_options`.
+        ``nnx.split((model, optimizer))``, with :func:`jaxga.compiler_options`; its
+        ``lower`` and ``trace`` take the step's arguments, so
+        ``jaxga.memory_report(step, model, optimizer, batch)`` sizes it without running.
 
     Example:
         >>> import jax.numpy as jnp, optax, jaxga
@@ -736,12 +738,18 @@ def nnx_train_step(
         compiler_options=compiler_options(),
     )
 
-    def step(model: Any, optimizer: Any, batch: Any) -> Metrics:
+    def split(model: Any, optimizer: Any) -> tuple[Any, Any]:
         if not isinstance(optimizer, nnx.Optimizer):
             _check_wrt(optimizer, model, None)
-        graphdef, state = nnx.split((model, optimizer))
+        return nnx.split((model, optimizer))
+
+    def step(model: Any, optimizer: Any, batch: Any) -> Metrics:
+        graphdef, state = split(model, optimizer)
         state, metrics = (pure if _traced(state) else jitted)(graphdef, state, batch)
         nnx.update((model, optimizer), state)
         return metrics
 
+    # for jaxga.memory_report and jaxga.plan: the compiled program of these arguments
+    step.lower = lambda model, optimizer, batch: jitted.lower(*split(model, optimizer), batch)
+    step.trace = lambda model, optimizer, batch: jitted.trace(*split(model, optimizer), batch)
     return step

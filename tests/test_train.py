@@ -594,3 +594,23 @@ def test_nnx_train_step_donates_unless_told_not_to():
 def test_an_optimiser_where_the_micro_batch_count_goes_is_explained():
     with pytest.raises(TypeError, match=r"make_train_step takes no optimiser: .*state.tx"):
         jaxga.make_train_step(lambda p, b, s, r: (0.0, s), optax.adam(1e-3))
+
+
+def test_nnx_train_step_is_sized_without_running():
+    """memory_report takes the NNX step's own arguments: fewer bytes with more
+    micro-batches, and the model is neither run nor donated."""
+    model = NNXEval(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+    before = jax.tree.map(jnp.copy, nnx.as_pure(nnx.state(model)))
+    batch = {
+        "x": jax.ShapeDtypeStruct((512, 4), jnp.float32),
+        "y": jax.ShapeDtypeStruct((512,), jnp.int32),
+        "w": jax.ShapeDtypeStruct((512,), jnp.float32),
+    }
+    reports = [
+        jaxga.memory_report(jaxga.nnx_train_step(nnx_loss_fn, k), model, optimizer, batch)
+        for k in (1, 8)
+    ]
+    assert reports[1].temp_bytes < reports[0].temp_bytes
+    chex.assert_trees_all_equal(nnx.as_pure(nnx.state(model)), before)
+    assert int(optimizer.step[...]) == 0
