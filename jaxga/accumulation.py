@@ -502,7 +502,9 @@ def _accumulate(
         )
     except ValueError as e:
         if options.axis_name is not None and "not divisible" in str(e):
-            raise sharding.indivisible_error(batches, k, options.axis_name) from e
+            devices = jax.lax.axis_size(options.axis_name)
+            local = jax.tree.leaves(batches)[0].shape[0]
+            raise sharding.indivisible_error(local * devices, devices, k, options.axis_name) from e
         raise
     # Loss totals and counts are summed at least in float32, and in float64 under x64.
     sum_dtype = jnp.result_type(

@@ -180,14 +180,14 @@ class IndivisibleBatchError(ValueError):
     """A global batch that the devices × micro-batches do not divide."""
 
 
-def indivisible_error(batches: Any, num_microbatches: int, axis_name: Any) -> IndivisibleBatchError:
+def indivisible_error(
+    global_size: int, devices: int, num_microbatches: int, axis_name: Any
+) -> IndivisibleBatchError:
     """Returns the error for a global batch not divisible by devices × micro-batches."""
-    local = jax.tree.leaves(batches)[0].shape[0]
-    devices = jax.lax.axis_size(axis_name)
     return IndivisibleBatchError(
-        f"The global batch of {local * devices} ({local} per device on {devices} devices of "
-        f"axis {axis_name!r}) is not divisible by devices × num_microbatches = {devices} × "
-        f"{num_microbatches} = {devices * num_microbatches}."
+        f"The global batch of {global_size} ({global_size // devices} per device on "
+        f"{devices} devices of axis {axis_name!r}) is not divisible by devices × "
+        f"num_microbatches = {devices} × {num_microbatches} = {devices * num_microbatches}."
     )
 
 

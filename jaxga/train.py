@@ -306,8 +306,12 @@ def _donated(state: Any) -> bool:
 
 
 def _traced(tree: Any) -> bool:
-    """Whether ``tree`` is being traced by an enclosing transformation (one leaf tells)."""
-    return isinstance(next(iter(jax.tree.leaves(tree)), None), jax.core.Tracer)
+    """Whether ``tree`` is being traced by an enclosing transformation (one leaf tells:
+    a train state's step counter, without flattening the state)."""
+    leaf = getattr(tree, "step", None)
+    if leaf is None:
+        leaf = next(iter(jax.tree.leaves(tree)), None)
+    return isinstance(leaf, jax.core.Tracer)
 
 
 def _as_step(fn: Callable[..., Any], jitted: Any, place: Callable[[Any], Any]) -> Callable:
@@ -356,10 +360,10 @@ def _state_placer(mesh: Mesh | None, strategy: Any, axis_name: str) -> Callable[
         return P()
 
     def place(state: Any) -> Any:
-        counter = getattr(state, "step", None)
-        if mesh is None or isinstance(counter, jax.core.Tracer):
+        if mesh is None:
             return state
         _check_state(state)
+        counter = state.step
         param = next(iter(jax.tree.leaves(state.params)), None)
         if placed(counter, P()) and (param is None or placed(param, first_param_spec(param))):
             return state
@@ -569,11 +573,7 @@ def _check_mesh_batch(batch: Any, mesh: Mesh, axis_name: str, num_microbatches: 
         raise ValueError(f"`batch` has no array leaves to split over the devices; got {batch!r}.")
     devices = mesh.shape[axis_name]
     if size % (devices * num_microbatches):
-        raise sharding.IndivisibleBatchError(
-            f"The global batch of {size} is not divisible by devices × num_microbatches = "
-            f"{devices} × {num_microbatches} = {devices * num_microbatches} (mesh axis "
-            f"{axis_name!r})."
-        )
+        raise sharding.indivisible_error(size, devices, num_microbatches, axis_name)
 
 
 def _place(mesh: Mesh, tree: Any, specs: Any) -> Any:

@@ -614,3 +614,33 @@ def test_nnx_train_step_is_sized_without_running():
     assert reports[1].temp_bytes < reports[0].temp_bytes
     chex.assert_trees_all_equal(nnx.as_pure(nnx.state(model)), before)
     assert int(optimizer.step[...]) == 0
+
+
+def test_nnx_train_step_threads_dropout_and_batchnorm_as_value_and_grad_does():
+    """BatchNorm in training mode and a Dropout with its own Rngs: the step equals a
+    user's nnx.jit step of jaxga.value_and_grad + optimizer.update (itself checked against
+    sequential micro-batches in test_nnx.py); statistics move, masks advance per call."""
+    batch, k = batches(1)[0], 4
+    loss = lambda m, b: xent(m(b["x"]), b)
+    models = [NNXStateful(nnx.Rngs(0)) for _ in range(2)]
+    optimizers = [nnx.Optimizer(m, optax.adam(0.05), wrt=nnx.Param) for m in models]
+
+    @nnx.jit
+    def by_hand(model, optimizer, batch):
+        acc = jaxga.accumulate(loss, num_microbatches=k)(model, batch)
+        optimizer.update(model, acc.grads, weight=acc.mean.count)
+        return acc.mean.value
+
+    step = jaxga.nnx_train_step(loss, k)
+    losses = [[], []]
+    for _ in range(2):
+        losses[0].append(float(step(models[0], optimizers[0], batch)["loss"]))
+        losses[1].append(float(by_hand(models[1], optimizers[1], batch)))
+    state = [nnx.as_pure(nnx.state(m)) for m in models]
+    assert_trees_close(state[0], state[1], rtol=1e-6)
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+    assert losses[0][0] != losses[0][1]  # new masks (and parameters) on the second call
+    fresh = nnx.as_pure(nnx.state(NNXStateful(nnx.Rngs(0))))
+    assert not np.allclose(state[0]["norm"]["mean"], fresh["norm"]["mean"])
+    count = lambda s: int(s["drop"]["rngs"]["count"])
+    assert count(state[0]) == count(fresh) + 2 * k  # one draw per micro-batch
