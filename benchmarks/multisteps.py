@@ -88,6 +88,17 @@ def peak_bytes(fn: Callable[..., Any], *args: Any) -> int:
     )
 
 
+def transformations(k: int) -> dict[str, optax.GradientTransformation]:
+    """The four MultiSteps of the comparison around ``optax.adam``, named as in ``PAIRS``."""
+    inner, skip = optax.adam(1e-3), optax.skip_not_finite
+    return {
+        "jaxga": jaxga.MultiSteps(inner, k),
+        "optax": optax.MultiSteps(inner, k, use_grad_mean=True),
+        "jaxga_skip": jaxga.MultiSteps(inner, k, should_skip_update_fn=skip),
+        "optax_skip": optax.MultiSteps(inner, k, True, should_skip_update_fn=skip),
+    }
+
+
 def copy_tree(tree: Any) -> Any:
     return jax.tree.map(jnp.copy, tree)
 
@@ -105,14 +116,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.k)
     ]
     grads = [jax.grad(loss_fn)(params, b) for b in batches]
-    inner = optax.adam(1e-3)
-    skip = optax.skip_not_finite
-    txs = {
-        "jaxga": jaxga.MultiSteps(inner, args.k),
-        "optax": optax.MultiSteps(inner, args.k, use_grad_mean=True),
-        "jaxga_skip": jaxga.MultiSteps(inner, args.k, should_skip_update_fn=skip),
-        "optax_skip": optax.MultiSteps(inner, args.k, True, should_skip_update_fn=skip),
-    }
+    txs = transformations(args.k)
 
     results: dict[str, Any] = {}
     for mode, make, inputs in (
@@ -187,7 +191,8 @@ def report(out: dict[str, Any]) -> None:
     print("(times: median per global step of k calls; memory: compiled peak of one call)")
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; ``parse([])`` gives the defaults."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (CPU smoke run)")
     parser.add_argument("--k", type=int, default=8, help="calls per global step")
@@ -198,9 +203,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="hidden layers")
     parser.add_argument("--classes", type=int, default=16)
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.rounds is None:
         args.rounds = 5 if args.quick else 15
+    return args
+
+
+def main() -> None:
+    args = parse()
     out = benchmark(args)
     report(out)
     if args.json is not None:

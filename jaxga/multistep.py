@@ -31,9 +31,10 @@ class MultiStepsState(NamedTuple):
         acc_grads: the weighted mean Σ wᵢ gᵢ / Σ wᵢ of the gradients of the current
             group's calls so far, in the accumulator dtype. A running mean, so that the
             applying call hands it to the inner optimiser as it is, with no division
-            into a second parameter-sized buffer. While ``mini_step`` is 0 it still
-            holds the group applied last (zeros at first): the next call overwrites it
-            instead of a separate pass zeroing it.
+            into a second parameter-sized buffer. Until the group has weight
+            (``mini_step`` 0, or only calls of weight 0 so far) it still holds the
+            group applied last (zeros at first): the group's first weighted call
+            overwrites it instead of a separate pass zeroing it.
         weight_sum: Σ wᵢ over the same calls (float32): the sum of the ``weight``
             arguments, a call without one counting 1.
         inner_opt_state: the inner optimiser's state; only applying calls change it.
@@ -245,20 +246,22 @@ def _update(
     skip, skip_state = _should_skip(should_skip_update_fn, grads, state, params)
     # a traced weight cannot raise: a negative or non-finite one skips its call instead
     keep = ~skip & jnp.isfinite(w) & (w >= 0)
-    first = state.mini_step == 0
-    weight_sum = jnp.where(first, 0.0, state.weight_sum) + w
-    # the running weighted mean: acc + (w / Σw)(g − acc); a group that has no weight yet
-    # holds zeros (no 0 / 0)
+    # the group's weight before this call: 0 for a new group
+    prior = jnp.where(state.mini_step == 0, 0.0, state.weight_sum)
+    weight_sum = prior + w
+    # the running weighted mean acc + (w / Σw)(g − acc); a call of weight 0 holds no
+    # items, so its gradient (0 / 0 for an empty Mean) is not looked at
     ratio = jnp.where(weight_sum > 0, w / weight_sum, 0.0)
+    take = keep & (ratio > 0)
 
     def accumulate(acc, g):
         dtype = jnp.promote_types(jnp.promote_types(acc.dtype, g.dtype), jnp.float32)
-        base = jnp.where(first, 0, acc).astype(dtype)
-        new = base + ratio.astype(dtype) * (g.astype(dtype) - base)
-        # a call of weight 0 holds no items: its gradient (0 / 0 for an empty Mean) is
-        # not looked at, rather than multiplied by 0
-        new = jnp.where(ratio > 0, new, base).astype(acc.dtype)
-        return jnp.where(keep, new, acc)
+        a, g = acc.astype(dtype), g.astype(dtype)
+        # The group's first weighted call takes its gradient as it is, over the last
+        # group's mean: a select, not a product with 0 (that mean may hold an inf) nor a
+        # select of zeros (see `hold` below).
+        new = jnp.where(prior > 0, a + ratio.astype(dtype) * (g - a), g)
+        return jnp.where(take, new.astype(acc.dtype), acc)
 
     acc_grads = jax.tree.map(accumulate, state.acc_grads, grads)
     weight_sum = jnp.where(keep, weight_sum, state.weight_sum)
@@ -274,10 +277,17 @@ def _update(
         updates, new_inner = inner.update(mean, inner_state, params, **extra_args)
         return updates, _astype_like(new_inner, inner_state)
 
+    # The zero updates of a call that does not apply come from a zero XLA cannot see is
+    # constant. Where both branches are element-wise (Adam's are, on a GPU) XLA turns
+    # this cond into selects, and a constant zero of a parameter's shape would be merged
+    # with the zeros a layer scan's backward pass starts from and kept alive through that
+    # pass: one parameter-sized buffer more at the peak (benchmarks/compiled_for_gpu.py).
+    zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))
+
     def hold(acc_grads, inner_state):
         shapes = jax.eval_shape(run_inner, acc_grads, inner_state)[0]
-        # zeros_like keeps what eval_shape saw of each leaf: also its shard_map axes
-        return jax.tree.map(jnp.zeros_like, shapes), inner_state
+        # full_like keeps what eval_shape saw of each leaf: also its shard_map axes
+        return jax.tree.map(lambda s: jax.lax.full_like(s, zero), shapes), inner_state
 
     updates, inner_state = jax.lax.cond(apply, run_inner, hold, acc_grads, state.inner_opt_state)
     new_state = MultiStepsState(
@@ -308,9 +318,10 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     **Porting from optax.** ``jaxga.MultiSteps(inner, every_k_schedule=k)`` takes
     optax's spelling, ``.inner_opt`` and ``.has_updated`` are there, and the state has
     optax's ``inner_opt_state``, ``gradient_step``, ``mini_step`` and ``acc_grads``.
-    What differs, and why: ``inner`` runs once per group instead of on every call
-    with k − 1 results thrown away (k − 1 fewer optimiser passes); calls may be
-    weighted; and the state (a ``jaxga.MultiStepsState``) adds ``weight_sum``,
+    What differs, and why: ``inner`` runs under a ``lax.cond`` on the applying call
+    instead of on every call with k − 1 results thrown away (see **Cost** for what
+    XLA makes of that); calls may be weighted; and the state (a
+    ``jaxga.MultiStepsState``) adds ``weight_sum``,
     ``applied``, ``num_skipped`` and ``skip_state``. As in optax, nothing is skipped
     unless you ask.
 
@@ -348,20 +359,24 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     schedule value counts as 1 (every call applies: visible in ``gradient_step``).
 
     **Cost.** One buffer the size of the parameters (the accumulator), handed to
-    ``inner`` as it is. A call that does not apply reads the gradient and the
-    accumulator and writes the accumulator and the zero updates: it neither runs the
-    inner optimiser nor selects between old and new inner states, and the
-    accumulator is reset by the next group's first call rather than by a pass of its
-    own.
+    ``inner`` as it is and overwritten by the next group's first call rather than
+    zeroed by a pass of its own. ``inner`` runs under ``lax.cond``, so its state and
+    step count change on applying calls only; whether the other calls also skip its
+    arithmetic is XLA's choice. On a CPU they do. On a GPU XLA turns a cond whose
+    branches are element-wise (Adam's, and global-norm clipping then Adam's) into
+    selects, which spare the host a wait for the predicate: every call computes the
+    update and keeps it on the applying one, as ``optax.MultiSteps`` does. Compiled
+    for an H100, a call's peak memory is then optax's, or less when both skip
+    non-finite gradients (``benchmarks/compiled_for_gpu.py``).
 
     **Extra arguments** (``value=`` for ``optax.contrib.reduce_on_plateau`` or a line
     search) reach ``inner`` on the applying call only, so pass values that describe the
     whole group there, such as the group's mean loss, not the last micro-batch's.
 
-    **Transforms.** The inner optimiser runs under ``lax.cond``. Under ``vmap`` with a
-    batched state the condition is batched, and JAX turns the ``cond`` into a
-    ``select`` that runs the inner optimiser on every call, as optax does: the results
-    are still exact, only the saving is lost. There are no host callbacks.
+    **Transforms.** Under ``vmap`` with a batched state the condition is batched, and
+    JAX itself turns the ``cond`` into a ``select`` that runs the inner optimiser on
+    every call, as optax does: the results are still exact. There are no host
+    callbacks.
 
     Args:
         inner: the optax transformation to apply to the accumulated gradient.

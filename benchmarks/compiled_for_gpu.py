@@ -1,0 +1,183 @@
+"""jaxga.MultiSteps against optax.MultiSteps, compiled for an NVIDIA H100 on any machine.
+
+XLA can compile for a GPU it is told about (a target config: compute capability, SM
+count, memory, ...) instead of one it finds attached. The program it builds is the one
+an H100 would run, so its ``memory_analysis()`` is the compiled peak that
+``benchmarks/run.py`` reports on a real H100 — read on a machine without a GPU. Nothing
+runs, so there are no times; what is compared is the compiled peak and the number of
+kernels one call launches (fusions and library calls of the entry computation: the
+launch overhead of a small step).
+
+Both wrap ``optax.adam``, in two settings as in ``multisteps.py``: as built by default
+(neither skips non-finite gradients) and both skipping them. Two workloads: the MLP of
+``multisteps.py`` (one call: gradient, ``tx.update``, apply; and ``tx.update`` alone) and
+Transformer M of ``run.py`` (GPT-2 small's shape in a layer scan, bfloat16 matmuls, one
+micro-batch call of k = 4), compiled with ``jaxga.compiler_options("gpu")``.
+
+Run (the CUDA plugin installs without a GPU; nothing is downloaded at run time):
+    pip install "jax[cuda12]"
+    JAX_PLATFORMS=cpu python benchmarks/compiled_for_gpu.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.experimental import topologies
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import _workloads
+import multisteps
+
+import jaxga
+
+# An H100 SXM (80 GB HBM3) as XLA's GPU compiler sees it: NVIDIA's published figures.
+H100_SXM = """
+gpu_device_info {
+  cuda_compute_capability { major: 9 minor: 0 }
+  core_count: 132
+  fpus_per_core: 128
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  threads_per_core_limit: 2048
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  shared_memory_per_block: 49152
+  shared_memory_per_block_optin: 232448
+  shared_memory_per_core: 233472
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  clock_rate_ghz: 1.98
+  memory_bandwidth: 3352320000000
+  l2_cache_size: 52428800
+  device_memory_size: 84929347584
+}
+platform_name: "CUDA"
+device_description_str: "NVIDIA H100 80GB HBM3"
+runtime_version { major: 12 minor: 8 }
+dnn_version_info { major: 9 minor: 7 }
+"""
+
+
+def h100() -> jax.Device:
+    """A described (not attached) H100 that ``jax.jit`` can compile for."""
+    topology = topologies.get_topology_desc(
+        "h100", "cuda", target_config=H100_SXM, topology="1x1x1"
+    )
+    return topology.devices[0]
+
+
+def on(device: jax.Device, tree: Any) -> Any:
+    """``tree``'s shapes and dtypes, placed on ``device``: arguments to compile for it."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding),
+        tree,
+    )
+
+
+def compiled(fn: Callable[..., Any], *args: Any) -> dict[str, int]:
+    """The compiled peak (arguments + outputs + temporaries − aliased) and kernel count."""
+    program = fn.lower(*args).compile()
+    stats = program.memory_analysis()
+    entry = program.as_text().split("\nENTRY ", 1)[1]
+    return {
+        "peak_bytes": stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        + stats.temp_size_in_bytes
+        - stats.alias_size_in_bytes,
+        "kernels": len(re.findall(r"= \S+ (?:fusion|custom-call)\(", entry)),
+    }
+
+
+def mlp(device: jax.Device) -> dict[str, dict[str, dict[str, int]]]:
+    """multisteps.py's MLP and k (its defaults): one train-step call, one update call."""
+    args = multisteps.parse([])
+    sizes = [args.width_in] + [args.hidden] * args.layers + [args.classes]
+    params = jax.eval_shape(lambda: multisteps.init_mlp(jax.random.key(0), sizes))
+    batch = {
+        "x": jax.ShapeDtypeStruct((args.batch, args.width_in), jnp.float32),
+        "y": jax.ShapeDtypeStruct((args.batch,), jnp.int32),
+    }
+    out: dict[str, dict[str, dict[str, int]]] = {"train_step": {}, "update_only": {}}
+    for name, tx in multisteps.transformations(args.k).items():
+        state = jax.eval_shape(tx.init, params)
+        out["train_step"][name] = compiled(
+            multisteps.make_train_step(tx), *on(device, (params, state, batch))
+        )
+        out["update_only"][name] = compiled(
+            multisteps.make_update(tx), *on(device, (params, state, params))
+        )
+    return out
+
+
+def transformer_m(device: jax.Device, k: int = 4) -> dict[str, dict[str, int]]:
+    """One micro-batch call of Transformer M (``run.py --only 2``, bfloat16) at ``k``."""
+    w = _workloads.workloads(False, "bfloat16", only=2)[0]
+    loss = w.loss_for("none")
+    micro = jax.tree.map(lambda x: x[0], jaxga.split_microbatches(w.batch, k))
+    params = jax.eval_shape(lambda: w.params)
+    out = {}
+    for name, tx in multisteps.transformations(k).items():
+
+        def step(params, state, batch, tx=tx):
+            value, grads = jax.value_and_grad(lambda p: loss(p, batch).value)(params)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, value
+
+        jitted = jax.jit(
+            step, donate_argnums=(0, 1), compiler_options=jaxga.compiler_options("gpu")
+        )
+        state = jax.eval_shape(tx.init, params)
+        out[name] = compiled(jitted, *on(device, (params, state, micro)))
+    return out
+
+
+def report(results: dict[str, dict[str, dict[str, int]]]) -> None:
+    print("compiled for an NVIDIA H100 80GB HBM3 (XLA target config; nothing runs)")
+    print(
+        f"{'':28} {'setting':10} {'jaxga MiB':>10} {'optax MiB':>10} {'ratio':>6} "
+        f"{'kernels':>8} {'optax':>6}"
+    )
+    for program, rows in results.items():
+        for setting, (ours, theirs) in multisteps.PAIRS.items():
+            a, b = rows[ours], rows[theirs]
+            print(
+                f"{program:28} {setting:10} {a['peak_bytes'] / 2**20:10.1f} "
+                f"{b['peak_bytes'] / 2**20:10.1f} {a['peak_bytes'] / b['peak_bytes']:6.3f} "
+                f"{a['kernels']:8d} {b['kernels']:6d}"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    args = parser.parse_args()
+    device = h100()
+    ms = mlp(device)
+    results = {
+        "MLP train step (k=8)": ms["train_step"],
+        "MLP update only (k=8)": ms["update_only"],
+        "Transformer M call (k=4)": transformer_m(device),
+    }
+    report(results)
+    if args.json is not None:
+        out = {"target": "NVIDIA H100 80GB HBM3", "jax": jax.__version__, "results": results}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
