@@ -250,7 +250,7 @@ def _update(
     prior = jnp.where(state.mini_step == 0, 0.0, state.weight_sum)
     weight_sum = prior + w
     # the running weighted mean acc + (w / Σw)(g − acc); a call of weight 0 holds no
-    # items, so its gradient (0 / 0 for an empty Mean) is not looked at
+    # items, so its gradient (0 / 0 for an empty Mean) is not taken into it
     ratio = jnp.where(weight_sum > 0, w / weight_sum, 0.0)
     take = keep & (ratio > 0)
 
@@ -359,7 +359,7 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     schedule value counts as 1 (every call applies: visible in ``gradient_step``).
 
     **Cost.** One buffer the size of the parameters (the accumulator), handed to
-    ``inner`` as it is and overwritten by the next group's first call rather than
+    ``inner`` as it is and overwritten by the next group's first weighted call rather than
     zeroed by a pass of its own. ``inner`` runs under ``lax.cond``, so its state and
     step count change on applying calls only; whether the other calls also skip its
     arithmetic is XLA's choice. On a CPU they do. On a GPU XLA turns a cond whose
