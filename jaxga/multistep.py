@@ -278,10 +278,10 @@ def _update(
         return updates, _astype_like(new_inner, inner_state)
 
     # The zero updates of a call that does not apply come from a zero XLA cannot see is
-    # constant. Where both branches are element-wise (Adam's are, on a GPU) XLA turns
-    # this cond into selects, and a constant zero of a parameter's shape would be merged
-    # with the zeros a layer scan's backward pass starts from and kept alive through that
-    # pass: one parameter-sized buffer more at the peak (benchmarks/compiled_for_gpu.py).
+    # constant. Where XLA turns this cond into selects (on a GPU, for Adam), a constant
+    # zero of a parameter's shape would be merged with the zeros a layer scan's backward
+    # pass starts from and kept alive through that pass: one parameter-sized buffer more
+    # at the peak (benchmarks/compiled_for_gpu.py).
     zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))
 
     def hold(acc_grads, inner_state):
@@ -359,15 +359,15 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     schedule value counts as 1 (every call applies: visible in ``gradient_step``).
 
     **Cost.** One buffer the size of the parameters (the accumulator), handed to
-    ``inner`` as it is and overwritten by the next group's first weighted call rather than
-    zeroed by a pass of its own. ``inner`` runs under ``lax.cond``, so its state and
-    step count change on applying calls only; whether the other calls also skip its
-    arithmetic is XLA's choice. On a CPU they do. On a GPU XLA turns a cond whose
-    branches are element-wise (Adam's, and global-norm clipping then Adam's) into
-    selects, which spare the host a wait for the predicate: every call computes the
-    update and keeps it on the applying one, as ``optax.MultiSteps`` does. Compiled
-    for an H100, a call's peak memory is then optax's, or less when both skip
-    non-finite gradients (``benchmarks/compiled_for_gpu.py``).
+    ``inner`` as it is and overwritten by the next group's first weighted call rather
+    than zeroed by a pass of its own. ``inner`` runs under ``lax.cond``, so its state
+    and step count change on applying calls only; whether the other calls also skip
+    its arithmetic is XLA's choice. On a CPU they do. XLA's GPU compiler turns a cheap
+    cond into selects, which spare the host a wait for the predicate (compiled for an
+    H100 it did so for Adam, and for global-norm clipping then Adam): every call then
+    computes the update and keeps it on the applying one, as ``optax.MultiSteps``
+    does, and a call's compiled peak is optax's, or less when both skip non-finite
+    gradients (``benchmarks/compiled_for_gpu.py``).
 
     **Extra arguments** (``value=`` for ``optax.contrib.reduce_on_plateau`` or a line
     search) reach ``inner`` on the applying call only, so pass values that describe the
