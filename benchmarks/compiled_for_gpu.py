@@ -36,13 +36,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.experimental import topologies
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import _workloads
 import multisteps
+import run
 
 import jaxga
 
@@ -95,14 +95,10 @@ def on(device: jax.Device, tree: Any) -> Any:
 def compiled(fn: Callable[..., Any], *args: Any) -> dict[str, int]:
     """The compiled peak (arguments + outputs + temporaries − aliased) and kernel count."""
     program = fn.lower(*args).compile()
-    stats = program.memory_analysis()
     entry = program.as_text().split("\nENTRY ", 1)[1].split("\n}", 1)[0]
     calls = re.findall(r"^\s*(?:ROOT )?%\S+ = .*? (?:fusion|custom-call)\(.*$", entry, re.M)
     return {
-        "peak_bytes": stats.argument_size_in_bytes
-        + stats.output_size_in_bytes
-        + stats.temp_size_in_bytes
-        - stats.alias_size_in_bytes,
+        "peak_bytes": multisteps.peak(program.memory_analysis()),
         # AllocateBuffer (an uninitialised buffer) reserves memory and launches nothing
         "kernels": sum('custom_call_target="AllocateBuffer"' not in c for c in calls),
     }
@@ -136,18 +132,11 @@ def transformer_m(device: jax.Device, k: int = 4) -> dict[str, dict[str, int]]:
     micro = jax.tree.map(lambda x: x[0], jaxga.split_microbatches(w.batch, k))
     params = jax.eval_shape(lambda: w.params)
     out = {}
+    grad_fn = jax.value_and_grad(lambda p, batch: loss(p, batch).value)
     for name, tx in multisteps.transformations(k).items():
-
-        def step(params, state, batch, tx=tx):
-            value, grads = jax.value_and_grad(lambda p: loss(p, batch).value)(params)
-            updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state, value
-
-        jitted = jax.jit(
-            step, donate_argnums=(0, 1), compiler_options=jaxga.compiler_options("gpu")
-        )
+        step = run.make_step(grad_fn, tx, backend="gpu")  # run.py's MultiSteps step
         state = jax.eval_shape(tx.init, params)
-        out[name] = compiled(jitted, *on(device, (params, state, micro)))
+        out[name] = compiled(step, *on(device, (params, state, micro)))
     return out
 
 

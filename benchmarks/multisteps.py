@@ -77,15 +77,20 @@ def make_update(tx: optax.GradientTransformation) -> Callable[..., Any]:
     return jax.jit(update, donate_argnums=(0, 1))
 
 
-def peak_bytes(fn: Callable[..., Any], *args: Any) -> int:
-    """Compiled peak memory of one call: arguments + outputs + temporaries − aliased."""
-    stats = fn.lower(*args).compile().memory_analysis()
+def peak(stats: Any) -> int:
+    """A compiled program's peak from its ``memory_analysis()``: arguments + outputs +
+    temporaries − aliased."""
     return (
         stats.argument_size_in_bytes
         + stats.output_size_in_bytes
         + stats.temp_size_in_bytes
         - stats.alias_size_in_bytes
     )
+
+
+def peak_bytes(fn: Callable[..., Any], *args: Any) -> int:
+    """Compiled peak memory of one call of ``fn`` on ``args``."""
+    return peak(fn.lower(*args).compile().memory_analysis())
 
 
 def transformations(k: int) -> dict[str, optax.GradientTransformation]:

@@ -115,15 +115,19 @@ def tree_bytes(tree: Any) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def make_step(grad_fn: Callable[..., Any], tx: optax.GradientTransformation):
-    """A jitted step: ``grad_fn`` then the optimiser; params and state donated."""
+def make_step(
+    grad_fn: Callable[..., Any], tx: optax.GradientTransformation, backend: str | None = None
+):
+    """A jitted step: ``grad_fn`` then the optimiser; params and state donated; compiled
+    with jaxga's options for ``backend`` (the default backend's if ``None``)."""
 
     def step(params, opt_state, batch):
         value, grads = grad_fn(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    return jax.jit(step, donate_argnums=(0, 1), compiler_options=jaxga.compiler_options())
+    options = jaxga.compiler_options(backend)
+    return jax.jit(step, donate_argnums=(0, 1), compiler_options=options)
 
 
 def make_apply(tx: optax.GradientTransformation):

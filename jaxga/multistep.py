@@ -321,9 +321,8 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     What differs, and why: ``inner`` runs under a ``lax.cond`` on the applying call
     instead of on every call with k − 1 results thrown away (see **Cost** for what
     XLA makes of that); calls may be weighted; and the state (a
-    ``jaxga.MultiStepsState``) adds ``weight_sum``,
-    ``applied``, ``num_skipped`` and ``skip_state``. As in optax, nothing is skipped
-    unless you ask.
+    ``jaxga.MultiStepsState``) adds ``weight_sum``, ``applied``, ``num_skipped`` and
+    ``skip_state``. As in optax, nothing is skipped unless you ask.
 
     **Weights.** ``update(..., weight=w)`` weights a call's gradient, and the group's
     gradient is Σwᵢgᵢ / Σwᵢ (a call without ``weight`` weighs 1, so unweighted calls
