@@ -370,6 +370,15 @@ def train(args: argparse.Namespace) -> dict:
     print(f"checkpoints: {args.checkpoint_dir} (every {args.save_every} steps and the last)")
     if args.resume and manager.latest_step() is None:
         print(f"--resume: no checkpoint in {args.checkpoint_dir} yet; starting from step 0")
+    if not args.resume and manager.latest_step() is not None:
+        # a fresh run replaces them: kept, they would hide its own (orbax saves no step
+        # at or below the latest) and a later --resume would load another model
+        print(
+            f"replacing the checkpoints of an earlier run (up to step {manager.latest_step()}); "
+            f"--resume continues them instead"
+        )
+        for old_step in manager.all_steps():
+            manager.delete(old_step)
     if args.resume and manager.latest_step() is not None:
         shardings = None
         if args.devices > 1:  # a checkpoint from any device count, laid out for this one

@@ -449,7 +449,21 @@ def _like(new: Any, old: Any, what: str) -> Any:
             f"`fun` {what} with tree structure {jax.tree.structure(new)}; it must keep the "
             f"structure it was given, {jax.tree.structure(old)}."
         )
-    return jax.tree.map(lambda n, o: jnp.asarray(n, jnp.result_type(o)), new, old)
+
+    def cast(path, n, o):
+        n, dtype = jnp.asarray(n), jnp.result_type(o)
+        same_kind = n.dtype == dtype or (
+            jnp.issubdtype(dtype, jnp.number) and jnp.can_cast(n.dtype, dtype, casting="same_kind")
+        )
+        if n.shape != jnp.shape(o) or not same_kind:
+            raise TypeError(
+                f"`fun` {what} whose leaf {jax.tree_util.keystr(path)} has shape {n.shape} and "
+                f"dtype {n.dtype}; it was given shape {jnp.shape(o)} and dtype {dtype}: the "
+                f"state must keep its shape, and its dtype up to casts within one kind."
+            )
+        return n.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, new, old)
 
 
 def _reduce_state(state: Any, before: Any, axis_name: Any) -> Any:
@@ -541,7 +555,7 @@ def _accumulate(
             for i in nodes
         }
         count = jax.lax.stop_gradient(jnp.asarray(mean.count, sum_dtype))
-        return mean.total, (count, aux, (new_user or (), new_rest))
+        return jnp.asarray(mean.total), (count, aux, (new_user or (), new_rest))
 
     grad_fn = jax.value_and_grad(loss_on, has_aux=True)
 

@@ -9,8 +9,9 @@ GPT-2-small's shape (``benchmarks/run.py --only 2``, 16 sequences of 512 tokens 
 micro-batch, no remat) 26 copies, 4.4 GiB, per micro-batch, in front of every layer scan.
 The option (off by default in XLA) proves such a buffer is fully overwritten before it
 is read and leaves it uninitialised instead: no copy, the same results. On an H100 it
-took ``jaxga.value_and_grad`` with 4 micro-batches from 99.6 to 84.8 ms a step (and
-``optax.MultiSteps`` from 94.1 to 86.4 ms). It does nothing on other backends, so
+took ``jaxga.value_and_grad`` with 4 micro-batches from 99.2 to 85.8 ms a step (and
+``optax.MultiSteps`` from 93.6 to 88.6 ms; README, Benchmarks). It does nothing on other
+backends, so
 :func:`compiler_options` returns no options there.
 """
 

@@ -49,7 +49,9 @@ class Mean:
         """Returns the mean of ``values``, counting only items where ``where`` is non-zero.
 
         ``where`` may be a boolean mask or non-negative per-item weights, broadcastable
-        to ``values``; the count is then the sum of the weights.
+        to ``values`` (as in NumPy, aligned on the trailing axes: per-row weights of a
+        ``[B, T]`` array have shape ``[B, 1]``); the count is then the sum of the weights.
+        Items of weight 0 are left out, even a NaN or an inf.
 
         Example:
             >>> import jax.numpy as jnp, jaxga
@@ -76,7 +78,8 @@ class Mean:
                 "NaN, inf or negative values. (Under jit this cannot be checked: such weights "
                 "give a NaN or wrong mean.)"
             )
-        return cls(jnp.sum(values * weights), jnp.sum(weights))
+        # a select, not only a product: a masked-out item may hold a NaN or an inf
+        return cls(jnp.sum(jnp.where(weights != 0, values * weights, 0)), jnp.sum(weights))
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
@@ -115,7 +118,8 @@ def token_cross_entropy(
 
     Args:
         logits: ``[..., vocab]`` unnormalised log-probabilities.
-        labels: ``[...]`` integer targets.
+        labels: ``[...]`` integer targets in ``[0, vocab)``; those of tokens the mask
+            leaves out may be anything (e.g. ``-100`` for padding).
         mask: optional, broadcastable to ``labels``; tokens where it is zero (padding)
             are not counted, and non-zero values weigh tokens.
 
@@ -129,6 +133,15 @@ def token_cross_entropy(
     """
     logits = jnp.asarray(logits)
     labels = jnp.asarray(labels)
+    if logits.ndim == 0 or not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise TypeError(
+            f"token_cross_entropy: `logits` must be a float array [..., vocab]; got shape "
+            f"{logits.shape} and dtype {logits.dtype}."
+        )
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(
+            f"token_cross_entropy: `labels` must be integer token ids; got dtype {labels.dtype}."
+        )
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
             f"token_cross_entropy: `logits` has shape {logits.shape}, so `labels` must have "
@@ -139,12 +152,15 @@ def token_cross_entropy(
             f"token_cross_entropy: `mask` must broadcast to the shape of `labels` "
             f"{labels.shape}; got {jnp.shape(mask)}."
         )
+    if mask is not None:  # the labels of tokens left out are not looked up
+        labels = jnp.where(jnp.broadcast_to(jnp.asarray(mask), labels.shape) != 0, labels, 0)
     if not isinstance(labels, jax.core.Tracer) and labels.size:
         low, high = int(labels.min()), int(labels.max())
         if low < 0 or high >= logits.shape[-1]:
             raise ValueError(
-                f"token_cross_entropy: `labels` must lie in [0, {logits.shape[-1]}) for a "
-                f"vocabulary of {logits.shape[-1]}; got labels from {low} to {high}."
+                f"token_cross_entropy: `labels` of counted tokens must lie in "
+                f"[0, {logits.shape[-1]}) for a vocabulary of {logits.shape[-1]}; got labels "
+                f"from {low} to {high}."
             )
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
     return Mean.of(losses, where=mask)

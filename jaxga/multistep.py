@@ -214,8 +214,13 @@ def _init(
     if should_skip_update_fn is not None:
         grads = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.result_type(p)), params)
         step = jnp.zeros((), jnp.int32)
-        shapes = jax.eval_shape(should_skip_update_fn, grads, step, params)[1]
-        skip_state = jax.tree.map(jnp.zeros_like, shapes)
+        out = jax.eval_shape(should_skip_update_fn, grads, step, params)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"`should_skip_update_fn` must return a pair (skip, report), as optax's "
+                f"predicates do; it returned {out!r}."
+            )
+        skip_state = jax.tree.map(jnp.zeros_like, out[1])
     return MultiStepsState(
         mini_step=jnp.zeros((), jnp.int32),
         gradient_step=jnp.zeros((), jnp.int32),

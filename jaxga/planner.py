@@ -281,7 +281,10 @@ def _batch_size(args: tuple[Any, ...], batch_argnums: int | Sequence[int]) -> in
 def _microbatch_counts(num_microbatches: int | Sequence[int] | None, batch_size: int) -> list[int]:
     if num_microbatches is None:
         return [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-    counts = [num_microbatches] if isinstance(num_microbatches, int) else list(num_microbatches)
+    if isinstance(num_microbatches, Sequence) and not isinstance(num_microbatches, str):
+        counts = list(num_microbatches)
+    else:
+        counts = [num_microbatches]
     bad = [k for k in counts if isinstance(k, bool) or not isinstance(k, int) or k < 1]
     if not counts or bad:
         raise ValueError(
@@ -377,7 +380,7 @@ def plan(
     repeats: int = 3,
     device: Any = None,
 ) -> Plan:
-    """Returns the fastest configuration whose compiled train step fits a memory budget.
+    """Returns the first configuration, least sequential work first, that fits a memory budget.
 
     Candidates are pairs ``(num_microbatches, remat)``, tried in order: fewest
     micro-batches first (each extra micro-batch is a sequential scan iteration), then

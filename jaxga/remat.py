@@ -21,7 +21,7 @@ __all__ = [
     "stack_length",
 ]
 
-Policy = str | Sequence[str] | Callable[..., Any]
+Policy = str | Sequence[str] | Callable[..., Any] | None
 
 
 class Remat(NamedTuple):
@@ -78,8 +78,9 @@ def checkpoint_policy(policy: Policy) -> Callable[..., Any] | None:
 
     A name is a per-layer row of :data:`REMAT` (all but ``"sqrt"``, which is
     ``policy="full"`` over √L segments); ``"none"`` gives ``None``: do not checkpoint
-    at all. A list (or tuple) of strings saves exactly the values tagged with those
-    names by :func:`jax.ad_checkpoint.checkpoint_name`. A callable is taken to be a
+    at all, and ``None`` itself is taken as ``"none"``. A list (or tuple) of strings
+    saves exactly the values tagged with those names by
+    :func:`jax.ad_checkpoint.checkpoint_name`. A callable is taken to be a
     :data:`jax.checkpoint_policies` policy and is returned as it is.
 
     Example:
@@ -89,6 +90,8 @@ def checkpoint_policy(policy: Policy) -> Callable[..., Any] | None:
         >>> jaxga.checkpoint_policy("none") is None
         True
     """
+    if policy is None:
+        return None
     if isinstance(policy, str):
         row = REMAT.get(policy)
         if row is not None and row.segments == 1:
@@ -109,7 +112,7 @@ def checkpoint_policy(policy: Policy) -> Callable[..., Any] | None:
     if isinstance(policy, (list, tuple)) and all(isinstance(n, str) for n in policy):
         return _cp.save_only_these_names(*policy)
     raise TypeError(
-        f"`policy` must be a policy name, a list of checkpoint_name names or a "
+        f"`policy` must be a policy name, None, a list of checkpoint_name names or a "
         f"jax.checkpoint_policies callable; got {policy!r} of type {type(policy).__name__}."
     )
 
@@ -259,9 +262,13 @@ def remat_scan(
     Args:
         layer_fn: ``layer_fn(params_i, x) -> x``; must return a pytree with the
             structure, shapes and dtypes of ``x``.
-        stacked_params: pytree of arrays sharing a leading layer axis of size L.
+        stacked_params: pytree of arrays sharing a leading layer axis of size L. A
+            list of per-layer trees is not that: its arrays' own first axes would be
+            scanned over. Stack it first: ``jax.tree.map(lambda *p: jnp.stack(p),
+            *layers)``.
         x: the initial carry (an array or pytree of arrays).
-        policy: what a layer keeps for the backward pass: ``"none"`` (everything),
+        policy: what a layer keeps for the backward pass: ``"none"`` or ``None``
+            (everything),
             ``"full"`` (nothing), ``"dots"``, ``"dots_no_batch"``, ``"offload_dots"``
             (where the backend has pinned host memory), a list of
             :func:`jax.ad_checkpoint.checkpoint_name` names to save, or any

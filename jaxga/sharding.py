@@ -19,6 +19,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxga._checks import positive_int
+
 __all__ = [
     "IndivisibleBatchError",
     "check_axis_bound",
@@ -212,6 +214,8 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
         >>> batch["x"].shape, batch["x"].sharding.spec
         ((8, 3), P('data',))
     """
+    for axis in _axes(axis_name):
+        check_axis(mesh, axis)
     sharding = NamedSharding(mesh, P(axis_name))
     local_mesh = mesh.local_mesh.shape
     shards = int(np.prod([local_mesh[a] for a in _axes(axis_name)]))
@@ -250,6 +254,7 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
         >>> params["w"].sharding.is_fully_replicated
         True
     """
+    check_mesh(mesh)
     sharding = NamedSharding(mesh, P())
     return jax.tree.map(lambda x: put(x, sharding), tree)
 
@@ -291,6 +296,7 @@ def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:
         >>> tuple(fsdp_spec((768, 3072), 8)), tuple(fsdp_spec((10,), 8))
         ((None, 'data'), ())
     """
+    size = positive_int(size, "size")
     dims = [i for i, n in enumerate(shape) if n >= size and n % size == 0]
     if not dims:
         return P()
@@ -310,6 +316,7 @@ def fsdp_specs(tree: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
         >>> tuple(specs["w"]), tuple(specs["b"])
         ((None, 'data'), ())
     """
+    check_axis(mesh, axis_name)
     size = mesh.shape[axis_name]
     return jax.tree.map(lambda x: fsdp_spec(jnp.shape(x), size, axis_name), tree)
 
@@ -352,6 +359,31 @@ def _check_param_specs(specs: Any, params: Any, size: int, axis_name: Any) -> An
     return specs
 
 
+def check_mesh(mesh: Any) -> None:
+    """Raises unless ``mesh`` is a mesh (concrete, or abstract where only shapes count)."""
+    if not isinstance(mesh, Mesh | jax.sharding.AbstractMesh):
+        raise TypeError(
+            f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh((n,), ('data',))); "
+            f"got {mesh!r} of type {type(mesh).__name__}."
+        )
+
+
+def check_axis(mesh: Mesh, axis_name: Any) -> None:
+    """Raises unless ``mesh`` is a mesh and ``axis_name`` one of its axes."""
+    check_mesh(mesh)
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"`axis_name`={axis_name!r} is not an axis of `mesh` {mesh.axis_names}.")
+
+
+def check_strategy(strategy: Any) -> None:
+    """Raises for a strategy name that is not one of :data:`STRATEGIES`."""
+    if isinstance(strategy, str) and strategy not in STRATEGIES:
+        raise ValueError(
+            f"`strategy` must be one of {', '.join(map(repr, STRATEGIES))} or a tree of "
+            f"PartitionSpecs for the parameters; got {strategy!r}."
+        )
+
+
 def state_specs(
     state: Any, mesh: Mesh, strategy: Any = "data_parallel", *, axis_name: Any = "data"
 ) -> Any:
@@ -379,16 +411,16 @@ def state_specs(
         >>> tuple(specs.params["w"]), tuple(specs.opt_state[0].mu["w"]), tuple(specs.step)
         ((None, 'data'), (None, 'data'), ())
     """
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"`axis_name`={axis_name!r} is not an axis of `mesh` {mesh.axis_names}.")
+    check_axis(mesh, axis_name)
+    check_strategy(strategy)
+    if not (hasattr(state, "params") and hasattr(state, "opt_state")):
+        raise TypeError(
+            f"`state` must be a train state with `params` and `opt_state` (jaxga.TrainState "
+            f"or Flax's); got {type(state).__name__}."
+        )
     size = mesh.shape[axis_name]
     specs = _replicated(state)
     if isinstance(strategy, str):
-        if strategy not in STRATEGIES:
-            raise ValueError(
-                f"`strategy` must be one of {', '.join(map(repr, STRATEGIES))} or a tree of "
-                f"PartitionSpecs for the parameters; got {strategy!r}."
-            )
         if strategy == "data_parallel":
             return specs
         sharded = strategy in ("fsdp", "zero3")

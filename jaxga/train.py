@@ -181,20 +181,45 @@ def _learning_rate(opt_state: Any) -> jax.Array:
     return jnp.asarray(found[0] if len(found) == 1 else jnp.nan, jnp.float32)
 
 
-def _applied(opt_state: Any) -> jax.Array:
-    """Whether the optimiser changed the parameters: false while a MultiSteps accumulates."""
+def _multisteps_state(opt_state: Any) -> MultiStepsState | None:
+    """The state of the :class:`jaxga.MultiSteps` in an optimiser, if there is one."""
     is_state = lambda x: isinstance(x, MultiStepsState)
     found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
-    return found[0].applied if found else jnp.asarray(True)
+    return found[0] if found else None
+
+
+def _update_if_counted(
+    acc: Accumulated, opt_state: Any, update: Callable[[Any], Any], state: Any, *, select: bool
+) -> Any:
+    """``update(state)``, or ``state`` as it is for a call that counted no items.
+
+    The mean gradient of no items is 0 / 0: a call whose batch is all padding must not
+    reach the optimiser (its moments, weight decay and step count), as a group of weight
+    0 does not reach :class:`jaxga.MultiSteps`' inner optimiser. A MultiSteps takes such
+    a call itself (it is one of its group's calls), so it is always called.
+
+    ``select``: pick the result per leaf with a select instead of a ``lax.cond``. XLA
+    folds that select into a functional optimiser update at no memory cost, where a
+    cond whose operands are not donated costs a copy of them; it does not fold it into
+    ``nnx.Optimizer.update``, which costs a copy of the parameters, where a cond over
+    donated operands costs nothing (the train step donates by default).
+    """
+    if _multisteps_state(opt_state) is not None:
+        return update(state)
+    counted = acc.mean.count > 0
+    if not select:
+        return jax.lax.cond(counted, update, lambda state: state, state)
+    return jax.tree.map(lambda new, old: jnp.where(counted, new, old), update(state), state)
 
 
 def _metrics(acc: Accumulated, opt_state: Any) -> Metrics:
+    multisteps = _multisteps_state(opt_state)
     return {
         "loss": acc.mean.value,
         "count": acc.mean.count,
         "grad_norm": optax.tree.norm(acc.grads),
         "learning_rate": _learning_rate(opt_state),
-        "applied": _applied(opt_state),
+        "applied": acc.mean.count > 0 if multisteps is None else multisteps.applied,
     }
 
 
@@ -278,6 +303,16 @@ def _check_state(state: Any) -> None:
     )
 
 
+def _check_no_aux(value: Any, signature: str) -> None:
+    """A train step's loss is the loss alone: a ``(loss, aux)`` pair gets a clear error."""
+    if isinstance(value, tuple | list):
+        raise TypeError(
+            f"{signature} must give the loss alone (a float scalar or a jaxga.Mean); got a "
+            f"{type(value).__name__} of length {len(value)}. The train step returns no aux "
+            f"output: compute other metrics in an evaluation step of your own."
+        )
+
+
 def _checked_loss(loss: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(loss)
     def checked(params, batch, model_state, rng):
@@ -290,6 +325,14 @@ def _checked_loss(loss: Callable[..., Any]) -> Callable[..., Any]:
                 "`loss(params, batch, model_state, rng)` must return a pair (loss, "
                 f"new_model_state) — return `model_state` unchanged if the model has none; "
                 f"got {got}."
+            )
+        _check_no_aux(out[0], "The first element of `loss(params, batch, model_state, rng)`")
+        given, returned = jax.tree.structure(model_state), jax.tree.structure(out[1])
+        if returned != given:
+            raise TypeError(
+                f"`loss(params, batch, model_state, rng)` returned a new_model_state with tree "
+                f"structure {returned}; it must keep the structure of the model_state it was "
+                f"given, {given} (TrainState.create's `model_state`)."
             )
         return out
 
@@ -466,7 +509,9 @@ def make_train_step(
         ``count`` (items, e.g. tokens; for a scalar loss, micro-batches over all
         devices), ``grad_norm`` (of the accumulated gradient), ``learning_rate`` (from
         ``optax.inject_hyperparams``, NaN if unknown) and ``applied`` (whether the
-        parameters changed on this call: false while a MultiSteps accumulates).
+        parameters changed on this call: false while a MultiSteps accumulates, and for
+        a call whose batch counts no items — all padding — which leaves the parameters
+        and the optimiser as they were; its ``loss`` and ``grad_norm`` are NaN).
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, jaxga
@@ -488,20 +533,11 @@ def make_train_step(
     _checks.positive_int(num_microbatches, "num_microbatches")
     signature = "`loss(params, batch, model_state, rng) -> (loss, new_model_state)`"
     _checks.check_arity(loss, "loss", 4, signature)
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh((n,), ('data',))); "
-            f"got {mesh!r} of type {type(mesh).__name__}."
-        )
-    if mesh is not None and axis_name not in mesh.axis_names:
-        raise ValueError(f"`axis_name`={axis_name!r} is not an axis of `mesh` {mesh.axis_names}.")
+    if mesh is not None:
+        sharding.check_axis(mesh, axis_name)
+    sharding.check_strategy(strategy)
     if mesh is None and not (isinstance(strategy, str) and strategy == "data_parallel"):
         raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
-    if isinstance(strategy, str) and strategy not in sharding.STRATEGIES:
-        raise ValueError(
-            f"`strategy` must be one of {', '.join(map(repr, sharding.STRATEGIES))} or a tree "
-            f"of PartitionSpecs for the parameters; got {strategy!r}."
-        )
     if not isinstance(donate, bool):
         raise TypeError(f"`donate` must be a bool; got {donate!r}.")
     accumulate_with = functools.partial(
@@ -544,16 +580,20 @@ def make_train_step(
             )
             # zero1: the optimiser runs on its shards of the (replicated) parameters
             params_view = place(state.params, grad_specs)
-        updates, opt_state = state.tx.update(
-            acc.grads, state.opt_state, params_view, **_weight_of(state.tx, acc)
+
+        def update(params_and_opt_state):
+            params, opt_state = params_and_opt_state
+            updates, opt_state = state.tx.update(
+                acc.grads, opt_state, params_view, **_weight_of(state.tx, acc)
+            )
+            if mesh is not None:
+                updates = place(updates, specs.params)
+            return optax.apply_updates(params, updates), opt_state
+
+        params, opt_state = _update_if_counted(
+            acc, state.opt_state, update, (state.params, state.opt_state), select=True
         )
-        if mesh is not None:
-            updates = place(updates, specs.params)
-        new_state = state.replace(
-            step=state.step + 1,
-            params=optax.apply_updates(state.params, updates),
-            opt_state=opt_state,
-        )
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         new_state = _set_model_state(new_state, acc.state)
         if mesh is not None:
             new_state = place(new_state, specs)
@@ -695,7 +735,11 @@ def nnx_train_step(
             float32.
         donate: donate the buffers of the model's and the optimiser's state to the step
             (the model and optimiser get the new ones): one copy of them in memory, not
-            two. Arrays taken out of the model before the call are deleted by it.
+            two. Arrays taken out of the model before the call are deleted by it, and so
+            are those of an ``nnx.clone`` of it, which shares them: snapshot with
+            ``jax.tree.map(jnp.copy, nnx.state(model))``, or pass ``donate=False``
+            (which also costs a copy of the parameters, kept for a call whose batch
+            counts no items).
 
     Returns:
         The step; it updates ``model`` and ``optimizer`` in place and returns the
@@ -717,16 +761,32 @@ def nnx_train_step(
     """
     _checks.positive_int(num_microbatches, "num_microbatches")
     _checks.check_arity(loss, "loss", 2, "`loss(model, batch) -> loss`")
+
+    @functools.wraps(loss)
+    def checked(model, batch):
+        value = loss(model, batch)
+        _check_no_aux(value, "`loss(model, batch)`")
+        return value
+
     grad_fn = accumulate(
-        loss, num_microbatches=num_microbatches, accumulator_dtype=accumulator_dtype
+        checked, num_microbatches=num_microbatches, accumulator_dtype=accumulator_dtype
     )
 
     def pure(graphdef: Any, state: Any, batch: Any) -> tuple[Any, Metrics]:
         model, optimizer = nnx.merge(graphdef, state)
         acc = grad_fn(model, batch)
         _check_wrt(optimizer, model, acc.grads)
-        optimizer.update(model, acc.grads, **_weight_of(optimizer.tx, acc))
-        return nnx.state((model, optimizer)), _metrics(acc, nnx.as_pure(optimizer.opt_state))
+
+        def update(state):
+            model, optimizer = nnx.merge(graphdef, state)
+            optimizer.update(model, acc.grads, **_weight_of(optimizer.tx, acc))
+            return nnx.state((model, optimizer))
+
+        opt_state = nnx.as_pure(optimizer.opt_state)
+        state = _update_if_counted(
+            acc, opt_state, update, nnx.state((model, optimizer)), select=False
+        )
+        return state, _metrics(acc, nnx.as_pure(nnx.merge(graphdef, state)[1].opt_state))
 
     # jax.jit of the split objects rather than nnx.jit: it takes XLA's options
     if not isinstance(donate, bool):

@@ -15,9 +15,11 @@ os.environ["XLA_FLAGS"] = " ".join(
 ).strip()
 
 import jax
-import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
+# Set for the whole process, not per test: module-scoped fixtures, which build the
+# references of many tests, run before any function-scoped fixture would take effect.
+jax.config.update("jax_default_matmul_precision", "highest")
 # Many tests compile the same small programs (the examples build the same step several
 # times); a persistent cache makes every compile after the first a lookup.
 jax.config.update(
@@ -25,9 +27,3 @@ jax.config.update(
 )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-@pytest.fixture(autouse=True)
-def _float32_matmuls():
-    with jax.default_matmul_precision("highest"):
-        yield

@@ -421,6 +421,29 @@ def test_changed_state_structure_is_rejected():
         )(1.0, jnp.ones(3), 0.0)
 
 
+@pytest.mark.parametrize(
+    "state, new_state, match",
+    [
+        (
+            jnp.ones(2, jnp.int32),
+            lambda s: s + 0.5,
+            r"leaf \[0\] has shape \(2,\) and dtype float32",
+        ),
+        ({"a": jnp.ones(2)}, lambda s: {"a": jnp.ones(3)}, r"leaf \[0\]\['a'\] has shape \(3,\)"),
+    ],
+)
+def test_changed_state_shape_or_kind_of_dtype_is_rejected(state, new_state, match):
+    loss = lambda w, x, s: (jnp.mean(w * x), new_state(s))
+    with pytest.raises(TypeError, match=match):
+        jaxga.value_and_grad(loss, num_microbatches=2, state_argnums=2)(1.0, jnp.ones(4), state)
+
+
+def test_a_python_float_loss_is_a_constant_as_in_jax():
+    loss = lambda w, x: 1.0
+    expected = jax.value_and_grad(loss)(1.0, jnp.ones(4))
+    assert_trees_close(jaxga.value_and_grad(loss, num_microbatches=2)(1.0, jnp.ones(4)), expected)
+
+
 def test_positional_argnums_means_what_it_means_in_jax():
     def loss(x, w):
         return jnp.mean(x @ w)

@@ -239,3 +239,25 @@ def test_hlo_collectives_follows_calls_out_of_and_into_loops():
         ("all-reduce", "main", False),  # -start counted once, -done and names ignored
         ("collective-permute", "main", False),
     ]
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda m: shard_batch(np.ones((4, 2)), "data"), TypeError, r"`mesh` must be a .*'data'"),
+        (lambda m: replicate(np.ones(2), None), TypeError, r"`mesh` must be a .* got None"),
+        (lambda m: shard_batch(np.ones((4, 2)), m, "model"), ValueError, r"'model' is not an axis"),
+        (lambda m: jaxga.sharding.fsdp_specs({"w": jnp.ones(4)}, m, "x"), ValueError, "'x'"),
+        (lambda m: jaxga.sharding.fsdp_spec((8, 4), 0), ValueError, "`size` must be a positive"),
+        (lambda m: jaxga.sharding.fsdp_spec((8, 4), -1), ValueError, "`size` .* got -1"),
+        (
+            lambda m: jaxga.sharding.state_specs({"params": 1}, m, "fsdp"),
+            TypeError,
+            r"`state` must be a train state .* got dict",
+        ),
+    ],
+)
+def test_sharding_helpers_name_bad_arguments(call, error, match):
+    mesh = jax.make_mesh((1,), ("data",))
+    with pytest.raises(error, match=match):
+        call(mesh)

@@ -3,6 +3,7 @@
 import sys
 from pathlib import Path
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -21,8 +22,9 @@ def test_train_lm_resume_is_bit_for_bit(tmp_path, capsys):
     straight = train_lm.train(
         train_lm.parse_args([*TINY, "--steps", "4", "--checkpoint-dir", str(tmp_path / "a")])
     )
+    # in the straight run's directory: a run without --resume replaces its checkpoints
     first = train_lm.train(
-        train_lm.parse_args([*TINY, "--steps", "2", "--checkpoint-dir", str(tmp_path / "b")])
+        train_lm.parse_args([*TINY, "--steps", "2", "--checkpoint-dir", str(tmp_path / "a")])
     )
     resumed = train_lm.train(
         train_lm.parse_args(
@@ -31,7 +33,7 @@ def test_train_lm_resume_is_bit_for_bit(tmp_path, capsys):
                 "--steps",
                 "4",
                 "--checkpoint-dir",
-                str(tmp_path / "b"),
+                str(tmp_path / "a"),
                 "--resume",
                 "--sample",
                 "8",
@@ -39,10 +41,10 @@ def test_train_lm_resume_is_bit_for_bit(tmp_path, capsys):
         )
     )
     assert first["losses"] + resumed["losses"] == straight["losses"]
-    for a, b in zip(jax.tree.leaves(straight["params"]), jax.tree.leaves(resumed["params"])):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(straight["params"], resumed["params"])
     out = capsys.readouterr().out
     assert "compiled step: peak" in out and "sample:" in out
+    assert "replacing the checkpoints of an earlier run (up to step 4)" in out
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (the CPU has them here)")

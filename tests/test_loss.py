@@ -1,5 +1,7 @@
 """Bad inputs to jaxga.Mean, as_mean and token_cross_entropy give errors that name them."""
 
+import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,8 +22,57 @@ def test_as_mean_rejects_what_is_not_a_float(value):
 
 
 def test_token_cross_entropy_rejects_labels_outside_the_vocabulary():
-    with pytest.raises(ValueError, match=r"`labels` must lie in \[0, 5\) .* from 0 to 5"):
+    with pytest.raises(
+        ValueError, match=r"`labels` of counted tokens must lie in \[0, 5\) .* 0 to 5"
+    ):
         jaxga.token_cross_entropy(jnp.zeros((2, 5)), jnp.array([0, 5]))
+
+
+@pytest.mark.parametrize(
+    "logits, labels, match",
+    [
+        (
+            jnp.zeros((2, 5)),
+            jnp.array([0.0, 1.0]),
+            r"`labels` must be integer token ids; .*float32",
+        ),
+        (jnp.zeros(()), jnp.zeros((), jnp.int32), r"`logits` must be a float array \[..., vocab\]"),
+        (jnp.zeros((2, 5), jnp.int32), jnp.array([0, 1]), r"`logits` must be a float array"),
+    ],
+)
+def test_token_cross_entropy_names_bad_dtypes_and_shapes(logits, labels, match):
+    with pytest.raises(TypeError, match=match):
+        jaxga.token_cross_entropy(logits, labels)
+
+
+def test_padding_labels_outside_the_vocabulary_are_left_out_with_their_tokens():
+    """-100 on padding (Hugging Face's convention) under jit and inside jaxga: the loss and
+    gradient are those of the counted tokens alone."""
+    logits = jax.random.normal(jax.random.key(0), (4, 6, 5))
+    labels = jax.random.randint(jax.random.key(1), (4, 6), 0, 5)
+    mask = jnp.arange(6) < jnp.array([[6], [2], [4], [1]])
+    padded = jnp.where(mask, labels, -100)
+
+    def loss(logits, labels):
+        return jaxga.token_cross_entropy(logits, labels, mask)
+
+    def counted(logits):  # the reference: a sum over the counted tokens only
+        rows, cols = np.nonzero(np.asarray(mask))
+        picked = logits[rows, cols]
+        return jnp.mean(
+            jax.nn.logsumexp(picked, -1) - picked[jnp.arange(len(rows)), labels[rows, cols]]
+        )
+
+    expected = jax.value_and_grad(counted)(logits)
+    actual = jax.jit(jax.value_and_grad(lambda lg: loss(lg, padded).value))(logits)
+    chex.assert_trees_all_close(actual, expected, rtol=1e-6, atol=1e-7)
+    eager = jaxga.token_cross_entropy(logits, padded, mask)  # eagerly: checked, accepted
+    np.testing.assert_allclose(eager.value, expected[0], rtol=1e-6)
+
+
+def test_mean_of_leaves_out_masked_nans():
+    m = jaxga.Mean.of(jnp.array([1.0, jnp.nan, 3.0]), where=jnp.array([1, 0, 1]))
+    assert float(m.value) == 2.0 and float(m.count) == 2.0
 
 
 def test_token_cross_entropy_valid_labels_match_a_hand_computation():

@@ -708,6 +708,10 @@ def test_bad_skip_predicate():
     tx = jaxga.MultiSteps(optax.sgd(0.1), 2, should_skip_update_fn=lambda g, s, p: (0, ()))
     with pytest.raises(ValueError, match="`should_skip_update_fn` must return a bool scalar"):
         tx.update(params, tx.init(params), params)
+    bare = lambda g, s, p: jnp.array(False)  # the bool alone, without optax's report
+    tx = jaxga.MultiSteps(optax.sgd(0.1), 2, should_skip_update_fn=bare)
+    with pytest.raises(TypeError, match=r"must return a pair \(skip, report\), as optax's"):
+        tx.init(params)
 
 
 def test_optax_spelling_ports_by_changing_the_class():

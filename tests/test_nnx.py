@@ -183,14 +183,13 @@ def test_nnx_optimizer_matches_the_full_batch_loop(k):
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs several (host) devices")
-def test_data_parallel_module_state_is_averaged_and_keys_differ():
-    devices = jax.device_count()
+def test_data_parallel_batch_norm_statistics_are_the_mean_over_devices():
+    devices, k = jax.device_count(), 2
     mesh = jax.make_mesh((devices,), ("data",))
     model, host_batch = make_net(), make_batch(n=4 * devices)
     batch = jaxga.sharding.shard_batch(host_batch, mesh)
     reference = nnx.clone(model)
-    reference.eval()
-    grad_fn = jaxga.value_and_grad(loss, num_microbatches=2, axis_name="data")
+    grad_fn = jaxga.value_and_grad(loss, num_microbatches=k, axis_name="data")
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
@@ -199,10 +198,19 @@ def test_data_parallel_module_state_is_averaged_and_keys_differ():
         return value, grads, model
 
     value, grads, updated = step(model, batch)
-    assert int(updated.calls[...]) == 2  # counters as on one device
-    # Statistics are the mean over devices, so they are replicated and moved.
-    assert not np.allclose(updated.norm.mean[...], 0.0)
+    assert int(updated.calls[...]) == k  # counters as on one device
+    # Each device runs its rows' micro-batches (strided) through its own copy of the
+    # statistics, in order; the step returns their mean over devices.
+    stats = []
+    for rows in np.split(np.arange(len(host_batch["x"])), devices):
+        copy = nnx.clone(reference)
+        for i in range(k):
+            copy(host_batch["x"][rows[i::k]])
+        stats.append(nnx.state(copy.norm, nnx.BatchStat))
+    expected = jax.tree.map(lambda *s: sum(s) / devices, *stats)
+    assert_close(nnx.state(updated.norm, nnx.BatchStat), expected)
     # Eval mode: equal to the single-device full batch.
+    reference.eval()
     model.eval()
     value, grads, _ = step(model, batch)
     assert_close((value, grads), nnx.value_and_grad(loss)(reference, host_batch))

@@ -2,7 +2,9 @@
 
 The references are float32 computations at full precision on the whole batch; the
 tolerances are bfloat16's (8 bits of mantissa: a relative rounding of 2⁻⁹ per operation).
-Each test would fail if a sum were silently kept in bfloat16.
+At these sizes a bfloat16 sum stays within those tolerances too, so the tests that would
+fail if a sum were silently kept in bfloat16 are the ``SMALL_STEPS`` ones at the end, one
+per entry point, each with a bfloat16 accumulator as the control that does fail.
 """
 
 import chex
@@ -136,3 +138,19 @@ def test_value_and_grad_accumulates_bfloat16_gradients_in_float32_by_default():
     np.testing.assert_allclose(float(grad), SMALL_STEPS_MEAN, rtol=1e-2)
     lossy = jaxga.grad(loss, num_microbatches=64, accumulator_dtype=jnp.bfloat16)(w, SMALL_STEPS)
     assert abs(float(lossy) - SMALL_STEPS_MEAN) > 0.05 * SMALL_STEPS_MEAN
+
+
+def test_train_step_accumulates_bfloat16_gradients_in_float32_by_default():
+    def loss(w, batch, model_state, rng):  # the gradient of micro-batch i is SMALL_STEPS[i]
+        return jaxga.Mean(jnp.sum(w * batch[0]), jnp.ones((), jnp.float32)), model_state
+
+    def trained(**options):
+        params = jnp.zeros((), jnp.bfloat16)
+        state = jaxga.TrainState.create(params=params, tx=optax.sgd(-1.0))
+        step = jaxga.make_train_step(loss, num_microbatches=len(SMALL_STEPS), **options)
+        state, _ = step(state, SMALL_STEPS)
+        return float(state.params)
+
+    np.testing.assert_allclose(trained(), SMALL_STEPS_MEAN, rtol=1e-2)
+    lossy = trained(accumulator_dtype=jnp.bfloat16)
+    assert abs(lossy - SMALL_STEPS_MEAN) > 0.05 * SMALL_STEPS_MEAN

@@ -257,17 +257,29 @@ def test_nnx_model_that_updates_its_state():
     assert jnp.isfinite(model(batch["x"])).all()
 
 
-@pytest.mark.parametrize(
-    "rng", [np.int64(3), jnp.int32(3), 3, jax.random.key(3), jax.random.key(3, impl="rbg")]
-)
-def test_seeds_and_keys(rng):
+def _noisy_loss_with(rng):
+    """The loss of one step whose loss draws noise from the step's key."""
+
     def loss(params, batch, model_state, rng):
         noise = jax.random.normal(rng, batch["x"].shape)
         return jaxga.Mean.of((batch["x"] + noise) * params), model_state
 
     state = jaxga.TrainState.create(params=jnp.ones(()), tx=optax.sgd(0.1), rng=rng)
     new_state, metrics = jaxga.make_train_step(loss, 2)(state, {"x": jnp.ones((4, 3))})
-    assert jnp.isfinite(metrics["loss"]) and int(new_state.step) == 1
+    assert int(new_state.step) == 1
+    return float(metrics["loss"])
+
+
+@pytest.mark.parametrize(
+    "rng", [np.int64(3), jnp.int32(3), 3, jax.random.key_data(jax.random.key(3))]
+)
+def test_a_seed_or_key_data_is_the_key_it_names(rng):
+    assert _noisy_loss_with(rng) == _noisy_loss_with(jax.random.key(3))
+
+
+def test_the_key_is_used():
+    losses = {_noisy_loss_with(rng) for rng in (3, 4, jax.random.key(3, impl="rbg"))}
+    assert len(losses) == 3
 
 
 def test_bad_arguments():
@@ -291,6 +303,10 @@ def test_bad_arguments():
     mesh = jax.make_mesh((1,), ("batch",))
     with pytest.raises(ValueError, match=r"`axis_name`='data' is not an axis of `mesh`"):
         jaxga.make_train_step(lambda *a: a, 2, mesh=mesh)
+    with pytest.raises(ValueError, match=r"`strategy` must be one of 'data_parallel', .*'bogus'"):
+        jaxga.make_train_step(lambda *a: a, 2, strategy="bogus")
+    with pytest.raises(ValueError, match=r"`strategy`='fsdp' shards the state .* pass `mesh`"):
+        jaxga.make_train_step(lambda *a: a, 2, strategy="fsdp")
 
 
 def test_nnx_loss_names_a_bad_split():
@@ -312,6 +328,17 @@ def test_bad_calls_name_what_was_wrong():
     bare = jaxga.make_train_step(lambda p, b, s, r: jaxga.Mean.of(b["x"] * p), 2)
     with pytest.raises(TypeError, match=r"must return a pair \(loss, new_model_state\).*Mean"):
         bare(state, batch)
+    with_aux = lambda p, b, s, r: ((jaxga.Mean.of(b["x"] * p), {"acc": 1.0}), s)
+    with pytest.raises(TypeError, match=r"The first element of .* the loss alone.* no aux"):
+        jaxga.make_train_step(with_aux, 2)(state, batch)
+    aux_as_state = lambda p, b, s, r: (jaxga.Mean.of(b["x"] * p), {"acc": 1.0})
+    with pytest.raises(TypeError, match=r"new_model_state with tree structure .*\{'acc': \*\}"):
+        jaxga.make_train_step(aux_as_state, 2)(state, batch)
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    nnx_with_aux = lambda m, b: (jnp.mean(m(b["x"]) ** 2), {"y": m(b["x"])})
+    with pytest.raises(TypeError, match=r"`loss\(model, batch\)` must give the loss alone"):
+        jaxga.nnx_train_step(nnx_with_aux, 2)(model, optimizer, batch)
     step = jaxga.make_train_step(lambda p, b, s, r: (jaxga.Mean.of(b["x"] * p), s), 2)
     with pytest.raises(TypeError, match=r"`state` must be a flax.training.train_state.TrainState"):
         step({"params": jnp.ones(())}, batch)
@@ -644,3 +671,34 @@ def test_nnx_train_step_threads_dropout_and_batchnorm_as_value_and_grad_does():
     assert not np.allclose(state[0]["norm"]["mean"], fresh["norm"]["mean"])
     count = lambda s: int(s["drop"]["rngs"]["count"])
     assert count(state[0]) == count(fresh) + 2 * k  # one draw per micro-batch
+
+
+def test_a_call_that_counts_no_items_leaves_the_parameters_and_optimiser_alone():
+    """An all-padding batch (count 0) has no gradient (0 / 0): the optimiser does not
+    run, and the next call goes on as if it had not happened, as optax alone would."""
+
+    def loss(params, batch, model_state, rng):
+        return jaxga.Mean.of((batch["x"] @ params) ** 2, where=batch["m"]), model_state
+
+    tx = optax.adamw(0.1, weight_decay=0.1)
+    params = jnp.arange(3.0)
+    padding = {"x": jnp.ones((4, 3)), "m": jnp.zeros(4)}
+    counted = {"x": jnp.arange(12.0).reshape(4, 3) / 10, "m": jnp.ones(4)}
+    step = jaxga.make_train_step(loss, 2)
+    state = jaxga.TrainState.create(params=params, tx=tx)
+    state, metrics = step(state, padding)
+    assert not metrics["applied"] and int(state.step) == 1
+    chex.assert_trees_all_equal((state.params, state.opt_state), (params, tx.init(params)))
+    state, metrics = step(state, counted)
+    grads = jax.grad(lambda p: jnp.mean((counted["x"] @ p) ** 2))(params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert metrics["applied"]
+    chex.assert_trees_all_close(state.params, optax.apply_updates(params, updates), rtol=1e-6)
+
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    before = jax.tree.map(jnp.copy, nnx.state((model, optimizer)))
+    nnx_loss = lambda m, b: jaxga.Mean.of(m(b["x"])[:, 0] ** 2, where=b["m"])
+    metrics = jaxga.nnx_train_step(nnx_loss, 2)(model, optimizer, padding)
+    assert not metrics["applied"]
+    chex.assert_trees_all_equal(nnx.state((model, optimizer)), before)
