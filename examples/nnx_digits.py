@@ -6,7 +6,7 @@ Dropout ``Rngs`` advance from micro-batch to micro-batch as over k sequential st
 script checks that, in eval mode (running statistics, no dropout), the k-micro-batch step
 equals the full-batch step, and that training moved the BatchNorm statistics.
 
-    python examples/nnx_digits.py --steps 300 --batch-size 64 --num-microbatches 4
+    python examples/nnx_digits.py --steps 300 --batch-size 64 --microbatches 4
 """
 
 from __future__ import annotations
@@ -79,12 +79,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--num-microbatches", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=4)
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.batch_size % args.num_microbatches:
-        parser.error("--steps must be ≥ 1 and --batch-size divisible by --num-microbatches")
-    result = train(args.steps, args.batch_size, args.num_microbatches)
-    k = args.num_microbatches
+    if args.steps < 1 or args.batch_size % args.microbatches:
+        parser.error("--steps must be ≥ 1 and --batch-size divisible by --microbatches")
+    result = train(args.steps, args.batch_size, args.microbatches)
+    k = args.microbatches
     print(f"k={k} vs full batch, eval mode: max |Δ(loss, grads)| = {result['gap']:.1e}")
     print(f"BatchNorm running mean moved by up to {result['stats_moved']:.3f}")
     print(f"loss {result['losses'][0]:.3f} → {result['losses'][-1]:.3f}")

@@ -125,3 +125,12 @@ def check_arity(fn: Any, name: str, nargs: int, signature: str) -> Callable[...,
     except TypeError:
         raise TypeError(f"`{name}` must be callable as {signature}; it takes {sig}.") from None
     return fn
+
+
+def check_optimizer(tx: Any, name: str) -> None:
+    """Raises unless ``tx`` is an optax transformation (has ``init`` and ``update``)."""
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(
+            f"`{name}` must be an optax GradientTransformation (with `init` and `update`), "
+            f"e.g. optax.adam(1e-3); got {tx!r} of type {type(tx).__name__}."
+        )

@@ -93,11 +93,7 @@ def _check_state(state: Any) -> None:
 
 
 def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
-    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
-        raise TypeError(
-            f"`inner` must be an optax GradientTransformation (with `init` and `update`); "
-            f"got {type(inner).__name__}."
-        )
+    _checks.check_optimizer(inner, "inner")
     return optax.with_extra_args_support(inner)
 
 

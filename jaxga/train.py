@@ -87,7 +87,12 @@ class TrainState(train_state.TrainState):
             >>> int(state.step), state.rng.shape
             (0, ())
         """
-        _check_tx(tx, "tx")
+        _checks.check_optimizer(tx, "tx")
+        if not jax.tree.leaves(params):
+            raise ValueError(
+                f"`params` must be a pytree holding the parameter arrays; got {params!r}, "
+                f"which holds none."
+            )
         model_state = {} if model_state is None else model_state
         params, model_state = jax.tree.map(_copy, (params, model_state))
         state = super().create(
@@ -101,14 +106,6 @@ class TrainState(train_state.TrainState):
         return state.replace(step=jnp.zeros((), jnp.int32))
 
 
-def _check_tx(tx: Any, name: str) -> None:
-    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-        raise TypeError(
-            f"`{name}` must be an optax GradientTransformation (with `init` and `update`), "
-            f"e.g. optax.adam(1e-3); got {tx!r} of type {type(tx).__name__}."
-        )
-
-
 def _copy(x: Any) -> Any:
     """A copy of the same kind (host arrays stay on the host, for ``jax.distributed``)."""
     return x.copy() if isinstance(x, np.ndarray) else jnp.array(x, copy=True)
@@ -116,7 +113,12 @@ def _copy(x: Any) -> Any:
 
 def _as_key(rng: Any) -> jax.Array:
     """A typed PRNG key from a seed, a typed key or raw ``uint32`` key data."""
-    dtype, shape = jnp.result_type(rng), jnp.shape(rng)
+    dtype, shape = type(rng).__name__, None
+    if not isinstance(rng, str | bytes):  # which result_type would read as a dtype's name
+        try:
+            dtype, shape = jnp.result_type(rng), jnp.shape(rng)
+        except TypeError:
+            pass
     if jnp.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
         return rng
     if jnp.issubdtype(dtype, jnp.integer) and shape == ():

@@ -253,7 +253,7 @@ def test_the_nnx_example_runs_and_checks_itself():
     from pathlib import Path
 
     example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "nnx_digits.py"))
-    result = example["main"](["--steps", "20", "--batch-size", "32", "--num-microbatches", "4"])
+    result = example["main"](["--steps", "20", "--batch-size", "32", "--microbatches", "4"])
     assert result["gap"] < 1e-5  # k micro-batches == full batch in eval mode
     assert result["stats_moved"] > 1e-3  # BatchNorm statistics were updated
     assert result["losses"][-1] < result["losses"][0]

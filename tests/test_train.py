@@ -286,6 +286,10 @@ def test_bad_arguments():
     tx = optax.sgd(0.1)
     with pytest.raises(TypeError, match="`rng` must be an integer seed or a single PRNG key"):
         jaxga.TrainState.create(params=jnp.ones(()), tx=tx, rng=1.5)
+    with pytest.raises(TypeError, match=r"`rng` must be an integer seed .* got 'a'"):
+        jaxga.TrainState.create(params=jnp.ones(()), tx=tx, rng="a")
+    with pytest.raises(ValueError, match=r"`params` must be a pytree holding .* got None"):
+        jaxga.TrainState.create(params=None, tx=tx)
     with pytest.raises(TypeError, match=r"`tx` must be an optax GradientTransformation.*'adam'"):
         jaxga.TrainState.create(jnp.ones(()), "adam")
     with pytest.raises(ValueError, match="`num_microbatches` must be a positive int; got 0"):
