@@ -254,6 +254,27 @@ def _split_arg(arg: Any, position: int, wrt: Any) -> Any:
     return jax.tree.map(split, arg, is_leaf=_is_graph_node)
 
 
+def _check_unshared(nodes: dict[int, Any]) -> None:
+    """Raises if two graph nodes among the arguments share a Variable (or are one node)."""
+    owner: dict[int, str] = {}
+    for i, split in nodes.items():
+        for path, x in jax.tree_util.tree_flatten_with_path(split, is_leaf=_is_node)[0]:
+            if not _is_node(x):
+                continue
+            where = f"args[{i}]{jax.tree_util.keystr(path)}"
+            for _, v in nnx.iter_graph(x.module):
+                first = owner.setdefault(id(v), where) if isinstance(v, nnx.Variable) else where
+                if first != where:
+                    raise ValueError(
+                        f"{first} and {where} share state (they are, or hold, the same Flax "
+                        f"NNX module or Variable). jaxga takes each module among the "
+                        f"arguments apart on its own, so shared state would have its gradient "
+                        f"and updates split between them. Pass it once, or pass one module "
+                        f"that holds both (an nnx.Module, nnx.List or nnx.Dict), which is "
+                        f"taken apart as a whole."
+                    )
+
+
 def _diff_of(split: Any) -> Any:
     return jax.tree.map(lambda x: x.diff if _is_node(x) else x, split, is_leaf=_is_node)
 
@@ -505,6 +526,7 @@ def _accumulate(
         for i, arg in enumerate(args)
         if _has_graph_node(arg)
     }
+    _check_unshared(nodes)
     primals = tuple(_diff_of(nodes[i]) if i in nodes else args[i] for i in diff_pos)
     _check_primals(primals, diff_pos)
     batches = tuple(args[i] for i in batch_pos)

@@ -113,12 +113,13 @@ def _copy(x: Any) -> Any:
 
 def _as_key(rng: Any) -> jax.Array:
     """A typed PRNG key from a seed, a typed key or raw ``uint32`` key data."""
-    dtype, shape = type(rng).__name__, None
-    if not isinstance(rng, str | bytes):  # which result_type would read as a dtype's name
-        try:
-            dtype, shape = jnp.result_type(rng), jnp.shape(rng)
-        except TypeError:
-            pass
+    bad = TypeError(f"`rng` must be an integer seed or a single PRNG key; got {rng!r}.")
+    if isinstance(rng, str | bytes):  # result_type would read it as the name of a dtype
+        raise bad
+    try:
+        dtype, shape = jnp.result_type(rng), jnp.shape(rng)
+    except TypeError:
+        raise bad from None
     if jnp.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
         return rng
     if jnp.issubdtype(dtype, jnp.integer) and shape == ():

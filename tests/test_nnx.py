@@ -257,3 +257,29 @@ def test_the_nnx_example_runs_and_checks_itself():
     assert result["gap"] < 1e-5  # k micro-batches == full batch in eval mode
     assert result["stats_moved"] > 1e-3  # BatchNorm statistics were updated
     assert result["losses"][-1] < result["losses"][0]
+
+
+def test_a_module_shared_between_arguments_is_named():
+    model, batch = make_net(), make_batch()
+    model.eval()
+    twice = lambda models, batch: loss(models[0], batch) + loss(models[1], batch)
+    with pytest.raises(ValueError, match=r"args\[0\]\[0\] and args\[0\]\[1\] share state"):
+        jaxga.value_and_grad(twice, num_microbatches=2)([model, model], batch)
+    with pytest.raises(ValueError, match=r"args\[0\] and args\[1\] share state"):
+        jaxga.value_and_grad(
+            lambda a, b, batch: twice([a, b], batch), (0, 1), num_microbatches=2, batch_argnums=2
+        )(model, model, batch)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_module_shared_inside_one_container_is_taken_apart_once(k):
+    """nnx.List([m, m]): one gradient for the shared parameters, and its state (the call
+    counter) advanced by both uses in every micro-batch, as nnx runs it."""
+    model, batch = make_net(), make_batch()
+    model.eval()
+    twice = lambda models, batch: loss(models[0], batch) + loss(models[1], batch)
+    reference = nnx.clone(model)
+    actual = jaxga.value_and_grad(twice, num_microbatches=k)(nnx.List([model, model]), batch)
+    expected = nnx.value_and_grad(twice)(nnx.List([reference, reference]), batch)
+    assert_close(actual, expected)
+    assert int(model.calls[...]) == 2 * k
