@@ -59,6 +59,11 @@ def compiler_options(backend: str | None = None) -> dict[str, Any]:
         >>> jaxga.compiler_options("cpu")
         {}
     """
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(
+            f"`backend` must be a platform name such as 'gpu' or 'cpu', or None for the "
+            f"default backend; got {backend!r} of type {type(backend).__name__}."
+        )
     backend = backend or jax.default_backend()
     if backend not in ("gpu", "cuda", "rocm") or not _accepted():
         return {}

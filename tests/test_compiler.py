@@ -3,6 +3,7 @@
 import chex
 import jax
 import jax.numpy as jnp
+import pytest
 
 import jaxga
 from jaxga.compiler import _GPU_OPTIONS, _accepted
@@ -15,6 +16,8 @@ def test_options_are_for_gpus_only():
     assert _accepted()
     options = jaxga.compiler_options("gpu")
     assert options == _GPU_OPTIONS and options is not _GPU_OPTIONS
+    with pytest.raises(TypeError, match=r"`backend` must be a platform name .* got 123"):
+        jaxga.compiler_options(123)
 
 
 def test_options_change_no_result_of_a_scan_with_stacked_outputs():
