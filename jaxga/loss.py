@@ -51,7 +51,9 @@ class Mean:
         ``where`` may be a boolean mask or non-negative per-item weights, broadcastable
         to ``values`` (as in NumPy, aligned on the trailing axes: per-row weights of a
         ``[B, T]`` array have shape ``[B, 1]``); the count is then the sum of the weights.
-        Items of weight 0 are left out, even a NaN or an inf.
+        Items of weight 0 are left out of the value even when they hold a NaN or an inf;
+        their gradient is 0 unless their own is not finite (``log(0)``, say): compute
+        such values on safe inputs (``jnp.where(mask, x, 1)``) to keep it finite.
 
         Example:
             >>> import jax.numpy as jnp, jaxga

@@ -304,6 +304,9 @@ def test_bad_arguments():
         jaxga.nnx_train_step(lambda model: 0.0, 2)
     with pytest.raises(TypeError, match=r"`mesh` must be a jax.sharding.Mesh .* got 'data'"):
         jaxga.make_train_step(lambda *a: a, 2, mesh="data")
+    abstract = jax.sharding.AbstractMesh((1,), ("data",))
+    with pytest.raises(TypeError, match=r"`mesh` must be a jax.sharding.Mesh .* AbstractMesh"):
+        jaxga.make_train_step(lambda *a: a, 2, mesh=abstract)
     mesh = jax.make_mesh((1,), ("batch",))
     with pytest.raises(ValueError, match=r"`axis_name`='data' is not an axis of `mesh`"):
         jaxga.make_train_step(lambda *a: a, 2, mesh=mesh)
@@ -699,10 +702,49 @@ def test_a_call_that_counts_no_items_leaves_the_parameters_and_optimiser_alone()
     assert metrics["applied"]
     chex.assert_trees_all_close(state.params, optax.apply_updates(params, updates), rtol=1e-6)
 
-    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    before = jax.tree.map(jnp.copy, nnx.state((model, optimizer)))
-    nnx_loss = lambda m, b: jaxga.Mean.of(m(b["x"])[:, 0] ** 2, where=b["m"])
-    metrics = jaxga.nnx_train_step(nnx_loss, 2)(model, optimizer, padding)
-    assert not metrics["applied"]
-    chex.assert_trees_all_equal(nnx.state((model, optimizer)), before)
+    # donated or not (a cond or a select); sm3's state holds lists, which nnx.Optimizer
+    # hands back as nnx.States
+    for donate in (True, False):
+        for nnx_tx in (tx, optax.sm3(0.1)):
+            model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+            optimizer = nnx.Optimizer(model, nnx_tx, wrt=nnx.Param)
+            before = jax.tree.map(jnp.copy, nnx.state((model, optimizer)))
+            nnx_loss = lambda m, b: jaxga.Mean.of(m(b["x"])[:, 0] ** 2, where=b["m"])
+            nnx_step = jaxga.nnx_train_step(nnx_loss, 2, donate=donate)
+            assert not nnx_step(model, optimizer, padding)["applied"]
+            # leaves: nnx.Optimizer itself turns sm3's lists into nnx.States on update
+            chex.assert_trees_all_equal(
+                jax.tree.leaves(nnx.state((model, optimizer))), jax.tree.leaves(before)
+            )
+            assert nnx_step(model, optimizer, counted)["applied"]
+    not_donated = jaxga.make_train_step(loss, 2, donate=False)
+    state = jaxga.TrainState.create(params=params, tx=tx)
+    state, metrics = not_donated(state, padding)
+    chex.assert_trees_all_equal((state.params, state.opt_state), (params, tx.init(params)))
+
+
+def test_a_call_that_counts_no_items_reaches_a_multisteps_with_zero_gradients():
+    """The call is one of the MultiSteps group's (weight 0); a partition beside it sees a
+    zero gradient, not 0 / 0."""
+
+    def loss(params, batch, model_state, rng):
+        value = (batch["x"] @ params["w"] + params["b"]) ** 2
+        return jaxga.Mean.of(value, where=batch["m"]), model_state
+
+    sgd_beside = optax.sgd(0.1)
+    tx = optax.multi_transform(
+        {"acc": jaxga.MultiSteps(optax.sgd(0.1), every_k=2), "sgd": sgd_beside},
+        {"w": "acc", "b": "sgd"},
+    )
+    params = {"w": jnp.arange(3.0), "b": jnp.ones(())}
+    state = jaxga.TrainState.create(params=params, tx=tx)
+    step = jaxga.make_train_step(loss, 2)
+    counted = {"x": jnp.arange(12.0).reshape(4, 3) / 10, "m": jnp.ones(4)}
+    state, _ = step(state, counted)
+    state, metrics = step(state, {"x": jnp.ones((4, 3)), "m": jnp.zeros(4)})
+    assert metrics["applied"]  # the group of two calls is complete: it applies the first's
+    grads = jax.grad(lambda p: jnp.mean((counted["x"] @ p["w"] + p["b"]) ** 2))(params)
+    expected_b = params["b"] - 0.1 * grads["b"]  # the second call gave b a zero gradient
+    chex.assert_trees_all_close(
+        state.params, {"w": params["w"] - 0.1 * grads["w"], "b": expected_b}, rtol=1e-6
+    )
