@@ -375,6 +375,25 @@ def _traced(tree: Any) -> bool:
     return isinstance(leaf, jax.core.Tracer)
 
 
+def _unaliased(tree: Any) -> Any:
+    """``tree`` with a copy of each array that it holds a second time.
+
+    A call may not donate one buffer twice, and optimisers do hold the parameters
+    themselves in their state (``optax.contrib.prodigy`` keeps the initial ones).
+    """
+    seen: set[int] = set()
+
+    def once(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        if id(x) in seen:
+            return _copy(x)
+        seen.add(id(x))
+        return x
+
+    return jax.tree.map(once, tree)
+
+
 def _as_step(fn: Callable[..., Any], jitted: Any, place: Callable[[Any], Any]) -> Callable:
     """``jitted`` with its state placed by ``place`` first, and a clear error for a state
     an earlier call donated. Under an enclosing ``jit`` it is ``fn`` itself, inlined:
@@ -390,7 +409,7 @@ def _as_step(fn: Callable[..., Any], jitted: Any, place: Callable[[Any], Any]) -
                 "its state's buffers (donate=True), so pass the state it returned, not the "
                 "one you gave it (or build it with donate=False)."
             )
-        return jitted(place(state), batch)
+        return jitted(_unaliased(place(state)), batch)
 
     step.lower = lambda state, batch: jitted.lower(place(state), batch)
     step.trace = lambda state, batch: jitted.trace(place(state), batch)
@@ -826,7 +845,8 @@ def nnx_train_step(
     def split(model: Any, optimizer: Any) -> tuple[Any, Any]:
         if not isinstance(optimizer, nnx.Optimizer):
             _check_wrt(optimizer, model, None)
-        return nnx.split((model, optimizer))
+        graphdef, state = nnx.split((model, optimizer))
+        return graphdef, _unaliased(state)
 
     def step(model: Any, optimizer: Any, batch: Any) -> Metrics:
         graphdef, state = split(model, optimizer)

@@ -748,3 +748,37 @@ def test_a_call_that_counts_no_items_reaches_a_multisteps_with_zero_gradients():
     chex.assert_trees_all_close(
         state.params, {"w": params["w"] - 0.1 * grads["w"], "b": expected_b}, rtol=1e-6
     )
+
+
+def test_an_optimiser_holding_the_parameters_themselves_can_be_donated():
+    """optax.contrib.prodigy keeps the initial parameters in its state: the very arrays,
+    which a call may not donate twice. Both steps still train as plain optax does."""
+    tx = optax.contrib.prodigy(0.5)
+    x = jnp.arange(12.0).reshape(4, 3) / 10
+
+    def loss(params, batch, model_state, rng):
+        return jnp.mean((batch["x"] @ params) ** 2), model_state
+
+    params = jnp.ones((3, 2))
+    state = jaxga.TrainState.create(params=params, tx=tx)
+    step = jaxga.make_train_step(loss, 2)
+    expected, opt_state = params, tx.init(params)
+    for _ in range(2):
+        state, _ = step(state, {"x": x})
+        grads = jax.grad(lambda p: jnp.mean((x @ p) ** 2))(expected)
+        updates, opt_state = tx.update(grads, opt_state, expected)
+        expected = optax.apply_updates(expected, updates)
+    chex.assert_trees_all_close(state.params, expected, rtol=1e-5)
+
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    reference = nnx.Linear(3, 2, rngs=nnx.Rngs(0))  # not a clone: that shares the arrays
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    reference_optimizer = nnx.Optimizer(reference, tx, wrt=nnx.Param)
+    nnx_step = jaxga.nnx_train_step(lambda m, b: jnp.mean(m(b["x"]) ** 2), 2)
+    for _ in range(2):
+        nnx_step(model, optimizer, {"x": x})
+        grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(reference)
+        reference_optimizer.update(reference, grads)
+    chex.assert_trees_all_close(
+        nnx.state(model, nnx.Param), nnx.state(reference, nnx.Param), rtol=1e-5
+    )
