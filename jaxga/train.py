@@ -210,9 +210,24 @@ def _update_if_counted(
 
     With ``donated`` operands the choice is a ``lax.cond``, whose untaken branch hands
     them back in place; without, a cond would copy them, and a per-leaf select is
-    cheaper (measured with ``jaxga.memory_report`` on a CPU).
+    cheaper (measured with ``jaxga.memory_report`` on a CPU). An update that would change
+    a leaf's shape (an optimiser built for other parameters, which broadcasting would
+    otherwise let through) is named first.
     """
     counted = acc.mean.count > 0
+    updated_shapes = jax.eval_shape(update, state, acc.grads)
+    for (path, before), after in zip(
+        jax.tree_util.tree_flatten_with_path(state)[0],
+        jax.tree.leaves(updated_shapes),
+        strict=True,
+    ):
+        if jnp.shape(before) != after.shape:
+            raise ValueError(
+                f"The optimiser's update changes the shape of {jax.tree_util.keystr(path)} "
+                f"from {jnp.shape(before)} to {after.shape}: was it built for these "
+                f"parameters (`nnx.Optimizer(model, tx, wrt=...)`, "
+                f"`TrainState.create(params, tx)`)?"
+            )
     if _multisteps_state(opt_state) is not None:
         # a zero XLA cannot see is constant: no zeros of a parameter's shape (see MultiSteps)
         zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))
@@ -221,13 +236,12 @@ def _update_if_counted(
     # leaf by leaf: the update may rebuild a subtree with another node type (nnx.Optimizer
     # turns an optimiser state's lists into nnx.States), keeping the leaves and their order
     updated = lambda state: jax.tree.leaves(update(state, acc.grads))
-    treedef = jax.tree.structure(jax.eval_shape(update, state, acc.grads))
     if donated:
         leaves = jax.lax.cond(counted, updated, jax.tree.leaves, state)
     else:
         old = jax.tree.leaves(state)  # before `update`, which may write into its Variables
         leaves = map(functools.partial(jnp.where, counted), updated(state), old)
-    return jax.tree.unflatten(treedef, list(leaves))
+    return jax.tree.unflatten(jax.tree.structure(updated_shapes), list(leaves))
 
 
 def _metrics(acc: Accumulated, opt_state: Any) -> Metrics:

@@ -527,6 +527,13 @@ def test_nnx_train_step_bad_optimizers():
         step(model, nnx.Linear(2, 2, rngs=nnx.Rngs(0)), batch)
     with pytest.raises(TypeError, match=r"`loss` must be callable as `loss\(model, batch\)"):
         jaxga.nnx_train_step("mse")
+    # built for another model, whose kernel broadcasts against this one's
+    small = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    other = nnx.Optimizer(nnx.Linear(3, 2, rngs=nnx.Rngs(1)), optax.adam(0.1), wrt=nnx.Param)
+    small_step = jaxga.nnx_train_step(lambda m, b: jnp.mean(m(b["x"]) ** 2), 2)
+    with pytest.raises(ValueError, match=r"changes the shape of .*bias.* from \(1,\) to \(2,\)"):
+        small_step(small, other, {"x": jnp.ones((4, 3))})
+    assert small.kernel.shape == (3, 1)
 
 
 def test_steps_with_xla_options_run_inside_an_enclosing_jit(monkeypatch):
