@@ -532,16 +532,13 @@ def _accumulate(
     batches = tuple(args[i] for i in batch_pos)
     _check_axis(options, batches)
     device_index = 0 if options.axis_name is None else jax.lax.axis_index(options.axis_name)
-    try:
-        micro = tuple(
-            split_microbatches(b, k, name=f"args[{i}]") for i, b in zip(batch_pos, batches)
-        )
-    except ValueError as e:
-        if options.axis_name is not None and "not divisible" in str(e):
+    if options.axis_name is not None:  # name the global batch, not this device's rows
+        sizes = [jnp.shape(x)[0] for x in jax.tree.leaves(batches) if jnp.ndim(x)]
+        local = sizes[0] if sizes else None  # split_microbatches names scalars and mismatches
+        if local is not None and local % k:
             devices = jax.lax.axis_size(options.axis_name)
-            local = jax.tree.leaves(batches)[0].shape[0]
-            raise sharding.indivisible_error(local * devices, devices, k, options.axis_name) from e
-        raise
+            raise sharding.indivisible_error(local * devices, devices, k, options.axis_name)
+    micro = tuple(split_microbatches(b, k, name=f"args[{i}]") for i, b in zip(batch_pos, batches))
     # Loss totals and counts are summed at least in float32, and in float64 under x64.
     sum_dtype = jnp.result_type(
         options.accumulator_dtype or jnp.float32, jnp.float32, *jax.tree.leaves(primals)
