@@ -103,7 +103,8 @@ class TrainState(train_state.TrainState):
             rng=_copy(_as_key(rng)),
             **kwargs,
         )
-        return state.replace(step=jnp.zeros((), jnp.int32))
+        # tx.init may keep the parameters themselves (prodigy): one buffer, donated twice
+        return _unaliased(state.replace(step=jnp.zeros((), jnp.int32)))
 
 
 def _copy(x: Any) -> Any:
@@ -237,7 +238,11 @@ def _update_if_counted(
     # turns an optimiser state's lists into nnx.States), keeping the leaves and their order
     updated = lambda state: jax.tree.leaves(update(state, acc.grads))
     if donated:
-        leaves = jax.lax.cond(counted, updated, jax.tree.leaves, state)
+        # the state as it is, in the dtypes the update gives it (inject_hyperparams' float32
+        # moments of bfloat16 parameters): a cond's branches agree on types
+        dtypes = [x.dtype for x in jax.tree.leaves(updated_shapes)]
+        kept = lambda state: [x.astype(d) for x, d in zip(jax.tree.leaves(state), dtypes)]
+        leaves = jax.lax.cond(counted, updated, kept, state)
     else:
         old = jax.tree.leaves(state)  # before `update`, which may write into its Variables
         leaves = map(functools.partial(jnp.where, counted), updated(state), old)
@@ -389,26 +394,38 @@ def _traced(tree: Any) -> bool:
     return isinstance(leaf, jax.core.Tracer)
 
 
+def _buffers(x: jax.Array) -> list[Any]:
+    """Where ``x``'s shards live: two arrays that share one are one buffer to donate."""
+    try:
+        return [(s.device, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards]
+    except Exception:  # a backend without buffer pointers: the array object itself
+        return [id(x)]
+
+
 def _unaliased(tree: Any) -> Any:
-    """``tree`` with a copy of each array that it holds a second time.
+    """``tree`` with a copy of each array whose buffer it holds a second time.
 
     A call may not donate one buffer twice, and optimisers do hold the parameters
-    themselves in their state (``optax.contrib.prodigy`` keeps the initial ones).
+    themselves in their state (``optax.contrib.prodigy`` keeps the initial ones), also
+    as other array objects over the same buffer (after ``jax.device_put``).
     """
-    seen: set[int] = set()
+    seen: set[Any] = set()
 
     def once(x: Any) -> Any:
-        if not isinstance(x, jax.Array):
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
             return x
-        if id(x) in seen:
+        buffers = _buffers(x)
+        if seen.intersection(buffers):
             return _copy(x)
-        seen.add(id(x))
+        seen.update(buffers)
         return x
 
     return jax.tree.map(once, tree)
 
 
-def _as_step(fn: Callable[..., Any], jitted: Any, place: Callable[[Any], Any]) -> Callable:
+def _as_step(
+    fn: Callable[..., Any], jitted: Any, place: Callable[[Any], Any], donate: bool
+) -> Callable:
     """``jitted`` with its state placed by ``place`` first, and a clear error for a state
     an earlier call donated. Under an enclosing ``jit`` it is ``fn`` itself, inlined:
     XLA options belong to the outermost ``jit``."""
@@ -423,7 +440,8 @@ def _as_step(fn: Callable[..., Any], jitted: Any, place: Callable[[Any], Any]) -
                 "its state's buffers (donate=True), so pass the state it returned, not the "
                 "one you gave it (or build it with donate=False)."
             )
-        return jitted(_unaliased(place(state)), batch)
+        state = place(state)
+        return jitted(_unaliased(state) if donate else state, batch)
 
     step.lower = lambda state, batch: jitted.lower(place(state), batch)
     step.trace = lambda state, batch: jitted.trace(place(state), batch)
@@ -661,7 +679,7 @@ def make_train_step(
     jitted = jax.jit(
         step, donate_argnums=(0,) if donate else (), compiler_options=compiler_options()
     )
-    return _as_step(step, jitted, _state_placer(mesh, strategy, axis_name))
+    return _as_step(step, jitted, _state_placer(mesh, strategy, axis_name), donate)
 
 
 def _check_mesh_batch(batch: Any, mesh: Mesh, axis_name: str, num_microbatches: int) -> None:
@@ -860,7 +878,7 @@ def nnx_train_step(
         if not isinstance(optimizer, nnx.Optimizer):
             _check_wrt(optimizer, model, None)
         graphdef, state = nnx.split((model, optimizer))
-        return graphdef, _unaliased(state)
+        return graphdef, _unaliased(state) if donate else state
 
     def step(model: Any, optimizer: Any, batch: Any) -> Metrics:
         graphdef, state = split(model, optimizer)

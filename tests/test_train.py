@@ -789,3 +789,43 @@ def test_an_optimiser_holding_the_parameters_themselves_can_be_donated():
     chex.assert_trees_all_close(
         nnx.state(model, nnx.Param), nnx.state(reference, nnx.Param), rtol=1e-5
     )
+
+
+def test_a_call_that_counts_no_items_keeps_the_dtypes_the_optimiser_gives():
+    """inject_hyperparams keeps float32 moments for bfloat16 parameters: a kept state
+    takes the update's dtypes (values unchanged), as plain optax's first update does."""
+    params = {"w": jnp.ones((3, 2), jnp.bfloat16), "b": jnp.zeros(2)}
+    tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2)
+
+    def loss(params, batch, model_state, rng):
+        out = batch["x"] @ params["w"].astype(jnp.float32) + params["b"]
+        return jaxga.Mean.of(jnp.sum(out**2, -1), where=batch["m"]), model_state
+
+    x = jnp.arange(12.0).reshape(4, 3) / 10
+    state = jaxga.TrainState.create(params=params, tx=tx)
+    step = jaxga.make_train_step(loss, 2)
+    state, metrics = step(state, {"x": x, "m": jnp.zeros(4)})
+    assert not metrics["applied"]
+    chex.assert_trees_all_equal(state.params, params)
+    state, _ = step(state, {"x": x, "m": jnp.ones(4)})
+    grads = jax.grad(
+        lambda p: jnp.mean(jnp.sum((x @ p["w"].astype(jnp.float32) + p["b"]) ** 2, -1))
+    )(params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    chex.assert_trees_all_close(state.params, optax.apply_updates(params, updates), rtol=1e-2)
+
+
+def test_a_state_holding_one_buffer_twice_is_donated_on_a_mesh_and_after_device_put():
+    def loss(params, batch, model_state, rng):
+        return jnp.mean((batch["x"] @ params) ** 2), model_state
+
+    def aliased():
+        state = jaxga.TrainState.create(params=jnp.ones((3, 2)), tx=optax.contrib.prodigy(0.5))
+        # prodigy's initial parameters as another array object over the params' buffer
+        params0 = jax.device_put(state.params, jax.devices()[0])
+        return state.replace(opt_state=state.opt_state._replace(params0=params0))
+
+    batch = {"x": jnp.ones((4, 3))}
+    for mesh in (None, jax.make_mesh((1,), ("data",))):
+        _, metrics = jaxga.make_train_step(loss, 2, mesh=mesh)(aliased(), batch)
+        assert metrics["applied"] and jnp.isfinite(metrics["loss"])
