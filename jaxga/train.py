@@ -497,6 +497,11 @@ def _check_wrt(optimizer: Any, model: Any, grads: Any) -> None:
             f"`optimizer` must be an nnx.Optimizer(model, tx, wrt=nnx.Param); got "
             f"{type(optimizer).__name__}."
         )
+    if isinstance(optimizer, nnx.ModelAndOptimizer) and optimizer.model is not model:
+        raise ValueError(
+            "`optimizer` is an nnx.ModelAndOptimizer of another model than `model`: pass "
+            "the model it holds, `step(optimizer.model, optimizer, batch)`."
+        )
     expected = jax.tree.structure(nnx.as_pure(nnx.state(model, optimizer.wrt)))
     if jax.tree.structure(nnx.as_pure(grads)) != expected:
         raise ValueError(
@@ -799,7 +804,9 @@ def nnx_train_step(
     ``nnx.Param``s are differentiated and every other ``nnx.Variable`` (BatchNorm
     statistics, ``nnx.Rngs`` counters for Dropout) is threaded through the
     micro-batches and written back, as if they had run one after another. Then
-    ``optimizer.update(model, grads, weight=count)`` updates the model in place: a
+    ``optimizer.update(model, grads, weight=count)`` (``optimizer.update(grads, ...)``
+    for an ``nnx.ModelAndOptimizer``, called with the model it holds) updates the model
+    in place: a
     :class:`jaxga.MultiSteps` optimiser weighs each call by its item count, so
     accumulation across calls is exact too; other transformations ignore ``weight``.
 
@@ -855,7 +862,10 @@ def nnx_train_step(
 
         def update(state, grads):
             model, optimizer = nnx.merge(graphdef, state)
-            optimizer.update(model, grads, **_weight_of(optimizer.tx, acc))
+            if isinstance(optimizer, nnx.ModelAndOptimizer):  # which holds the model
+                optimizer.update(grads, **_weight_of(optimizer.tx, acc))
+            else:
+                optimizer.update(model, grads, **_weight_of(optimizer.tx, acc))
             return nnx.state((model, optimizer))
 
         opt_state = nnx.as_pure(optimizer.opt_state)

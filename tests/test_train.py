@@ -829,3 +829,21 @@ def test_a_state_holding_one_buffer_twice_is_donated_on_a_mesh_and_after_device_
     for mesh in (None, jax.make_mesh((1,), ("data",))):
         _, metrics = jaxga.make_train_step(loss, 2, mesh=mesh)(aliased(), batch)
         assert metrics["applied"] and jnp.isfinite(metrics["loss"])
+
+
+def test_nnx_train_step_takes_a_model_and_optimizer():
+    """nnx.ModelAndOptimizer holds its model and updates it with update(grads)."""
+    x = jnp.arange(12.0).reshape(4, 3) / 10
+    loss = lambda m, b: jnp.mean(m(b["x"]) ** 2)
+    model, reference = (nnx.Linear(3, 2, rngs=nnx.Rngs(0)) for _ in range(2))
+    optimizer = nnx.ModelAndOptimizer(model, optax.adam(0.1))
+    reference_optimizer = nnx.Optimizer(reference, optax.adam(0.1), wrt=nnx.Param)
+    step = jaxga.nnx_train_step(loss, 2)
+    for _ in range(2):
+        step(optimizer.model, optimizer, {"x": x})
+        reference_optimizer.update(reference, nnx.grad(lambda m: loss(m, {"x": x}))(reference))
+    chex.assert_trees_all_close(
+        nnx.state(model, nnx.Param), nnx.state(reference, nnx.Param), rtol=1e-5
+    )
+    with pytest.raises(ValueError, match=r"ModelAndOptimizer of another model"):
+        step(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optimizer, {"x": x})
