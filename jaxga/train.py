@@ -249,14 +249,29 @@ def _update_if_counted(
     return jax.tree.unflatten(jax.tree.structure(updated_shapes), list(leaves))
 
 
-def _metrics(acc: Accumulated, opt_state: Any) -> Metrics:
-    multisteps = _multisteps_state(opt_state)
+def _applied(acc: Accumulated, old_opt_state: Any, opt_state: Any) -> jax.Array:
+    """Whether the call changed the parameters: not while a MultiSteps (jaxga's, or
+    optax's, whose applied steps ``gradient_step`` counts) accumulates, nor for no items."""
+    ours = _multisteps_state(opt_state)
+    if ours is not None:
+        return ours.applied
+    is_optax = lambda x: isinstance(x, optax.MultiStepsState)
+    for old, new in zip(
+        jax.tree.leaves(old_opt_state, is_leaf=is_optax),
+        jax.tree.leaves(opt_state, is_leaf=is_optax),
+    ):
+        if is_optax(new):
+            return new.gradient_step > old.gradient_step
+    return acc.mean.count > 0
+
+
+def _metrics(acc: Accumulated, old_opt_state: Any, opt_state: Any) -> Metrics:
     return {
         "loss": acc.mean.value,
         "count": acc.mean.count,
         "grad_norm": optax.tree.norm(acc.grads),
         "learning_rate": _learning_rate(opt_state),
-        "applied": acc.mean.count > 0 if multisteps is None else multisteps.applied,
+        "applied": _applied(acc, old_opt_state, opt_state),
     }
 
 
@@ -678,7 +693,7 @@ def make_train_step(
         new_state = _set_model_state(new_state, acc.state)
         if mesh is not None:
             new_state = place(new_state, specs)
-        return new_state, _metrics(acc, opt_state)
+        return new_state, _metrics(acc, state.opt_state, opt_state)
 
     # on a GPU: no zero-filled scan buffers (jaxga.compiler)
     jitted = jax.jit(
@@ -872,7 +887,8 @@ def nnx_train_step(
         state = _update_if_counted(
             acc, opt_state, update, nnx.state((model, optimizer)), donated=donate
         )
-        return state, _metrics(acc, nnx.as_pure(nnx.merge(graphdef, state)[1].opt_state))
+        new_opt_state = nnx.as_pure(nnx.merge(graphdef, state)[1].opt_state)
+        return state, _metrics(acc, opt_state, new_opt_state)
 
     # jax.jit of the split objects rather than nnx.jit: it takes XLA's options
     if not isinstance(donate, bool):

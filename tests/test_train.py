@@ -847,3 +847,22 @@ def test_nnx_train_step_takes_a_model_and_optimizer():
     )
     with pytest.raises(ValueError, match=r"ModelAndOptimizer of another model"):
         step(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optimizer, {"x": x})
+
+
+def test_applied_follows_optax_multisteps_too():
+    def loss(params, batch, model_state, rng):
+        return jnp.mean((batch["x"] @ params) ** 2), model_state
+
+    tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=3)
+    params = jnp.ones((3, 2))
+    state = jaxga.TrainState.create(params=params, tx=tx)
+    step = jaxga.make_train_step(loss, 2)
+    opt_state = tx.init(params)
+    for i in range(6):
+        x = jnp.full((4, 3), i / 10)
+        state, metrics = step(state, {"x": x})
+        grads = jax.grad(lambda p: jnp.mean((x @ p) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        assert bool(metrics["applied"]) == bool(tx.has_updated(opt_state))
+    chex.assert_trees_all_close(state.params, params, rtol=1e-6)
