@@ -262,8 +262,9 @@ def _check_unshared(nodes: dict[int, Any]) -> None:
             if not _is_node(x):
                 continue
             where = f"args[{i}]{jax.tree_util.keystr(path)}"
-            for _, v in nnx.iter_graph(x.module):
-                first = owner.setdefault(id(v), where) if isinstance(v, nnx.Variable) else where
+            variables = (v for _, v in nnx.iter_graph(x.module) if isinstance(v, nnx.Variable))
+            for v in variables:
+                first = owner.setdefault(id(v), where)
                 if first != where:
                     raise ValueError(
                         f"{first} and {where} share state (they are, or hold, the same Flax "
@@ -533,8 +534,8 @@ def _accumulate(
     _check_axis(options, batches)
     device_index = 0 if options.axis_name is None else jax.lax.axis_index(options.axis_name)
     if options.axis_name is not None:  # name the global batch, not this device's rows
-        sizes = [jnp.shape(x)[0] for x in jax.tree.leaves(batches) if jnp.ndim(x)]
-        local = sizes[0] if sizes else None  # split_microbatches names scalars and mismatches
+        # the first leaf's rows; split_microbatches names scalars and mismatched leaves
+        local = next((jnp.shape(x)[0] for x in jax.tree.leaves(batches) if jnp.ndim(x)), None)
         if local is not None and local % k:
             devices = jax.lax.axis_size(options.axis_name)
             raise sharding.indivisible_error(local * devices, devices, k, options.axis_name)

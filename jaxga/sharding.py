@@ -214,8 +214,9 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
         >>> batch["x"].shape, batch["x"].sharding.spec
         ((8, 3), P('data',))
     """
+    _check_mesh(mesh, kinds=(Mesh,))
     for axis in _axes(axis_name):
-        check_axis(mesh, axis)
+        _check_mesh_axis(mesh, axis)
     sharding = NamedSharding(mesh, P(axis_name))
     local_mesh = mesh.local_mesh.shape
     shards = int(np.prod([local_mesh[a] for a in _axes(axis_name)]))
@@ -254,7 +255,7 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
         >>> params["w"].sharding.is_fully_replicated
         True
     """
-    check_mesh(mesh)
+    _check_mesh(mesh, kinds=(Mesh,))
     sharding = NamedSharding(mesh, P())
     return jax.tree.map(lambda x: put(x, sharding), tree)
 
@@ -316,7 +317,7 @@ def fsdp_specs(tree: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
         >>> tuple(specs["w"]), tuple(specs["b"])
         ((None, 'data'), ())
     """
-    check_axis(mesh, axis_name)
+    _check_mesh_axis(mesh, axis_name)
     size = mesh.shape[axis_name]
     return jax.tree.map(lambda x: fsdp_spec(jnp.shape(x), size, axis_name), tree)
 
@@ -359,23 +360,24 @@ def _check_param_specs(specs: Any, params: Any, size: int, axis_name: Any) -> An
     return specs
 
 
-def check_mesh(mesh: Any) -> None:
-    """Raises unless ``mesh`` is a mesh (concrete, or abstract where only shapes count)."""
-    if not isinstance(mesh, Mesh | jax.sharding.AbstractMesh):
+def _check_mesh(mesh: Any, kinds: tuple[type, ...] = (Mesh, jax.sharding.AbstractMesh)) -> None:
+    """Raises unless ``mesh`` is one of ``kinds``: abstract meshes do where only shapes count,
+    not where arrays are placed (``kinds=(Mesh,)``)."""
+    if not isinstance(mesh, kinds):
         raise TypeError(
             f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh((n,), ('data',))); "
             f"got {mesh!r} of type {type(mesh).__name__}."
         )
 
 
-def check_axis(mesh: Mesh, axis_name: Any) -> None:
+def _check_mesh_axis(mesh: Mesh, axis_name: Any) -> None:
     """Raises unless ``mesh`` is a mesh and ``axis_name`` one of its axes."""
-    check_mesh(mesh)
+    _check_mesh(mesh)
     if axis_name not in mesh.axis_names:
         raise ValueError(f"`axis_name`={axis_name!r} is not an axis of `mesh` {mesh.axis_names}.")
 
 
-def check_strategy(strategy: Any) -> None:
+def _check_strategy(strategy: Any) -> None:
     """Raises for a strategy name that is not one of :data:`STRATEGIES`."""
     if isinstance(strategy, str) and strategy not in STRATEGIES:
         raise ValueError(
@@ -411,8 +413,8 @@ def state_specs(
         >>> tuple(specs.params["w"]), tuple(specs.opt_state[0].mu["w"]), tuple(specs.step)
         ((None, 'data'), (None, 'data'), ())
     """
-    check_axis(mesh, axis_name)
-    check_strategy(strategy)
+    _check_mesh_axis(mesh, axis_name)
+    _check_strategy(strategy)
     if not (hasattr(state, "params") and hasattr(state, "opt_state")):
         raise TypeError(
             f"`state` must be a train state with `params` and `opt_state` (jaxga.TrainState "

@@ -185,11 +185,10 @@ def _learning_rate(opt_state: Any) -> jax.Array:
     return jnp.asarray(found[0] if len(found) == 1 else jnp.nan, jnp.float32)
 
 
-def _multisteps_state(opt_state: Any) -> MultiStepsState | None:
-    """The state of the :class:`jaxga.MultiSteps` in an optimiser, if there is one."""
-    is_state = lambda x: isinstance(x, MultiStepsState)
-    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
-    return found[0] if found else None
+def _first(opt_state: Any, kind: type) -> Any:
+    """The first ``kind`` state in an optimiser's state (a MultiSteps'), or ``None``."""
+    is_state = lambda x: isinstance(x, kind)
+    return next((x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)), None)
 
 
 def _update_if_counted(
@@ -229,7 +228,7 @@ def _update_if_counted(
                 f"parameters (`nnx.Optimizer(model, tx, wrt=...)`, "
                 f"`TrainState.create(params, tx)`)?"
             )
-    if _multisteps_state(opt_state) is not None:
+    if _first(opt_state, MultiStepsState) is not None:
         # a zero XLA cannot see is constant: no zeros of a parameter's shape (see MultiSteps)
         zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))
         grads = jax.tree.map(lambda g: jnp.where(counted, g, zero.astype(g.dtype)), acc.grads)
@@ -252,16 +251,12 @@ def _update_if_counted(
 def _applied(acc: Accumulated, old_opt_state: Any, opt_state: Any) -> jax.Array:
     """Whether the call changed the parameters: not while a MultiSteps (jaxga's, or
     optax's, whose applied steps ``gradient_step`` counts) accumulates, nor for no items."""
-    ours = _multisteps_state(opt_state)
+    ours = _first(opt_state, MultiStepsState)
     if ours is not None:
         return ours.applied
-    is_optax = lambda x: isinstance(x, optax.MultiStepsState)
-    for old, new in zip(
-        jax.tree.leaves(old_opt_state, is_leaf=is_optax),
-        jax.tree.leaves(opt_state, is_leaf=is_optax),
-    ):
-        if is_optax(new):
-            return new.gradient_step > old.gradient_step
+    theirs = _first(opt_state, optax.MultiStepsState)
+    if theirs is not None:
+        return theirs.gradient_step > _first(old_opt_state, optax.MultiStepsState).gradient_step
     return acc.mean.count > 0
 
 
@@ -410,9 +405,16 @@ def _traced(tree: Any) -> bool:
 
 
 def _buffers(x: jax.Array) -> list[Any]:
-    """Where ``x``'s shards live: two arrays that share one are one buffer to donate."""
+    """The addresses of ``x``'s buffers: two arrays that share one are one to donate.
+
+    Addresses on different devices may coincide; that costs a needless copy, no error.
+    """
     try:
-        return [(s.device, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards]
+        return [x.unsafe_buffer_pointer()]  # one device: cheap, no shard objects built
+    except Exception:
+        pass
+    try:
+        return [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
     except Exception:  # a backend without buffer pointers: the array object itself
         return [id(x)]
 
@@ -624,14 +626,10 @@ def make_train_step(
     _checks.positive_int(num_microbatches, "num_microbatches")
     signature = "`loss(params, batch, model_state, rng) -> (loss, new_model_state)`"
     _checks.check_arity(loss, "loss", 4, signature)
-    if mesh is not None and not isinstance(mesh, Mesh):  # a concrete one: it places arrays
-        raise TypeError(
-            f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh((n,), ('data',))); "
-            f"got {mesh!r} of type {type(mesh).__name__}."
-        )
     if mesh is not None:
-        sharding.check_axis(mesh, axis_name)
-    sharding.check_strategy(strategy)
+        sharding._check_mesh(mesh, kinds=(Mesh,))  # a concrete one: it places arrays
+        sharding._check_mesh_axis(mesh, axis_name)
+    sharding._check_strategy(strategy)
     if mesh is None and not (isinstance(strategy, str) and strategy == "data_parallel"):
         raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
     if not isinstance(donate, bool):
