@@ -9,16 +9,51 @@ import pytest
 import jaxga
 
 
-@pytest.mark.parametrize("where", [[1.0, -1.0], [1.0, np.nan]])
+@pytest.mark.parametrize("where", [[1.0, -1.0], [1.0, np.nan], [1.0, np.inf]])
 def test_mean_of_rejects_negative_or_nan_weights(where):
     with pytest.raises(ValueError, match=r"`where` must hold a mask or finite, non-negative"):
         jaxga.Mean.of(jnp.ones(2), where=jnp.asarray(where))
 
 
-@pytest.mark.parametrize("value", ["x", jnp.int32(2)])
-def test_as_mean_rejects_what_is_not_a_float(value):
-    with pytest.raises(TypeError, match=r"as_mean: `value` must be a jaxga.Mean or a float"):
+@pytest.mark.parametrize(
+    "value, got",
+    [
+        ("x", r"got 'x' of type str\."),
+        (jnp.int32(2), r"got dtype int32\."),
+        (3, r"got 3 of type int\."),
+        (None, r"got None of type NoneType\."),
+    ],
+)
+def test_as_mean_says_what_it_expected_and_what_it_got(value, got):
+    """Issue 22: an int or None said neither what was expected nor what it got."""
+    expected = r"^as_mean: `value` must be a float scalar or a jaxga.Mean; "
+    with pytest.raises(TypeError, match=expected + got):
         jaxga.as_mean(value)
+
+
+def test_as_mean_of_a_traced_int_names_its_dtype():
+    with pytest.raises(TypeError, match=r"a float scalar or a jaxga.Mean; got dtype int32\."):
+        jax.jit(jaxga.as_mean)(jnp.int32(2))
+
+
+@pytest.mark.parametrize("values", ["abc", None, {"a": 1.0}])
+def test_mean_of_names_values_that_are_not_numbers(values):
+    """Issue 22: Mean.of('abc') gave jax's "is not a valid JAX type"."""
+    with pytest.raises(
+        TypeError, match=rf"^Mean.of: `values` must be an array of numbers; got {values!r} of type"
+    ):
+        jaxga.Mean.of(values)
+
+
+def test_mean_of_weights_under_jit_are_documented_as_unchecked():
+    """Issue 22: NaN or negative weights inside a jitted loss cannot be checked; the
+    docstring says so, and an eager call raises."""
+    assert "Under jit" in jaxga.Mean.of.__doc__ and "cannot be checked" in jaxga.Mean.of.__doc__
+    where = jnp.array([1.0, -1.0])
+    value = jax.jit(lambda w: jaxga.Mean.of(jnp.array([1.0, 3.0]), where=w).value)(where)
+    assert not np.isfinite(value)  # (1 - 3) / 0: the wrong mean the docstring warns of
+    with pytest.raises(ValueError, match=r"`where` must hold a mask or finite, non-negative"):
+        jaxga.Mean.of(jnp.array([1.0, 3.0]), where=where)
 
 
 def test_token_cross_entropy_rejects_labels_outside_the_vocabulary():
@@ -38,6 +73,12 @@ def test_token_cross_entropy_rejects_labels_outside_the_vocabulary():
         ),
         (jnp.zeros(()), jnp.zeros((), jnp.int32), r"`logits` must be a float array \[..., vocab\]"),
         (jnp.zeros((2, 5), jnp.int32), jnp.array([0, 1]), r"`logits` must be a float array"),
+        (
+            jnp.zeros((2, 5)),
+            jnp.array([0, 1, 2]),
+            r"`logits` must be a float array \[..., vocab\] for `labels` of shape \(3,\); got "
+            r"shape \(2, 5\)",
+        ),
     ],
 )
 def test_token_cross_entropy_names_bad_dtypes_and_shapes(logits, labels, match):
