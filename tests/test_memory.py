@@ -8,7 +8,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import jaxga
 from jaxga.memory import dot_flops
@@ -167,13 +169,47 @@ def test_measure_on_cpu_gives_none_and_needs_arrays():
     fn = lambda x: x * 2
     if jax.devices()[0].memory_stats() is None:
         assert jaxga.memory_report(fn, jnp.ones(4), measure=True).measured_peak_bytes is None
-    with pytest.raises(TypeError, match=r"`measure=True` runs the function.*ShapeDtypeStruct"):
+    with pytest.raises(TypeError, match=r"`measure=True` runs `fn`, so it needs arrays.*Shape"):
         jaxga.memory_report(fn, jax.ShapeDtypeStruct((4,), jnp.float32), measure=True)
 
 
-def test_error_on_fn_not_callable():
-    with pytest.raises(TypeError, match="`fn` must be callable; got int"):
-        jaxga.memory_report(3, A)
+@pytest.mark.parametrize("fn, got", [(3, "3 of type int"), ("step", "'step' of type str")])
+def test_error_on_fn_not_callable(fn, got):
+    """Issue 22: a string passed as the step is named as `fn`, with what was expected."""
+    expected = (
+        rf"^`fn` must be callable: a jax.jit or nnx.jit step or a plain function; got {got}\.$"
+    )
+    with pytest.raises(TypeError, match=expected):
+        jaxga.memory_report(fn, A)
+
+
+def test_nnx_jit_step_is_reported_as_its_jax_jit_twin():
+    """Issue 22: memory_report of an nnx.jit step raised "'Traced' object has no attribute
+    'jaxpr'". Its report is that of the same step written with jax.jit over nnx.split state."""
+    model = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    batch = {"x": jnp.ones((32, 16)), "y": jnp.ones((32, 8))}
+
+    def loss(model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    def step(model, optimizer, batch):
+        value, grads = nnx.value_and_grad(loss)(model, batch)
+        optimizer.update(model, grads)
+        return value
+
+    graphdef, state = nnx.split((model, optimizer))
+
+    def functional(state, batch):  # the same step, split and merged by hand
+        model, optimizer = nnx.merge(graphdef, state)
+        value = step(model, optimizer, batch)
+        return value, nnx.state((model, optimizer))
+
+    report = jaxga.memory_report(nnx.jit(step), model, optimizer, batch)
+    twin = jaxga.memory_report(jax.jit(functional), state, batch)
+    assert report.argument_bytes == twin.argument_bytes == nbytes((state, batch))
+    assert report.dot_flops == twin.dot_flops == 2 * (2 * 32 * 16 * 8)  # forward, weight grad
+    assert report.dot_flops_exact and report.backend == jax.default_backend()
 
 
 def test_remat_memory_example_writes_figure_and_table(tmp_path, capsys):
