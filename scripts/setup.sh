@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Creates .venv beside the project (once) and installs jaxga with its extras into it.
-# Reinstalls only when pyproject.toml changes. Set JAXGA_EXTRAS=examples,dev,cuda12 on a GPU box.
+# Creates .venv beside the project (once) and installs jaxga, editable, with its extras into
+# it. Reinstalls only when pyproject.toml changes. Set JAXGA_EXTRAS=examples,dev,docs,cuda12
+# on a GPU box.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
-extras=${JAXGA_EXTRAS:-examples,dev}
+extras=${JAXGA_EXTRAS:-examples,dev,docs}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 stamp=.venv/.jaxga-installed
 want="$(cat pyproject.toml) $extras"
