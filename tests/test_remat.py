@@ -321,3 +321,28 @@ def test_flax_example_gradients_match(capsys):
     diffs = flax_remat.main(depth=2, dim=4, batch=2, segments=2)
     assert diffs["nnx"] < 1e-5 and diffs["linen"] < 1e-5
     assert "match" in capsys.readouterr().out
+
+
+def test_zero_layers_with_sqrt_segments_say_there_is_no_layer():
+    """Issue 22: "min() arg is an empty sequence"."""
+    with pytest.raises(ValueError, match=r"^`segments`='sqrt' needs at least one layer; .* has 0"):
+        jaxga.remat_scan(layer, jnp.ones((0, 3, 3)), X, segments="sqrt")
+    assert_trees_close(jaxga.remat_scan(layer, jnp.ones((0, 3, 3)), X), X)  # segments=1: x
+
+
+STACK = r"jax.tree.map\(lambda \*p: jnp.stack\(p\), \*layers\)"
+
+
+def test_a_list_of_per_layer_trees_is_named_with_how_to_stack_it():
+    """Issue 22: unstacked parameters were blamed on layer_fn."""
+    layers = [{"w": jnp.ones((3, 3))} for _ in range(4)]  # every leaf's leading size is 3
+    with pytest.raises(ValueError, match=rf"^`stacked_params` is a list of 4 per-layer .*{STACK}"):
+        jaxga.remat_scan(lambda p, x: layer(p["w"], x), layers, X)
+    stacked = jax.tree.map(lambda *p: jnp.stack(p), *layers)  # as the message says
+    assert stack_length(stacked) == 4
+
+
+def test_leaves_of_different_leading_sizes_say_how_to_stack():
+    params = [{"w": jnp.ones((3, 3)), "b": jnp.ones(3)}, {"w": jnp.ones((4, 3))}]
+    with pytest.raises(ValueError, match=rf"stacked_params.*different leading sizes.*{STACK}"):
+        jaxga.remat_scan(lambda p, x: x, params, X)
