@@ -236,13 +236,28 @@ def test_parse_bytes_errors_name_the_argument(value, error, message):
         jaxga.parse_bytes(value)
 
 
+BATCH_ARGNUMS = r"`batch_argnums` must be a non-negative int or a non-empty tuple of them; "
+
+
+def test_batch_argnums_is_rejected_as_value_and_grad_rejects_it():
+    loss = lambda w, x: jnp.mean(x @ w)
+    with pytest.raises(TypeError, match=r"^" + BATCH_ARGNUMS.replace("non-empty ", "")):
+        jaxga.value_and_grad(loss, num_microbatches=2, batch_argnums=-1)
+    with pytest.raises(TypeError, match=r"^" + BATCH_ARGNUMS):
+        jaxga.plan(build, *ARGS, budget="1GiB", batch_argnums=-1)
+    assert jaxga.plan(build, *ARGS, budget="1GiB", remat=("none",)).batch_size == BATCH  # last
+
+
 @pytest.mark.parametrize(
     "options, error, message",
     [
         ({"batch_argnums": 2}, ValueError, r"`batch_argnums`=2 holds \[2\], which name none"),
         ({"batch_argnums": 0}, ValueError, r"args\[0\].*scalar.*`batch_argnums`=0"),
-        ({"batch_argnums": (1, 1.0)}, TypeError, r"`batch_argnums` must be an int or a non-empty"),
-        ({"batch_argnums": ()}, TypeError, r"`batch_argnums` must be an int or a non-empty"),
+        ({"batch_argnums": (1, 1.0)}, TypeError, BATCH_ARGNUMS + r"got \(1, 1.0\)\.$"),
+        ({"batch_argnums": ()}, TypeError, BATCH_ARGNUMS + r"got \(\)\.$"),
+        # Issue 20: negative positions, which jaxga.value_and_grad rejects, are rejected here too.
+        ({"batch_argnums": -1}, TypeError, BATCH_ARGNUMS + r"got -1\.$"),
+        ({"batch_argnums": (0, -1)}, TypeError, BATCH_ARGNUMS + r"got \(0, -1\)\.$"),
         ({"num_microbatches": (3,)}, ValueError, r"`num_microbatches`=\(3,\) holds \[3\].*size 8"),
         ({"num_microbatches": 0}, ValueError, r"`num_microbatches` must be a positive int or"),
         ({"num_microbatches": (0, 2)}, ValueError, r"`num_microbatches` must be a positive int"),
