@@ -1,17 +1,17 @@
 """jaxga: the batch size you want on the accelerator memory you have, with exact results."""
 
+from jaxga import collectives as collectives
 from jaxga import sharding
 from jaxga.accumulation import (
     Accumulated,
     accumulate,
     grad,
-    merge_microbatches,
-    split_microbatches,
     value_and_grad,
 )
 from jaxga.compiler import compiler_options
 from jaxga.loss import Mean, as_mean, token_cross_entropy
 from jaxga.memory import MemoryReport, memory_report
+from jaxga.microbatch import merge_microbatches, split_microbatches
 from jaxga.multistep import MultiSteps, MultiStepsState, skip_not_finite
 from jaxga.planner import Plan, parse_bytes, plan
 from jaxga.remat import checkpoint_policy, remat_scan

@@ -1,10 +1,9 @@
-"""Small argument checks shared by the modules of jaxga."""
+"""Argument checks shared by jaxga's modules: each raises an error naming the argument."""
 
 from __future__ import annotations
 
 import inspect
 import numbers
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -12,21 +11,15 @@ import jax.numpy as jnp
 
 
 def leading_size(tree: Any, name: str, axis: str) -> int | None:
-    """Returns the size of the leading axis every leaf of ``tree`` shares (``None``: no leaves).
-
-    Raises a ``ValueError`` that names the leaf when a leaf is a scalar, and lists every
-    leaf's size when they differ. ``name`` is how messages call the tree (an argument
-    name) and ``axis`` what its leading axis holds ("batch", "layer").
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> from jaxga._checks import leading_size
-        >>> leading_size({"x": jnp.zeros((4, 2)), "y": jnp.zeros(4)}, "batch", "batch")
-        4
-    """
+    """The leading size all leaves of ``tree`` share (``None``: no leaves); raises naming a leaf."""
     sizes = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         where = f"{name}{jax.tree_util.keystr(path)}"
+        if not (hasattr(leaf, "shape") or isinstance(leaf, numbers.Number)):
+            raise TypeError(
+                f"{where} is a {type(leaf).__name__} ({leaf!r}); every leaf of {name} must be "
+                f"an array."
+            )
         shape = jnp.shape(leaf)
         if not shape:
             raise ValueError(
@@ -43,13 +36,7 @@ def leading_size(tree: Any, name: str, axis: str) -> int | None:
 
 
 def positive_int(value: Any, name: str, expected: str = "a positive int") -> int:
-    """Returns ``value`` if it is a positive int; raises an error naming ``name`` otherwise.
-
-    Example:
-        >>> from jaxga._checks import positive_int
-        >>> positive_int(4, "num_microbatches")
-        4
-    """
+    """``value`` if it is a positive int; raises naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(
             f"`{name}` must be {expected}; got {value!r} of type {type(value).__name__}."
@@ -59,15 +46,8 @@ def positive_int(value: Any, name: str, expected: str = "a positive int") -> int
     return int(value)
 
 
-def accumulator_dtype(value: Any, name: str = "accumulator_dtype") -> jnp.dtype | None:
-    """Returns ``value`` as a floating dtype (``None`` stays ``None``); raises naming ``name``.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> from jaxga._checks import accumulator_dtype
-        >>> accumulator_dtype(jnp.bfloat16)
-        dtype(bfloat16)
-    """
+def float_dtype(value: Any, name: str = "accumulator_dtype") -> jnp.dtype | None:
+    """``value`` as a floating dtype (``None`` stays ``None``); raises naming ``name``."""
     if value is None:
         return None
     try:
@@ -83,26 +63,15 @@ def accumulator_dtype(value: Any, name: str = "accumulator_dtype") -> jnp.dtype 
     return dtype
 
 
-def accumulation_dtype(dtype: jnp.dtype | None, leaf_dtype: Any) -> jnp.dtype:
-    """The dtype a sum of ``leaf_dtype`` values is kept in: ``dtype``, or by default at least
-    float32 (float64 stays float64).
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> from jaxga._checks import accumulation_dtype
-        >>> accumulation_dtype(None, jnp.bfloat16), accumulation_dtype(jnp.bfloat16, jnp.float32)
-        (dtype('float32'), dtype(bfloat16))
-    """
+def sum_dtype(dtype: jnp.dtype | None, leaf_dtype: Any) -> jnp.dtype:
+    """The dtype sums of ``leaf_dtype`` are kept in: ``dtype``, or at least float32."""
     if dtype is not None:
         return jnp.dtype(dtype)
     return jnp.promote_types(jnp.float32, jnp.result_type(leaf_dtype))
 
 
-def check_arity(fn: Any, name: str, nargs: int, signature: str) -> Callable[..., Any]:
-    """Returns ``fn`` if it can be called with ``nargs`` positional arguments; raises naming it.
-
-    ``signature`` is the expected call, for the message. A callable whose signature
-    Python cannot read (some builtins) is accepted: its call will tell.
+def check_arity(fn: Any, name: str, nargs: int, signature: str) -> Any:
+    """``fn`` if it can be called with ``nargs`` positional arguments; raises naming it.
 
     Example:
         >>> from jaxga._checks import check_arity
@@ -118,7 +87,7 @@ def check_arity(fn: Any, name: str, nargs: int, signature: str) -> Callable[...,
         )
     try:
         sig = inspect.signature(fn)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError):  # some builtins: the call will tell
         return fn
     try:
         sig.bind(*range(nargs))
@@ -134,3 +103,10 @@ def check_optimizer(tx: Any, name: str) -> None:
             f"`{name}` must be an optax GradientTransformation (with `init` and `update`), "
             f"e.g. optax.adam(1e-3); got {tx!r} of type {type(tx).__name__}."
         )
+
+
+def check_bool(value: Any, name: str) -> bool:
+    """``value`` if it is a bool; raises naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool; got {value!r}.")
+    return value

@@ -1,10 +1,7 @@
 """Exact gradient accumulation over micro-batches inside one compiled step.
 
-One private engine, :func:`_accumulate`, runs the loss over the micro-batches in a
-``lax.scan``; :func:`accumulate`, :func:`value_and_grad` and :func:`grad` are thin
-wrappers that validate their options once, when they are built, and shape its result.
-Flax NNX graph nodes (modules, ``nnx.Optimizer``s, lists or dicts of them) may be
-passed wherever ``nnx.value_and_grad`` takes them; see :func:`value_and_grad`.
+One engine, :func:`accumulate`, runs the loss over the micro-batches in a ``lax.scan``;
+:func:`value_and_grad` and :func:`grad` shape its result as JAX's functions do.
 """
 
 from __future__ import annotations
@@ -18,35 +15,25 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxga import _checks, sharding
+from jaxga import _checks, collectives, modules
 from jaxga.loss import Mean, as_mean
+from jaxga.microbatch import IndivisibleBatchError, merge_microbatches, split_microbatches
 
-__all__ = [
-    "Accumulated",
-    "accumulate",
-    "grad",
-    "merge_microbatches",
-    "split_microbatches",
-    "value_and_grad",
-]
+__all__ = ["Accumulated", "accumulate", "grad", "value_and_grad"]
 
 ArgNums = int | nnx.DiffState | Sequence[int | nnx.DiffState]
+Positions = int | Sequence[int]
 
 
 class Accumulated(NamedTuple):
     """Everything one pass over the micro-batches produced.
 
     Attributes:
-        mean: the summed loss, ``Mean(Σ total, Σ count)`` over micro-batches (and
-            devices): ``mean.value`` is the loss, ``mean.count`` the number of items
-            (tokens, or micro-batches for a scalar loss).
-        grads: the gradient of ``mean.value``, each leaf in its parameter's dtype; a
-            tree for an int ``argnums``, a tuple of trees for a sequence. A Flax NNX
-            argument's gradient is an ``nnx.State``, as ``nnx.grad`` returns.
-        aux: auxiliary outputs stacked along a leading micro-batch axis (``None``
-            without ``has_aux``).
-        state: the threaded state after the last micro-batch, shaped like
-            ``state_argnums`` (``None`` without it).
+        mean: ``Mean(Σ total, Σ count)`` over micro-batches and devices.
+        grads: the gradient of ``mean.value`` in each parameter's dtype; a tuple for a
+            sequence ``argnums``; an ``nnx.State`` for an NNX module.
+        aux: the auxiliary output as :func:`value_and_grad` returns it, or ``None``.
+        state: the threaded ``state_argnums`` after the last micro-batch, or ``None``.
     """
 
     mean: Mean
@@ -57,415 +44,228 @@ class Accumulated(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
-    """The validated options of one transformed function."""
-
     num_microbatches: int
     argnums: tuple[int, ...]
-    filters: dict[int, Any]  # NNX filter of the differentiated state, per argument
+    filters: dict[int, Any]  # the NNX filter of each differentiated argument
     single_argnum: bool
     has_aux: bool
     batch_argnums: tuple[int, ...]
-    rng_argnums: tuple[int, ...]
+    rng_argnums: tuple[int, ...] | None  # None: every other argument holding PRNG keys
     state_argnums: tuple[int, ...]
     single_state: bool
     axis_name: Any
-    accumulator_dtype: jnp.dtype | None
+    accumulator_dtype: Any
 
 
-def _positions(name: str, value: Any, items: Any = None) -> tuple[int, ...]:
-    """``value`` as a tuple of positions; ``items`` are its entries when not ``value`` itself."""
-    expected = f"`{name}` must be a non-negative int or a tuple of them; got {value!r}."
+def _positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:
+    expected = f"`{name}` must be a non-negative int or a tuple of them; got {shown or value!r}."
     try:
-        values = tuple((value,) if isinstance(value, int) else value if items is None else items)
+        values = (value,) if isinstance(value, int) else tuple(value)
     except TypeError:
         raise TypeError(expected) from None
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         raise TypeError(expected)
     if len(set(values)) != len(values):
-        raise ValueError(f"`{name}` must not repeat a position; got {value!r}.")
+        raise ValueError(f"`{name}` must not repeat a position; got {shown or value!r}.")
     return values
 
 
-def _diff_positions(argnums: Any) -> tuple[tuple[int, ...], dict[int, Any]]:
-    """Positions and NNX filters (``nnx.Param`` unless a ``DiffState`` says) of ``argnums``."""
-    items = argnums
-    if isinstance(argnums, int | nnx.DiffState):
-        items = (argnums,)
-    elif isinstance(argnums, Sequence) and not isinstance(argnums, str):
-        items = tuple(argnums)
-    if isinstance(items, tuple):
-        filters = {a.argnum: a.filter for a in items if isinstance(a, nnx.DiffState)}
-        items = tuple(a.argnum if isinstance(a, nnx.DiffState) else a for a in items)
-    else:
-        filters = {}
-    positions = _positions("argnums", argnums, items)
-    if not positions:
-        raise ValueError("`argnums` must name at least one argument to differentiate.")
-    return positions, {i: filters.get(i, nnx.Param) for i in positions}
-
-
-def _check_disjoint(**named: tuple[int, ...]) -> None:
-    items = list(named.items())
-    for i, (name_a, a) in enumerate(items):
-        for name_b, b in items[i + 1 :]:
-            if common := sorted(set(a) & set(b)):
-                raise ValueError(
-                    f"`{name_a}`={a} and `{name_b}`={b} both name positional argument(s) "
-                    f"{common}; an argument is either differentiated, split into "
-                    f"micro-batches, a PRNG key or threaded state, not two of these."
-                )
-
-
-def _options(
-    fun: Any,
-    num_microbatches: Any,
-    argnums: Any,
-    has_aux: Any,
-    batch_argnums: Any,
-    rng_argnums: Any,
-    state_argnums: Any,
-    axis_name: Any,
-    accumulator_dtype: Any,
-) -> _Options:
+def _options(fun, argnums, has_aux, num_microbatches, **named) -> _Options:
     if not callable(fun):
         raise TypeError(f"`fun` must be a function; got {fun!r} of type {type(fun).__name__}.")
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"`has_aux` must be a bool; got {has_aux!r}.")
-    diff, filters = _diff_positions(argnums)
+    single = isinstance(argnums, int | nnx.DiffState)
+    items = (argnums,) if single or isinstance(argnums, str) else argnums
+    try:
+        items = tuple(items)
+    except TypeError:
+        items = (argnums,)
+    filters = {a.argnum: a.filter for a in items if isinstance(a, nnx.DiffState)}
+    diff = tuple(a.argnum if isinstance(a, nnx.DiffState) else a for a in items)
+    diff = _positions("argnums", diff, shown=repr(argnums))
+    if not diff:
+        raise ValueError("`argnums` must name at least one argument to differentiate.")
+    rng = named["rng_argnums"]
     positions = {
         "argnums": diff,
-        "batch_argnums": _positions("batch_argnums", batch_argnums),
-        "rng_argnums": _positions("rng_argnums", rng_argnums),
-        "state_argnums": _positions("state_argnums", state_argnums),
+        "batch_argnums": _positions("batch_argnums", named["batch_argnums"]),
+        "rng_argnums": () if rng is None else _positions("rng_argnums", rng),
+        "state_argnums": _positions("state_argnums", named["state_argnums"]),
     }
-    _check_disjoint(**positions)
+    names = list(positions)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            if common := sorted(set(positions[a]) & set(positions[b])):
+                raise ValueError(
+                    f"`{a}`={positions[a]} and `{b}`={positions[b]} both name positional "
+                    f"argument(s) {common}; an argument is either differentiated, split into "
+                    f"micro-batches, a PRNG key or threaded state, not two of these."
+                )
     return _Options(
         num_microbatches=_checks.positive_int(num_microbatches, "num_microbatches"),
         argnums=diff,
-        filters=filters,
-        single_argnum=isinstance(argnums, int | nnx.DiffState),
-        has_aux=has_aux,
+        filters={i: filters.get(i, nnx.Param) for i in diff},
+        single_argnum=single,
+        has_aux=_checks.check_bool(has_aux, "has_aux"),
         batch_argnums=positions["batch_argnums"],
-        rng_argnums=positions["rng_argnums"],
+        rng_argnums=None if rng is None else positions["rng_argnums"],
         state_argnums=positions["state_argnums"],
-        single_state=isinstance(state_argnums, int),
-        axis_name=axis_name,
-        accumulator_dtype=_checks.accumulator_dtype(accumulator_dtype),
+        single_state=isinstance(named["state_argnums"], int),
+        axis_name=named["axis_name"],
+        accumulator_dtype=_checks.float_dtype(named["accumulator_dtype"]),
     )
-
-
-def split_microbatches(batch: Any, num_microbatches: int, *, name: str = "batch") -> Any:
-    """Splits the leading axis of every leaf of ``batch`` into ``num_microbatches``.
-
-    Returns the same tree with leaves of shape ``[k, B // k, ...]``. Micro-batch ``i``
-    holds rows ``i, i + k, i + 2k, ...``: strided rows keep a batch that is sharded
-    along its leading axis evenly sharded within every micro-batch.
-
-    Example:
-        >>> import jax.numpy as jnp, jaxga
-        >>> jaxga.split_microbatches(jnp.arange(6), 2).tolist()
-        [[0, 2, 4], [1, 3, 5]]
-    """
-    num_microbatches = _checks.positive_int(num_microbatches, "num_microbatches")
-    size = _checks.leading_size(batch, name, "batch")
-    if size is not None and size % num_microbatches:
-        raise ValueError(
-            f"The batch size {size} (leading axis of {name}) is not divisible by "
-            f"num_microbatches={num_microbatches}."
-        )
-
-    def split(x):
-        x = jnp.asarray(x)
-        x = x.reshape(x.shape[0] // num_microbatches, num_microbatches, *x.shape[1:])
-        return jnp.swapaxes(x, 0, 1)
-
-    return jax.tree.map(split, batch)
-
-
-def merge_microbatches(tree: Any) -> Any:
-    """Undoes :func:`split_microbatches`: ``[k, B // k, ...]`` leaves back to ``[B, ...]``.
-
-    Use it on the stacked ``aux`` of :func:`value_and_grad` to get per-example outputs
-    in the batch's own row order.
-
-    Example:
-        >>> import jax.numpy as jnp, jaxga
-        >>> x = jnp.arange(6)
-        >>> jaxga.merge_microbatches(jaxga.split_microbatches(x, 3)).tolist()
-        [0, 1, 2, 3, 4, 5]
-    """
-
-    def merge(x):
-        x = jnp.asarray(x)
-        if x.ndim < 2:
-            raise ValueError(
-                f"merge_microbatches: every leaf needs a micro-batch axis and a batch axis; "
-                f"got a leaf of shape {x.shape}."
-            )
-        return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-    return jax.tree.map(merge, tree)
-
-
-# --- Flax NNX graph nodes -------------------------------------------------------------
-
-
-def _is_graph_node(x: Any) -> bool:
-    # Variables are graph nodes too, but an nnx.State of them is plain data: a pytree.
-    return nnx.graphlib.is_graph_node(x) and not isinstance(x, nnx.Variable)
-
-
-def _has_graph_node(tree: Any) -> bool:
-    return any(map(_is_graph_node, jax.tree.leaves(tree, is_leaf=_is_graph_node)))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Node:
-    """A Flax NNX graph node taken apart (a leaf, not a pytree node, on purpose)."""
-
-    module: Any
-    graphdef: Any
-    diff: Any  # the filtered, differentiated state; None if not differentiated
-    rest: Any  # everything else, threaded through the micro-batches
-
-
-def _is_node(x: Any) -> bool:
-    return isinstance(x, _Node)
-
-
-def _split_arg(arg: Any, position: int, wrt: Any) -> Any:
-    """``arg`` with every graph node in it replaced by a :class:`_Node`."""
-
-    def split(x):
-        if not _is_graph_node(x):
-            return x
-        if wrt is None:
-            graphdef, rest = nnx.split(x)
-            return _Node(x, graphdef, None, rest)
-        graphdef, diff, rest = nnx.split(x, wrt, ...)
-        if not jax.tree.leaves(diff):
-            raise ValueError(
-                f"args[{position}] holds a Flax NNX {type(x).__name__}, but the filter {wrt!r} "
-                f"of `argnums` selects none of its state: there is nothing to differentiate. "
-                f"Pass nnx.DiffState({position}, filter) with a filter that selects parameters."
-            )
-        return _Node(x, graphdef, diff, rest)
-
-    return jax.tree.map(split, arg, is_leaf=_is_graph_node)
-
-
-def _check_unshared(nodes: dict[int, Any]) -> None:
-    """Raises if two graph nodes among the arguments share a Variable (or are one node)."""
-    owner: dict[int, str] = {}
-    for i, split in nodes.items():
-        for path, x in jax.tree_util.tree_flatten_with_path(split, is_leaf=_is_node)[0]:
-            if not _is_node(x):
-                continue
-            where = f"args[{i}]{jax.tree_util.keystr(path)}"
-            variables = (v for _, v in nnx.iter_graph(x.module) if isinstance(v, nnx.Variable))
-            for v in variables:
-                first = owner.setdefault(id(v), where)
-                if first != where:
-                    raise ValueError(
-                        f"{first} and {where} share state (they are, or hold, the same Flax "
-                        f"NNX module or Variable). jaxga takes each module among the "
-                        f"arguments apart on its own, so shared state would have its gradient "
-                        f"and updates split between them. Pass it once, or pass one module "
-                        f"that holds both (an nnx.Module, nnx.List or nnx.Dict), which is "
-                        f"taken apart as a whole."
-                    )
-
-
-def _diff_of(split: Any) -> Any:
-    return jax.tree.map(lambda x: x.diff if _is_node(x) else x, split, is_leaf=_is_node)
-
-
-def _rest_of(split: Any) -> Any:
-    return jax.tree.map(lambda x: x.rest if _is_node(x) else None, split, is_leaf=_is_node)
-
-
-def _merge_arg(split: Any, diff: Any, rest: Any) -> Any:
-    """Fresh modules of the current trace from ``split`` with ``diff`` and ``rest`` state."""
-
-    def merge(x, d, r):
-        if not _is_node(x):
-            return x if diff is None else d
-        # copy=True: fresh Variables of this trace, which the loss may update
-        # (BatchNorm statistics, Rngs counters) inside the micro-batch loop.
-        states = (r,) if d is None else (d, r)
-        return nnx.merge(x.graphdef, *states, copy=True)
-
-    diffs = jax.tree.map(lambda x: None, split, is_leaf=_is_node) if diff is None else diff
-    return jax.tree.map(merge, split, diffs, rest, is_leaf=lambda x: _is_node(x) or x is None)
-
-
-def _new_rest(merged: Any, split: Any, wrt: Any) -> Any:
-    """The non-differentiated state of the modules of ``merged`` after the loss ran."""
-
-    def rest(x, module):
-        if not _is_node(x):
-            return None
-        return nnx.split(module)[1] if wrt is None else nnx.split(module, wrt, ...)[2]
-
-    return jax.tree.map(rest, split, merged, is_leaf=lambda x: _is_node(x) or _is_graph_node(x))
-
-
-def _write_back(split: Any, rest: Any) -> None:
-    def update(x, r):
-        if _is_node(x):
-            nnx.update(x.module, r)
-
-    jax.tree.map(update, split, rest, is_leaf=lambda x: _is_node(x) or x is None)
-
-
-def _fold_keys(state: Any, index: jax.Array) -> Any:
-    """Folds ``index`` into every typed PRNG key of ``state`` (e.g. an NNX ``RngKey``)."""
-
-    def fold(x):
-        if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
-            return jax.random.fold_in(x, index)
-        return x
-
-    return jax.tree.map(fold, state)
-
-
-def _restore_keys(state: Any, before: Any) -> Any:
-    def restore(x, old):
-        return old if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key) else x
-
-    return jax.tree.map(restore, state, before)
 
 
 # --- checks at call time ------------------------------------------------------------
 
 
+def _is_key(x: Any, raw: bool = True) -> bool:
+    """A typed PRNG key, or (``raw``) a ``jax.random.PRNGKey``'s ``uint32[2]``."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    return jnp.issubdtype(dtype, jax.dtypes.prng_key) or (
+        raw and dtype == jnp.uint32 and jnp.shape(x) == (2,)
+    )
+
+
+def _rng_positions(options: _Options, args: tuple[Any, ...]) -> tuple[int, ...]:
+    """The PRNG key arguments: ``rng_argnums``, or by default every other one holding keys."""
+    if options.rng_argnums is not None:
+        for i in options.rng_argnums:
+            for path, key in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+                if not _is_key(key):
+                    raise TypeError(
+                        f"`rng_argnums` names args[{i}], but args[{i}]"
+                        f"{jax.tree_util.keystr(path)} is not a PRNG key ({_describe(key)}); "
+                        f"expected keys from jax.random.key (or jax.random.PRNGKey)."
+                    )
+        return options.rng_argnums
+    named = {*options.argnums, *options.batch_argnums, *options.state_argnums}
+    found = []
+    for i, arg in enumerate(args):
+        if i in named or modules.holds_graph_node(arg):
+            continue
+        leaves = jax.tree.leaves(arg)
+        if any(_is_key(x, raw=False) for x in leaves):
+            found.append(i)
+        elif any(_is_key(x) for x in leaves):
+            raise TypeError(
+                f"args[{i}] holds a uint32[2] array, a raw PRNG key (jax.random.PRNGKey): pass "
+                f"rng_argnums={i} so that each micro-batch draws its own key from it, or "
+                f"rng_argnums=() to give every micro-batch this same array."
+            )
+    return tuple(found)
+
+
 def _check_call(options: _Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    named = {
-        "argnums": options.argnums,
-        "batch_argnums": options.batch_argnums,
-        "rng_argnums": options.rng_argnums,
-        "state_argnums": options.state_argnums,
-    }
-    for name, positions in named.items():
+    for name in ("argnums", "batch_argnums", "rng_argnums", "state_argnums"):
+        positions = getattr(options, name) or ()
         if positions and max(positions) >= len(args):
+            hint = " Pass the batch as an argument." if name == "batch_argnums" else ""
             raise ValueError(
                 f"`{name}`={positions} refers to positional argument {max(positions)}, but "
-                f"the function was called with {len(args)} positional argument(s)."
+                f"the function was called with {len(args)} positional argument(s).{hint}"
             )
+        if name != "argnums":
+            for i in positions:
+                if modules.holds_graph_node(args[i]):
+                    raise TypeError(
+                        f"`{name}` names args[{i}], a Flax NNX graph node; modules are "
+                        f"differentiated (`argnums`) or passed as they are, and their state "
+                        f"is threaded through the micro-batches without being named."
+                    )
     for key, value in kwargs.items():
-        if _has_graph_node(value):
+        if modules.holds_graph_node(value):
             raise TypeError(
-                f"Keyword argument {key!r} holds a Flax NNX graph node; pass modules "
-                f"positionally, so that jaxga can thread their state through the micro-batches."
+                f"Keyword argument {key!r} holds a Flax NNX graph node; pass modules positionally."
             )
-    for name in ("batch_argnums", "rng_argnums", "state_argnums"):
-        for i in named[name]:
-            if _has_graph_node(args[i]):
-                raise TypeError(
-                    f"`{name}` names args[{i}], a Flax NNX graph node ({type(args[i]).__name__}); "
-                    f"modules are either differentiated (`argnums`) or passed as they are: "
-                    f"their state (BatchNorm statistics, Rngs) is threaded through the "
-                    f"micro-batches and written back without being named."
-                )
     for i in options.batch_argnums:
         if not jax.tree.leaves(args[i]):
             raise ValueError(
-                f"`batch_argnums` names args[{i}], which has no array leaves (got "
-                f"{args[i]!r}): nothing would be split, and the whole batch would run "
-                f"{options.num_microbatches} times. Pass the batch there, or set "
-                f"`batch_argnums` to where it is."
+                f"`batch_argnums` names args[{i}], which has no array leaves (got {args[i]!r}): "
+                f"nothing would be split. Pass the batch there, or set `batch_argnums`."
             )
-    for i in options.rng_argnums:
-        for path, key in jax.tree_util.tree_flatten_with_path(args[i])[0]:
-            dtype, shape = jnp.result_type(key), jnp.shape(key)
-            typed = jnp.issubdtype(dtype, jax.dtypes.prng_key)
-            raw = dtype == jnp.uint32 and shape[-1:] == (2,)
-            if not (typed or raw):
-                raise TypeError(
-                    f"`rng_argnums` names args[{i}], but args[{i}]{jax.tree_util.keystr(path)} "
-                    f"is not a PRNG key (dtype {dtype}, shape {shape}); expected keys from "
-                    f"jax.random.key (or raw uint32[2] keys from jax.random.PRNGKey)."
-                )
+        _checks.leading_size(args[i], f"args[{i}]", "batch")
+    if options.axis_name is not None:
+        collectives.check_axis_bound(options.axis_name)
+    elif axes := set().union(
+        *map(collectives.varying_axes, jax.tree.leaves([args[i] for i in options.batch_argnums]))
+    ):
+        raise ValueError(
+            f"The batch varies over mesh axes {sorted(axes, key=str)} (this is inside "
+            f"shard_map), but `axis_name` is None: pass axis_name={sorted(axes, key=str)[0]!r} "
+            f"so that the sums are reduced across devices once, after the micro-batch loop."
+        )
 
 
 def _check_primals(primals: tuple[Any, ...], argnums: tuple[int, ...]) -> None:
     for i, tree in zip(argnums, primals):
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            dtype = jnp.result_type(leaf)
-            if not jnp.issubdtype(dtype, jnp.inexact):
+            if not _is_inexact(leaf):
                 raise TypeError(
-                    f"`argnums` differentiates args[{i}], whose leaf "
-                    f"args[{i}]{jax.tree_util.keystr(path)} has dtype {dtype}; only floating "
-                    f"leaves can be differentiated (jaxga has no `allow_int`: integer "
-                    f"gradients cannot be summed). Pass integer values in another argument."
+                    f"`argnums` differentiates args[{i}], whose leaf args[{i}]"
+                    f"{jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}; only "
+                    f"floating leaves can be differentiated. Pass others in another argument."
                 )
 
 
-def _check_axis(options: _Options, batches: tuple[Any, ...]) -> None:
-    if options.axis_name is not None:
-        sharding.check_axis_bound(options.axis_name)
-        return
-    axes = set().union(*(sharding._varying_axes(x) for x in jax.tree.leaves(batches)))
-    if axes:
-        raise ValueError(
-            f"The batch varies over mesh axes {sorted(axes, key=str)} (this is inside "
-            f"shard_map), but `axis_name` is None: pass axis_name={sorted(axes, key=str)[0]!r} "
-            f"so that gradients, totals and counts are reduced across devices once, after the "
-            f"micro-batch loop."
-        )
+def _is_inexact(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None) if not isinstance(x, float | complex) else jnp.float32
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
-def _parse_output(out: Any, has_aux: bool, has_state: bool) -> tuple[Mean, Any, Any]:
-    state = None
-    if has_state:
+def _describe(x: Any) -> str:
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+        return f"shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"{x!r} of type {type(x).__name__}"
+
+
+def _parse_output(out: Any, options: _Options) -> tuple[Mean, Any, Any]:
+    """``fun``'s output as ``(mean, aux, new_state)``, each checked."""
+    state = aux = None
+    if options.state_argnums:
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(
-                "With `state_argnums`, `fun` must return a pair (output, new_state); got "
+                f"With `state_argnums`, `fun` must return a pair (output, new_state); got "
                 f"{type(out).__name__}."
             )
         out, state = out
-    aux = None
-    if has_aux:
+    if options.has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(
-                "With has_aux=True, `fun` must return a pair (value, aux); got "
+                f"With has_aux=True, `fun` must return a pair (value, aux); got "
                 f"{type(out).__name__}."
             )
         out, aux = out
-        if _has_graph_node(aux):
-            raise TypeError(
-                "`fun` returned a Flax NNX graph node (a module or Variable) in its aux; "
-                "return arrays instead: jaxga writes the state of module arguments back "
-                "into them itself."
-            )
     elif isinstance(out, tuple | list):
         raise TypeError(
             f"`fun` returned a {type(out).__name__} of length {len(out)}, but has_aux=False; "
             f"pass has_aux=True if it returns (loss, aux)."
         )
-    if not isinstance(out, Mean) and _has_graph_node(out):
+    if modules.holds_graph_node((out, aux)):
         raise TypeError(
-            "`fun` returned a Flax NNX graph node; it must return a float scalar or a "
-            "jaxga.Mean (module state is written back into module arguments by jaxga)."
+            "`fun` returned a Flax NNX graph node (a module) in its value or aux; return "
+            "arrays: jaxga writes the state of module arguments back into them itself."
+        )
+    total = out.total if isinstance(out, Mean) else out
+    if not (_is_inexact(total) and jnp.shape(total) == ()):
+        what = "Mean.total has" if isinstance(out, Mean) else "it returned"
+        raise TypeError(
+            f"`fun` must return a float scalar or a jaxga.Mean of float scalars; "
+            f"{what} {_describe(total)}."
         )
     mean = as_mean(out)
-    total, count = mean.total, mean.count
-    if jnp.shape(total) != () or not jnp.issubdtype(jnp.result_type(total), jnp.floating):
-        what = "Mean.total" if isinstance(out, Mean) else "the value"
-        raise TypeError(
-            f"`fun` must return a float scalar or a jaxga.Mean with a float scalar total; "
-            f"{what} has shape {jnp.shape(total)} and dtype {jnp.result_type(total)}."
-        )
+    count = mean.count
     if jnp.shape(count) != () or not jnp.issubdtype(jnp.result_type(count), jnp.number):
         raise TypeError(
-            f"`fun` returned a jaxga.Mean whose count has shape {jnp.shape(count)} and dtype "
-            f"{jnp.result_type(count)}; expected a scalar number of items (or total weight)."
+            f"`fun` returned a jaxga.Mean whose count has {_describe(jnp.asarray(count))}; "
+            f"expected a scalar number of items (or total weight)."
         )
     return mean, aux, state
 
 
 def _like(new: Any, old: Any, what: str) -> Any:
-    """Casts ``new`` to the dtypes of ``old``, so that it can be a scan carry."""
+    """``new`` cast to the dtypes of ``old``, so that it can be carried by the scan."""
     if jax.tree.structure(new) != jax.tree.structure(old):
         raise TypeError(
             f"`fun` {what} with tree structure {jax.tree.structure(new)}; it must keep the "
@@ -479,26 +279,29 @@ def _like(new: Any, old: Any, what: str) -> Any:
         )
         if n.shape != jnp.shape(o) or not same_kind:
             raise TypeError(
-                f"`fun` {what} whose leaf {jax.tree_util.keystr(path)} has shape {n.shape} and "
-                f"dtype {n.dtype}; it was given shape {jnp.shape(o)} and dtype {dtype}: the "
-                f"state must keep its shape, and its dtype up to casts within one kind."
+                f"`fun` {what} whose leaf {jax.tree_util.keystr(path)} has {_describe(n)}; it was "
+                f"given {_describe(jnp.asarray(o))}: state keeps its shape and dtype kind."
             )
         return n.astype(dtype)
 
     return jax.tree_util.tree_map_with_path(cast, new, old)
 
 
-def _reduce_state(state: Any, before: Any, axis_name: Any) -> Any:
-    """Makes threaded state that was the same on every device the same again.
+# --- the engine ---------------------------------------------------------------------
 
-    Floating leaves take the mean over devices, as ``before + mean(x - before)`` so that
-    a leaf no device changed stays bit for bit what it was; counters and keys take the
-    maximum. Leaves that already differed across devices stay per device.
-    """
-    axes = sharding._axes(axis_name)
+
+def _fold_keys(tree: Any, index: jax.Array, raw: bool = True) -> Any:
+    return jax.tree.map(lambda x: jax.random.fold_in(x, index) if _is_key(x, raw) else x, tree)
+
+
+def _reduce_state(state: Any, before: Any, axis_name: Any) -> Any:
+    """Threaded state that was the same on every device made the same again: floating
+    leaves averaged (``before + pmean(x - before)``), counters and keys their maximum."""
 
     def reduce(x, old):
-        over = tuple(a for a in axes if a not in sharding._varying_axes(old))
+        over = tuple(
+            a for a in collectives.axes(axis_name) if a not in collectives.varying_axes(old)
+        )
         if not over:
             return x
         if jnp.issubdtype(x.dtype, jnp.floating):
@@ -511,110 +314,139 @@ def _reduce_state(state: Any, before: Any, axis_name: Any) -> Any:
     return jax.tree.map(reduce, state, before)
 
 
-# --- the engine ---------------------------------------------------------------------
+def _finish_aux(aux: Any, whole: Any, k: int) -> Any:
+    """``aux`` as the whole batch gives it (``whole``: its shapes): per-example leaves in
+    batch order, ``Mean``s summed; other leaves keep their micro-batch axis."""
+
+    def finish(x, like):
+        if isinstance(x, Mean):
+            return Mean(jnp.sum(x.total, 0), jnp.sum(x.count, 0))
+        if k == 1 or jnp.shape(x)[1:] == like.shape:  # the same per micro-batch: keep all k
+            return x[0] if k == 1 else x
+        return merge_microbatches(x)
+
+    return jax.tree.map(finish, aux, whole, is_leaf=lambda x: isinstance(x, Mean))
 
 
-def _accumulate(
-    fun: Callable[..., Any], options: _Options, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Accumulated:
-    _check_call(options, args, kwargs)
-    k = options.num_microbatches
-    diff_pos, batch_pos = options.argnums, options.batch_argnums
-    rng_pos, state_pos = options.rng_argnums, options.state_argnums
-
-    nodes = {
-        i: _split_arg(arg, i, options.filters.get(i))
-        for i, arg in enumerate(args)
-        if _has_graph_node(arg)
-    }
-    _check_unshared(nodes)
-    primals = tuple(_diff_of(nodes[i]) if i in nodes else args[i] for i in diff_pos)
-    _check_primals(primals, diff_pos)
-    batches = tuple(args[i] for i in batch_pos)
-    _check_axis(options, batches)
-    device_index = 0 if options.axis_name is None else jax.lax.axis_index(options.axis_name)
-    if options.axis_name is not None:  # name the global batch, not this device's rows
-        # the first leaf's rows; split_microbatches names scalars and mismatched leaves
-        local = next((jnp.shape(x)[0] for x in jax.tree.leaves(batches) if jnp.ndim(x)), None)
-        if local is not None and local % k:
-            devices = jax.lax.axis_size(options.axis_name)
-            raise sharding.indivisible_error(local * devices, devices, k, options.axis_name)
-    micro = tuple(split_microbatches(b, k, name=f"args[{i}]") for i, b in zip(batch_pos, batches))
-    # Loss totals and counts are summed at least in float32, and in float64 under x64.
-    sum_dtype = jnp.result_type(
-        options.accumulator_dtype or jnp.float32, jnp.float32, *jax.tree.leaves(primals)
+def _split_batches(options: _Options, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    k, axis = options.num_microbatches, options.axis_name
+    batches = [args[i] for i in options.batch_argnums]
+    local = next((jnp.shape(x)[0] for x in jax.tree.leaves(batches)), None)
+    if axis is not None and local is not None and local % k:  # name the global batch
+        devices = jax.lax.axis_size(axis)
+        raise IndivisibleBatchError.of(local * devices, k, devices, axis)
+    micro = tuple(
+        split_microbatches(b, k, name=f"args[{i}]") for i, b in zip(options.batch_argnums, batches)
     )
-    keys = tuple(args[i] for i in rng_pos)
-    user_state = jax.tree.map(jnp.asarray, tuple(args[i] for i in state_pos))
-    node_state = {i: _rest_of(split) for i, split in nodes.items()}
-    if options.axis_name is not None:  # each device draws its own NNX random streams
-        node_state = _fold_keys(node_state, device_index)
+    return micro
 
-    def loss_on(diff, batch, keys, state):
-        user, node_rest = state
+
+def _micro_loss(fun, options, args, kwargs, parts, rng_pos, device, sum_dtype) -> Callable:
+    """``(diff, batch, index, state) -> (total, (count, aux, state))``."""
+    diff_pos, state_pos = options.argnums, options.state_argnums
+
+    def loss_on(diff, batch, index, state):
         full = list(args)
-        for group, values in ((diff_pos, diff), (batch_pos, batch), (rng_pos, keys)):
+        for group, values in ((diff_pos, diff), (options.batch_argnums, batch)):
             for i, v in zip(group, values):
                 full[i] = v
-        for i, v in zip(state_pos, user):
+        for i, v in zip(state_pos, state[0]):
             full[i] = v
-        for i, split in nodes.items():
+        for i in rng_pos:
+            full[i] = _fold_keys(args[i], device * options.num_microbatches + index)
+        for i, p in parts.items():
             own = diff[diff_pos.index(i)] if i in diff_pos else None
-            full[i] = _merge_arg(split, own, node_rest[i])
-        out = fun(*full, **kwargs)
-        mean, aux, new_user = _parse_output(out, options.has_aux, bool(state_pos))
+            full[i] = modules.put_together(p, own, state[1][i])
+        mean, aux, user = _parse_output(fun(*full, **kwargs), options)
         if state_pos:
-            new_user = (new_user,) if options.single_state else tuple(new_user)
-            new_user = _like(new_user, user, "returned a new_state")
-        new_rest = {
-            i: _like(
-                _new_rest(full[i], nodes[i], options.filters.get(i)),
-                node_rest[i],
-                f"left the Flax NNX argument args[{i}] with state",
+            user = _like(
+                (user,) if options.single_state else user, state[0], "returned a new_state"
             )
-            for i in nodes
+        rest = {
+            i: _like(
+                modules.new_rest(full[i], p, options.filters.get(i)),
+                state[1][i],
+                f"left the module args[{i}] with state",
+            )
+            for i, p in parts.items()
         }
         count = jax.lax.stop_gradient(jnp.asarray(mean.count, sum_dtype))
-        return jnp.asarray(mean.total), (count, aux, (new_user or (), new_rest))
+        return jnp.asarray(mean.total), (count, aux, (user if state_pos else (), rest))
 
-    grad_fn = jax.value_and_grad(loss_on, has_aux=True)
+    return loss_on
 
-    def body(carry, batch_i):
+
+def _scan(loss_on, options, primals, micro, state0, sum_dtype) -> tuple[Any, ...]:
+    """Sums of gradients, totals and counts over the micro-batches, the state and aux."""
+    axis, grad_fn = options.axis_name, jax.value_and_grad(loss_on, has_aux=True)
+
+    def body(carry, batch):
         index, grads, total, count, state = carry
-        keys_i = jax.tree.map(lambda key: jax.random.fold_in(key, device_index * k + index), keys)
-        diff = sharding.varying(primals, options.axis_name)
-        (t, (c, aux, new_state)), g = grad_fn(diff, batch_i, keys_i, state)
+        diff = collectives.varying(primals, axis)  # local sums: one reduction after the loop
+        (t, (c, aux, state)), g = grad_fn(diff, batch, index, state)
         grads = jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, g)
-        total = total + t.astype(total.dtype)
-        return (index + 1, grads, total, count + c, new_state), aux
+        return (index + 1, grads, total + t.astype(sum_dtype), count + c, state), aux
 
-    zeros = jax.tree.map(
-        lambda x: jnp.zeros(
-            jnp.shape(x), _checks.accumulation_dtype(options.accumulator_dtype, jnp.result_type(x))
-        ),
-        primals,
-    )
-    state0 = (user_state, node_state)
-    total0 = jnp.zeros((), sum_dtype)
-    carry = (jnp.zeros((), jnp.int32), zeros, total0, total0, state0)
-    carry = sharding.varying(carry, options.axis_name)
-    (_, grads, total, count, state), aux = jax.lax.scan(body, carry, micro, length=k)
-    if options.axis_name is not None:
-        grads, total, count = sharding.psum_invariant(
-            (grads, total, count), (primals, 0.0, 0.0), options.axis_name
-        )
-        state = _reduce_state(state, state0, options.axis_name)
-        state = (state[0], _restore_keys(state[1], {i: _rest_of(n) for i, n in nodes.items()}))
+    dtype = lambda x: _checks.sum_dtype(options.accumulator_dtype, jnp.result_type(x))
+    zeros = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), dtype(x)), primals)
+    zero = jnp.zeros((), sum_dtype)
+    carry = collectives.varying((jnp.zeros((), jnp.int32), zeros, zero, zero, state0), axis)
+    carry, aux = jax.lax.scan(body, carry, micro, length=options.num_microbatches)
+    return (*carry[1:], aux)
+
+
+def _accumulate(fun: Callable, options: _Options, args: tuple, kwargs: dict) -> Accumulated:
+    _check_call(options, args, kwargs)
+    axis, filters = options.axis_name, options.filters
+    parts = {
+        i: modules.take_apart(arg, f"args[{i}]", filters.get(i))
+        for i, arg in enumerate(args)
+        if modules.holds_module(arg)
+    }
+    modules.check_unshared(parts)
+    primals = tuple(modules.diff_of(parts[i]) if i in parts else args[i] for i in options.argnums)
+    _check_primals(primals, options.argnums)
+    micro = _split_batches(options, args)
+    device = 0 if axis is None else jax.lax.axis_index(axis)
+    leaves = jax.tree.leaves(primals)
+    sum_dtype = jnp.result_type(options.accumulator_dtype or jnp.float32, jnp.float32, *leaves)
+    rest = {i: modules.rest_of(p) for i, p in parts.items()}
+    user = jax.tree.map(jnp.asarray, tuple(args[i] for i in options.state_argnums))
+    state0 = (user, rest if axis is None else _fold_keys(rest, device, raw=False))
+    rng_pos = _rng_positions(options, args)
+    loss_on = _micro_loss(fun, options, args, kwargs, parts, rng_pos, device, sum_dtype)
+    grads, total, count, state, aux = _scan(loss_on, options, primals, micro, state0, sum_dtype)
+    if options.has_aux:
+        batches = tuple(args[i] for i in options.batch_argnums)
+        whole = jax.eval_shape(loss_on, primals, batches, 0, state0)[1][1]
+        aux = _finish_aux(aux, whole, options.num_microbatches)
+    if axis is not None:
+        sums = collectives.psum_invariant((grads, total, count), (primals, 0.0, 0.0), axis)
+        grads, total, count = sums
+        state = _reduce_state(state, state0, axis)
+        restore = lambda x, r: r if _is_key(x, raw=False) else x  # the caller's NNX keys
+        state = (state[0], jax.tree.map(restore, state[1], rest))
+    _check_count(count)
     grads = jax.tree.map(lambda g, p: (g / count).astype(jnp.result_type(p)), grads, primals)
-    user_state, node_state = state
-    for i, node_rest in node_state.items():
-        _write_back(nodes[i], node_rest)
+    for i, new in state[1].items():
+        modules.write_back(parts[i], new)
     return Accumulated(
         mean=Mean(total, count),
         grads=grads[0] if options.single_argnum else grads,
         aux=aux if options.has_aux else None,
-        state=(user_state[0] if options.single_state else user_state) if state_pos else None,
+        state=(state[0][0] if options.single_state else state[0])
+        if options.state_argnums
+        else None,
     )
+
+
+def _check_count(count: jax.Array) -> None:
+    """An eagerly known count that is NaN or negative is an error (under jit it is a NaN)."""
+    if not isinstance(count, jax.core.Tracer) and not bool(count >= 0):
+        raise ValueError(
+            f"The loss's jaxga.Mean counts summed to {float(count)} items over the batch; a "
+            f"count is a number of items or a total weight: finite and non-negative."
+        )
 
 
 # --- the public transformations -----------------------------------------------------
@@ -626,17 +458,34 @@ def accumulate(
     has_aux: bool = False,
     *,
     num_microbatches: int,
-    batch_argnums: int | Sequence[int] = 1,
-    rng_argnums: int | Sequence[int] = (),
-    state_argnums: int | Sequence[int] = (),
+    batch_argnums: Positions = 1,
+    rng_argnums: Positions | None = None,
+    state_argnums: Positions = (),
     axis_name: Any = None,
     accumulator_dtype: Any = None,
 ) -> Callable[..., Accumulated]:
-    """Like :func:`value_and_grad`, but the function returns everything as an :class:`Accumulated`.
+    """Like :func:`value_and_grad`, returning everything as an :class:`Accumulated`.
 
-    Use it when you need the summed :class:`Mean` (for instance the token count, to
-    weight :class:`jaxga.MultiSteps` calls) rather than only its value. Options are as
-    for :func:`value_and_grad`.
+    Args:
+        fun: the loss; returns a float scalar (a mean over its micro-batch) or a
+            :class:`jaxga.Mean`; with ``has_aux`` a pair ``(loss, aux)``; with
+            ``state_argnums`` a pair ``(output, new_state)``.
+        argnums: position(s) of the argument(s) to differentiate, as in JAX; for NNX
+            modules also ``nnx.DiffState(position, filter)``.
+        has_aux: whether ``fun`` returns ``(loss, aux)``.
+        num_microbatches: how many micro-batches to split the batch into.
+        batch_argnums: position(s) of the argument(s) split along their leading axis.
+        rng_argnums: position(s) of PRNG key arguments; micro-batch ``i`` gets
+            ``fold_in(key, i)``. ``None`` (default): every other argument holding typed
+            keys; ``()``: none.
+        state_argnums: position(s) of state threaded through the micro-batches (Linen
+            ``batch_stats``); ``fun`` returns ``(output, new_state)``.
+        axis_name: the mesh axis the batch is split over inside ``shard_map``: sums are
+            reduced across it once, after the loop.
+        accumulator_dtype: dtype of the gradient sums; ``None``: at least float32.
+
+    Returns:
+        A function with ``fun``'s signature returning an :class:`Accumulated`.
 
     Example:
         >>> import jax.numpy as jnp, jaxga
@@ -647,20 +496,21 @@ def accumulate(
     """
     options = _options(
         fun,
-        num_microbatches,
         argnums,
         has_aux,
-        batch_argnums,
-        rng_argnums,
-        state_argnums,
-        axis_name,
-        accumulator_dtype,
+        num_microbatches,
+        batch_argnums=batch_argnums,
+        rng_argnums=rng_argnums,
+        state_argnums=state_argnums,
+        axis_name=axis_name,
+        accumulator_dtype=accumulator_dtype,
     )
 
     @functools.wraps(fun)
     def accumulated(*args: Any, **kwargs: Any) -> Accumulated:
         return _accumulate(fun, options, args, kwargs)
 
+    accumulated.has_state = bool(options.state_argnums)
     return accumulated
 
 
@@ -670,77 +520,30 @@ def value_and_grad(
     has_aux: bool = False,
     *,
     num_microbatches: int,
-    batch_argnums: int | Sequence[int] = 1,
-    rng_argnums: int | Sequence[int] = (),
-    state_argnums: int | Sequence[int] = (),
-    axis_name: Any = None,
-    accumulator_dtype: Any = None,
+    **options: Any,
 ) -> Callable[..., Any]:
     """Like :func:`jax.value_and_grad`, accumulated over micro-batches in one ``lax.scan``.
 
     The leading axis of every array in the batch argument(s) is split into
-    ``num_microbatches`` equal micro-batches (see :func:`split_microbatches`);
-    ``jax.value_and_grad(fun)`` runs on one micro-batch per scan iteration, so
-    activations live for one micro-batch at a time, and gradients are summed in a
-    carried accumulator. ``argnums`` and ``has_aux`` are positional as in JAX, so
-    porting a call never changes its meaning.
-
-    **How the micro-batches are combined.** If ``fun`` returns a :class:`jaxga.Mean`,
-    totals and counts are summed over all micro-batches (and devices) and divided
-    once: the value and gradient are exactly those of the whole batch, also for
-    masked and variable-length losses. If ``fun`` returns a plain scalar, it is taken
-    to be its micro-batch's mean and the micro-batches weigh equally — exact only
-    when every micro-batch has the same number of items.
-
-    **Flax NNX.** Arguments may be NNX graph nodes (modules, ``nnx.Optimizer``s, lists
-    or dicts of them), as for ``nnx.value_and_grad``: the ``nnx.Param`` state of a
-    differentiated module is differentiated (``nnx.DiffState(i, filter)`` in
-    ``argnums`` chooses other state) and its gradient comes back as an ``nnx.State``.
-    All other state of every module argument — BatchNorm statistics, ``nnx.Rngs``
-    counters, any ``nnx.Variable`` the model writes — is carried from one micro-batch
-    to the next and written back into the module when the call returns, exactly as
-    if the micro-batches had been run one after another in order 0, 1, …, k − 1.
-    Dropout drawing from an ``nnx.Rngs`` of the module thus gets a fresh key per
-    micro-batch (the stream's counter advances once per draw, as it would over k
-    sequential steps), and a different one on the next call. Works eagerly, inside
-    ``nnx.jit`` and inside ``jax.jit``.
-
-    **Randomness.** Explicit PRNG key arguments (``rng_argnums``) give micro-batch
-    ``i`` the key ``fold_in(key, i)``, with ``i`` numbered across devices. With
-    ``axis_name``, each device also folds its index into the keys of NNX ``Rngs``
-    for the duration of the call, so devices draw different masks; the module's keys
-    are unchanged afterwards and its counters advance as on one device.
+    ``num_microbatches`` micro-batches; gradients, and the totals and counts of a
+    :class:`jaxga.Mean` loss, are summed over them and divided once. NNX modules are
+    taken as ``nnx.value_and_grad`` takes them (their other state threaded through the
+    micro-batches and written back), Equinox modules as ``eqx.filter_value_and_grad``
+    does. ``aux`` comes back as the whole batch would give it where that is known:
+    per-example leaves in batch order, ``jaxga.Mean`` leaves summed; other leaves are
+    stacked along a leading micro-batch axis.
 
     Args:
-        fun: the loss; returns a float scalar or a :class:`jaxga.Mean` (with
-            ``has_aux``: a pair ``(loss, aux)``; with ``state_argnums``: a pair
-            ``(output, new_state)`` where output is what it would return without).
-        argnums: position(s) of the argument(s) to differentiate, as in JAX; for NNX
-            arguments an ``nnx.DiffState(position, filter)`` too.
-        has_aux: as in :func:`jax.value_and_grad`; ``aux`` comes back stacked along a
-            leading micro-batch axis, as ``lax.scan`` stacks its outputs
-            (:func:`merge_microbatches` restores per-example outputs to batch order).
+        fun: the loss, as for :func:`accumulate`.
+        argnums: as in :func:`jax.value_and_grad`.
+        has_aux: as in :func:`jax.value_and_grad`.
         num_microbatches: how many micro-batches to split the batch into.
-        batch_argnums: position(s) of the argument(s) to split along their leading axis.
-        rng_argnums: position(s) of PRNG key arguments (any pytree of keys).
-        state_argnums: position(s) of state that is not differentiated but updated, such
-            as Linen ``batch_stats``: ``fun`` returns ``(output, new_state)``, the state
-            is carried from one micro-batch to the next, and the transformed function
-            returns ``(result, new_state)``. (NNX modules need no such argument.)
-        axis_name: the mesh axis the batch is split over, inside ``shard_map``/``pmap``:
-            each device scans its local micro-batches and one ``psum`` of gradients,
-            totals and counts follows the loop, giving the global-batch result on every
-            device. Threaded state that was the same on every device (replicated
-            BatchNorm statistics) is averaged over devices; counters take the maximum.
-        accumulator_dtype: the dtype of the gradient sums. ``None`` (default): at
-            least float32 — bfloat16 gradients are summed in float32, float64 ones
-            (under x64) in float64; an explicit dtype is used as it is. Gradients are
-            returned in each argument's own dtype; the value is at least float32.
+        **options: ``batch_argnums``, ``rng_argnums``, ``state_argnums``, ``axis_name``,
+            ``accumulator_dtype``, as for :func:`accumulate`.
 
     Returns:
-        A function with ``fun``'s signature returning ``(value, grads)``, or
-        ``((value, aux), grads)`` with ``has_aux``; with ``state_argnums`` that result is
-        paired with the new state: ``(result, new_state)``.
+        A function returning ``(value, grads)``, or ``((value, aux), grads)`` with
+        ``has_aux``; with ``state_argnums`` paired with the new state.
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxga
@@ -753,25 +556,13 @@ def value_and_grad(
         >>> round(float(value), 4), g.shape
         (1.3863, (3, 4))
     """
-    accumulated = accumulate(
-        fun,
-        argnums,
-        has_aux,
-        num_microbatches=num_microbatches,
-        batch_argnums=batch_argnums,
-        rng_argnums=rng_argnums,
-        state_argnums=state_argnums,
-        axis_name=axis_name,
-        accumulator_dtype=accumulator_dtype,
-    )
-    has_state = bool(_positions("state_argnums", state_argnums))
+    accumulated = accumulate(fun, argnums, has_aux, num_microbatches=num_microbatches, **options)
 
     @functools.wraps(fun)
     def value_and_grad_fun(*args: Any, **kwargs: Any) -> Any:
         acc = accumulated(*args, **kwargs)
-        value = acc.mean.value
-        result = ((value, acc.aux) if has_aux else value), acc.grads
-        return (result, acc.state) if has_state else result
+        value = (acc.mean.value, acc.aux) if has_aux else acc.mean.value
+        return ((value, acc.grads), acc.state) if accumulated.has_state else (value, acc.grads)
 
     return value_and_grad_fun
 
@@ -782,16 +573,9 @@ def grad(
     has_aux: bool = False,
     *,
     num_microbatches: int,
-    batch_argnums: int | Sequence[int] = 1,
-    rng_argnums: int | Sequence[int] = (),
-    state_argnums: int | Sequence[int] = (),
-    axis_name: Any = None,
-    accumulator_dtype: Any = None,
+    **options: Any,
 ) -> Callable[..., Any]:
     """Like :func:`jax.grad`, accumulated over micro-batches; see :func:`value_and_grad`.
-
-    Returns ``grads``, or ``(grads, aux)`` with ``has_aux``; with ``state_argnums``
-    that result is paired with the new state: ``(result, new_state)``.
 
     Example:
         >>> import jax.numpy as jnp, jaxga
@@ -799,23 +583,12 @@ def grad(
         >>> float(g)
         1.5
     """
-    accumulated = accumulate(
-        fun,
-        argnums,
-        has_aux,
-        num_microbatches=num_microbatches,
-        batch_argnums=batch_argnums,
-        rng_argnums=rng_argnums,
-        state_argnums=state_argnums,
-        axis_name=axis_name,
-        accumulator_dtype=accumulator_dtype,
-    )
-    has_state = bool(_positions("state_argnums", state_argnums))
+    accumulated = accumulate(fun, argnums, has_aux, num_microbatches=num_microbatches, **options)
 
     @functools.wraps(fun)
     def grad_fun(*args: Any, **kwargs: Any) -> Any:
         acc = accumulated(*args, **kwargs)
         result = (acc.grads, acc.aux) if has_aux else acc.grads
-        return (result, acc.state) if has_state else result
+        return (result, acc.state) if accumulated.has_state else result
 
     return grad_fun

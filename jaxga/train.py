@@ -1,12 +1,4 @@
-"""Jitted train steps that put the whole jaxga pipeline together.
-
-:func:`make_train_step` takes a functional state — a ``flax.training.train_state.TrainState``
-(Linen, or an NNX model split with ``nnx.split``) — and :func:`nnx_train_step` takes a Flax
-NNX model and its ``nnx.Optimizer``. Both split the batch into micro-batches, accumulate
-the exact loss and gradient, hand the optimiser the call's item count (so a
-:class:`jaxga.MultiSteps` anywhere in it accumulates exactly across calls too) and
-return the same metrics.
-"""
+"""Jitted train steps: micro-batches, exact accumulation, the optimiser, donation and metrics."""
 
 from __future__ import annotations
 
@@ -22,10 +14,10 @@ import numpy as np
 import optax
 from flax import nnx
 from flax.training import train_state
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxga import _checks, sharding
+from jaxga import _checks, modules, sharding
 from jaxga.accumulation import Accumulated, accumulate
 from jaxga.compiler import compiler_options
 from jaxga.loss import Mean
@@ -40,25 +32,17 @@ _FLAX_FIELDS = frozenset(f.name for f in dataclasses.fields(train_state.TrainSta
 class TrainState(train_state.TrainState):
     """Flax's ``TrainState`` plus the model's non-differentiated state and a PRNG key.
 
-    A ``flax.training.train_state.TrainState`` (``step``, ``apply_fn``, ``params``,
-    ``tx``, ``opt_state``; ``apply_gradients`` works as in Flax) with two more fields:
-
     Attributes:
-        model_state: state the model updates but does not differentiate, threaded
-            through the micro-batches (Linen ``{"batch_stats": ...}``, the non-``Param``
-            state of an NNX model split with ``nnx.split``); ``{}`` when there is none.
-        rng: a typed PRNG key (any implementation); step ``s``, micro-batch ``i`` gets
-            ``fold_in(fold_in(rng, s), i)``, so a resumed run draws the same keys.
-
-    Any other ``flax.training.train_state.TrainState`` works with
-    :func:`make_train_step` too; see there.
+        model_state: state the model updates but does not differentiate (Linen
+            ``{"batch_stats": ...}``, an NNX model's non-``Param`` state); ``{}`` if none.
+        rng: a typed PRNG key; step ``s``, micro-batch ``i`` draws
+            ``fold_in(fold_in(rng, s), i)``.
 
     Example:
         >>> import jax.numpy as jnp, optax, jaxga
         >>> state = jaxga.TrainState.create(params={"w": jnp.zeros(3)}, tx=optax.adam(1e-3))
-        >>> state = state.replace(params={"w": jnp.ones(3)})  # a pytree: save it, map over it
-        >>> int(state.step), state.params["w"].tolist()
-        (0, [1.0, 1.0, 1.0])
+        >>> int(state.step), state.params["w"].shape
+        (0, (3,))
     """
 
     model_state: Any = None
@@ -75,11 +59,8 @@ class TrainState(train_state.TrainState):
         rng: jax.Array | int = 0,
         **kwargs: Any,
     ) -> TrainState:
-        """Returns the initial state for ``params`` and the optimiser ``tx``.
-
-        ``params``, ``model_state`` and ``rng`` are copied: the train step donates the state's
-        buffers, which would otherwise delete arrays you still hold (an NNX model's
-        own parameters, say). ``rng`` is an integer seed or a PRNG key.
+        """Returns the initial state; ``params``, ``model_state`` and ``rng`` (a seed or a key)
+        are copied, since the train step donates them.
 
         Example:
             >>> import jax.numpy as jnp, optax, jaxga
@@ -88,12 +69,9 @@ class TrainState(train_state.TrainState):
             (0, ())
         """
         _checks.check_optimizer(tx, "tx")
-        if not jax.tree.leaves(params):
-            raise ValueError(
-                f"`params` must be a pytree holding the parameter arrays; got {params!r}, "
-                f"which holds none."
-            )
+        _check_arrays(params, "params")
         model_state = {} if model_state is None else model_state
+        _check_arrays(model_state, "model_state", empty_ok=True)
         params, model_state = jax.tree.map(_copy, (params, model_state))
         state = super().create(
             apply_fn=apply_fn,
@@ -103,8 +81,38 @@ class TrainState(train_state.TrainState):
             rng=_copy(_as_key(rng)),
             **kwargs,
         )
-        # tx.init may keep the parameters themselves (prodigy): one buffer, donated twice
         return _unaliased(state.replace(step=jnp.zeros((), jnp.int32)))
+
+
+def _check_arrays(tree: Any, name: str, empty_ok: bool = False) -> None:
+    """Raises unless ``tree`` is a pytree of arrays (an NNX state of ``nnx.Param``s for params)."""
+    if modules.holds_module(tree):
+        raise TypeError(
+            f"`{name}` is (or holds) a module; pass its arrays: for Flax NNX, `graphdef, params, "
+            f"rest = nnx.split(model, nnx.Param, ...)` with params=params, model_state=rest (or "
+            f"use jaxga.nnx_train_step)."
+        )
+    if name == "params" and isinstance(tree, nnx.State):
+        kinds = {type(v).__name__ for v in jax.tree.leaves(tree, is_leaf=_is_variable)}
+        if kinds - {"Param"}:
+            raise ValueError(
+                f"`params` holds {sorted(kinds - {'Param'})} state besides nnx.Param: split the "
+                f"model three ways, `graphdef, params, rest = nnx.split(model, nnx.Param, ...)`, "
+                f"and pass model_state=rest."
+            )
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for path, x in leaves:
+        if not (hasattr(x, "dtype") or isinstance(x, int | float | complex)):
+            raise TypeError(
+                f"{name}{jax.tree_util.keystr(path)} is {x!r} of type {type(x).__name__}; "
+                f"`{name}` must be a pytree of arrays."
+            )
+    if not leaves and not empty_ok:
+        raise ValueError(f"`{name}` must be a pytree holding the parameter arrays; got {tree!r}.")
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
 
 
 def _copy(x: Any) -> Any:
@@ -113,32 +121,43 @@ def _copy(x: Any) -> Any:
 
 
 def _as_key(rng: Any) -> jax.Array:
-    """A typed PRNG key from a seed, a typed key or raw ``uint32`` key data."""
-    bad = TypeError(f"`rng` must be an integer seed or a single PRNG key; got {rng!r}.")
-    if isinstance(rng, str | bytes):  # result_type would read it as the name of a dtype
-        raise bad
-    try:
-        dtype, shape = jnp.result_type(rng), jnp.shape(rng)
-    except TypeError:
-        raise bad from None
-    if jnp.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
+    """A typed PRNG key from a seed, a typed key or raw ``uint32[2]`` key data."""
+    dtype = getattr(rng, "dtype", None) or (jnp.int32 if isinstance(rng, int) else None)
+    shape = jnp.shape(rng) if dtype is not None else None
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
         return rng
-    if jnp.issubdtype(dtype, jnp.integer) and shape == ():
+    if dtype is not None and jnp.issubdtype(dtype, jnp.integer) and shape == ():
         return jax.random.key(rng)
     if dtype == jnp.uint32 and shape == (2,):
         return jax.random.wrap_key_data(rng)
-    raise TypeError(
-        f"`rng` must be an integer seed or a single PRNG key; got {rng!r} (dtype {dtype}, "
-        f"shape {shape})."
-    )
+    raise TypeError(f"`rng` must be an integer seed or a single PRNG key; got {rng!r}.")
+
+
+def _unaliased(tree: Any) -> Any:
+    """``tree`` with a copy of each array whose buffer it already holds: a call may not
+    donate one buffer twice (``optax.contrib.prodigy`` keeps the initial parameters)."""
+    seen: set[Any] = set()
+
+    def once(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return x
+        try:
+            buffers = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+        except Exception:  # a backend without buffer pointers: the array object itself
+            buffers = {id(x)}
+        if seen & buffers:
+            return _copy(x)
+        seen.update(buffers)
+        return x
+
+    return jax.tree.map(once, tree)
 
 
 def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
-    """Turns ``loss(model, batch, rng)`` on a Flax NNX model into the functional form.
+    """Turns ``loss(model, batch, rng)`` on a Flax NNX model into :func:`make_train_step`'s form.
 
-    The result is ``(params, batch, model_state, rng) -> (loss, new_model_state)``, the
-    signature :func:`make_train_step` takes, for a model split as
-    ``graphdef, params, model_state = nnx.split(model, nnx.Param, ...)``.
+    The result is ``(params, batch, model_state, rng) -> (loss, new_model_state)`` for a
+    model split as ``graphdef, params, model_state = nnx.split(model, nnx.Param, ...)``.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, jaxga
@@ -158,10 +177,9 @@ def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
     _checks.check_arity(loss, "loss", 3, "`loss(model, batch, rng)`")
 
     def functional(params, batch, model_state, rng):
+        part = modules.Part(None, graphdef, params, model_state)
         try:
-            # copy=True: fresh Variables of this trace, so the model may update its state
-            # (BatchNorm statistics, its own Rngs) inside the micro-batch loop.
-            model = nnx.merge(graphdef, params, model_state, copy=True)
+            model = modules.put_together(part, params, model_state)
         except ValueError as e:
             raise ValueError(
                 "`nnx_loss` could not rebuild the model from the state's params and "
@@ -169,189 +187,122 @@ def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
                 f"nnx.Param, ...)` and pass `model_state=rest` ({e})."
             ) from None
         value = loss(model, batch, rng)
-        _, _, new_state = nnx.split(model, nnx.Param, ...)
-        return value, new_state
+        return value, modules.new_rest(model, part, nnx.Param)
 
     return functional
 
 
-def _learning_rate(opt_state: Any) -> jax.Array:
-    """The learning rate recorded by ``optax.inject_hyperparams``, or NaN if there is none."""
+# --- one step: the optimiser and the metrics -----------------------------------------
+
+
+def _find(tree: Any, kind: type) -> Any:
+    """The first ``kind`` node in ``tree`` (a MultiSteps state in an optimiser's), or ``None``."""
+    is_kind = lambda x: isinstance(x, kind)
+    return next((x for x in jax.tree.leaves(tree, is_leaf=is_kind) if is_kind(x)), None)
+
+
+def _update(acc: Accumulated, update: Callable[[Any, Any], Any], state: Any) -> Any:
+    """``update(state, grads)``, or ``state`` as it was for a call that counted no items.
+
+    A MultiSteps takes such a call itself (weight 0, zero gradients) as one of its group's.
+    """
+    counted = acc.mean.count > 0
+    hint = "was it built for these parameters (`nnx.Optimizer(model, tx)`, `TrainState.create`)?"
+    try:
+        shapes = jax.eval_shape(update, state, acc.grads)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"The optimiser's update fails on these parameters: {hint} ({e})") from e
+    for (path, before), after in zip(
+        jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(shapes), strict=True
+    ):
+        if jnp.shape(before) != after.shape:
+            raise ValueError(
+                f"The optimiser's update changes the shape of {jax.tree_util.keystr(path)} "
+                f"from {jnp.shape(before)} to {after.shape}: {hint}"
+            )
+    if _find(state, MultiStepsState) is not None:
+        zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))  # not a constant
+        return update(state, jax.tree.map(lambda g: jnp.where(counted, g, zero), acc.grads))
+    # leaf by leaf: nnx.Optimizer may rebuild a subtree with other node types
+    dtypes = [x.dtype for x in jax.tree.leaves(shapes)]
+    leaves = jax.lax.cond(
+        counted,
+        lambda state: jax.tree.leaves(update(state, acc.grads)),
+        lambda state: [x.astype(d) for x, d in zip(jax.tree.leaves(state), dtypes)],
+        state,
+    )
+    return jax.tree.unflatten(jax.tree.structure(shapes), leaves)
+
+
+def _metrics(acc: Accumulated, old_opt_state: Any, opt_state: Any) -> Metrics:
     found = [
         value
         for path, value in optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate")
         if any(getattr(key, "name", None) == "hyperparams" for key in path)
     ]
-    return jnp.asarray(found[0] if len(found) == 1 else jnp.nan, jnp.float32)
-
-
-def _first(opt_state: Any, kind: type) -> Any:
-    """The first ``kind`` state in an optimiser's state (a MultiSteps'), or ``None``."""
-    is_state = lambda x: isinstance(x, kind)
-    return next((x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)), None)
-
-
-def _update_if_counted(
-    acc: Accumulated,
-    opt_state: Any,
-    update: Callable[[Any, Any], Any],
-    state: Any,
-    *,
-    donated: bool,
-) -> Any:
-    """``update(state, grads)``, or ``state`` as it is for a call that counted no items.
-
-    The mean gradient of no items is 0 / 0: a call whose batch is all padding must not
-    reach the optimiser (its moments, weight decay and step count), as a group of weight
-    0 does not reach :class:`jaxga.MultiSteps`' inner optimiser. A MultiSteps takes such
-    a call itself (it is one of its group's calls, and weight 0 keeps its gradient out),
-    so an optimiser holding one is called, with zeros for gradients: what sits beside it
-    (another partition of ``optax.multi_transform``) sees a zero gradient, not 0 / 0.
-
-    With ``donated`` operands the choice is a ``lax.cond``, whose untaken branch hands
-    them back in place; without, a cond would copy them, and a per-leaf select is
-    cheaper (measured with ``jaxga.memory_report`` on a CPU). An update that would change
-    a leaf's shape (an optimiser built for other parameters, which broadcasting would
-    otherwise let through) is named first.
-    """
-    counted = acc.mean.count > 0
-    updated_shapes = jax.eval_shape(update, state, acc.grads)
-    for (path, before), after in zip(
-        jax.tree_util.tree_flatten_with_path(state)[0],
-        jax.tree.leaves(updated_shapes),
-        strict=True,
-    ):
-        if jnp.shape(before) != after.shape:
-            raise ValueError(
-                f"The optimiser's update changes the shape of {jax.tree_util.keystr(path)} "
-                f"from {jnp.shape(before)} to {after.shape}: was it built for these "
-                f"parameters (`nnx.Optimizer(model, tx, wrt=...)`, "
-                f"`TrainState.create(params, tx)`)?"
-            )
-    if _first(opt_state, MultiStepsState) is not None:
-        # a zero XLA cannot see is constant: no zeros of a parameter's shape (see MultiSteps)
-        zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))
-        grads = jax.tree.map(lambda g: jnp.where(counted, g, zero.astype(g.dtype)), acc.grads)
-        return update(state, grads)
-    # leaf by leaf: the update may rebuild a subtree with another node type (nnx.Optimizer
-    # turns an optimiser state's lists into nnx.States), keeping the leaves and their order
-    updated = lambda state: jax.tree.leaves(update(state, acc.grads))
-    if donated:
-        # the state as it is, in the dtypes the update gives it (inject_hyperparams' float32
-        # moments of bfloat16 parameters): a cond's branches agree on types
-        dtypes = [x.dtype for x in jax.tree.leaves(updated_shapes)]
-        kept = lambda state: [x.astype(d) for x, d in zip(jax.tree.leaves(state), dtypes)]
-        leaves = jax.lax.cond(counted, updated, kept, state)
-    else:
-        old = jax.tree.leaves(state)  # before `update`, which may write into its Variables
-        leaves = map(functools.partial(jnp.where, counted), updated(state), old)
-    return jax.tree.unflatten(jax.tree.structure(updated_shapes), list(leaves))
-
-
-def _applied(acc: Accumulated, old_opt_state: Any, opt_state: Any) -> jax.Array:
-    """Whether the call changed the parameters: not while a MultiSteps (jaxga's, or
-    optax's, whose applied steps ``gradient_step`` counts) accumulates, nor for no items."""
-    ours = _first(opt_state, MultiStepsState)
-    if ours is not None:
-        return ours.applied
-    theirs = _first(opt_state, optax.MultiStepsState)
-    if theirs is not None:
-        return theirs.gradient_step > _first(old_opt_state, optax.MultiStepsState).gradient_step
-    return acc.mean.count > 0
-
-
-def _metrics(acc: Accumulated, old_opt_state: Any, opt_state: Any) -> Metrics:
+    applied = acc.mean.count > 0
+    if (ours := _find(opt_state, MultiStepsState)) is not None:
+        applied = ours.applied
+    elif (theirs := _find(opt_state, optax.MultiStepsState)) is not None:
+        applied = theirs.gradient_step > _find(old_opt_state, optax.MultiStepsState).gradient_step
     return {
         "loss": acc.mean.value,
         "count": acc.mean.count,
         "grad_norm": optax.tree.norm(acc.grads),
-        "learning_rate": _learning_rate(opt_state),
-        "applied": _applied(acc, old_opt_state, opt_state),
+        "learning_rate": jnp.asarray(found[0] if len(found) == 1 else jnp.nan, jnp.float32),
+        "applied": applied,
     }
 
 
-def _weight_of(tx: Any, acc: Accumulated) -> dict[str, jax.Array]:
-    """``weight=`` the call's item count, for optimisers that take extra arguments.
-
-    :class:`jaxga.MultiSteps` (anywhere in an ``optax.chain``) weighs its calls by it;
-    other transformations that take extra arguments ignore it.
-    """
-    extra_args = isinstance(tx, optax.GradientTransformationExtraArgs)
-    return {"weight": acc.mean.count} if extra_args else {}
+def _weight(tx: Any, acc: Accumulated) -> dict[str, jax.Array]:
+    """``weight=`` the call's item count, for optimisers taking extra arguments (MultiSteps)."""
+    return (
+        {"weight": acc.mean.count} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
+    )
 
 
-def _added_fields(state: train_state.TrainState) -> list[str]:
-    """The array fields a TrainState subclass adds to Flax's."""
-    return [
+# --- the functional step ---------------------------------------------------------------
+
+
+def _model_fields(state: Any) -> tuple[list[str], str | None]:
+    """The fields a Flax TrainState subclass adds: variable collections (dicts) and a key."""
+    if isinstance(state, TrainState):
+        return ["model_state"], "rng"
+    added = [
         f.name
         for f in dataclasses.fields(state)
         if f.name not in _FLAX_FIELDS and f.metadata.get("pytree_node", True)
     ]
-
-
-def _is_key(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _rng_field(state: train_state.TrainState) -> str | None:
-    """The field the step's keys come from: ``rng`` or ``key``, or the one holding a key."""
-    if isinstance(state, TrainState):
-        return "rng"
-    names = [n for n in _added_fields(state) if n in ("rng", "key") or _is_key(getattr(state, n))]
-    if len(names) > 1:
+    is_key = lambda n: (
+        n in ("rng", "key")
+        or jnp.issubdtype(getattr(getattr(state, n), "dtype", np.float32), jax.dtypes.prng_key)
+    )
+    keys = [n for n in added if is_key(n)]
+    if len(keys) > 1:
         raise ValueError(
-            f"`state` ({type(state).__name__}) has several PRNG-key fields, {names}; the "
-            f"train step draws its keys from one: keep one, or hold the others elsewhere."
+            f"`state` ({type(state).__name__}) has several PRNG-key fields, {keys}; the train "
+            f"step draws its keys from one: keep one, or hold the others elsewhere."
         )
-    return names[0] if names else None
-
-
-def _model_fields(state: train_state.TrainState) -> list[str]:
-    """The variable collections a TrainState subclass adds (``batch_stats``: dicts)."""
-    rng = _rng_field(state)
-    return [
-        n
-        for n in _added_fields(state)
-        if n != rng and isinstance(getattr(state, n), collections.abc.Mapping)
+    dicts = [
+        n for n in added if n not in keys and isinstance(getattr(state, n), collections.abc.Mapping)
     ]
-
-
-def _get_model_state(state: train_state.TrainState) -> Any:
-    if isinstance(state, TrainState):
-        return state.model_state
-    return {name: getattr(state, name) for name in _model_fields(state)}
-
-
-def _get_rng(state: train_state.TrainState) -> jax.Array | None:
-    """The step's base key: ``fold_in(key, step)``, or ``None`` if the state has none."""
-    name = _rng_field(state)
-    key = None if name is None else getattr(state, name)
-    return None if key is None else jax.random.fold_in(_as_key(key), state.step)
-
-
-def _set_model_state(state: train_state.TrainState, model_state: Any) -> Any:
-    if isinstance(state, TrainState):
-        return state.replace(model_state=model_state)
-    return state.replace(**model_state)
+    return dicts, (keys[0] if keys else None)
 
 
 def _check_state(state: Any) -> None:
-    if isinstance(state, train_state.TrainState):
-        return
-    hint = (
-        "; for a Flax NNX model and nnx.Optimizer use jaxga.nnx_train_step"
-        if nnx.graphlib.is_graph_node(state)
-        else ""
-    )
-    raise TypeError(
-        f"`state` must be a flax.training.train_state.TrainState (jaxga.TrainState is one, "
-        f"with model_state and rng); got {type(state).__name__}{hint}."
-    )
+    if not isinstance(state, train_state.TrainState):
+        hint = (
+            "; for a Flax NNX model and nnx.Optimizer use jaxga.nnx_train_step"
+            if modules.is_graph_node(state) or isinstance(state, nnx.State)
+            else ""
+        )
+        raise TypeError(
+            f"`state` must be a flax.training.train_state.TrainState (jaxga.TrainState is one, "
+            f"with model_state and rng); got {type(state).__name__}{hint}."
+        )
 
 
-def _check_no_aux(value: Any, signature: str) -> None:
-    """A train step's loss is the loss alone: a ``(loss, aux)`` pair gets a clear error."""
+def _check_loss_alone(value: Any, signature: str) -> None:
     if isinstance(value, tuple | list):
         raise TypeError(
             f"{signature} must give the loss alone (a float scalar or a jaxga.Mean); got a "
@@ -361,97 +312,49 @@ def _check_no_aux(value: Any, signature: str) -> None:
 
 
 def _checked_loss(loss: Callable[..., Any]) -> Callable[..., Any]:
+    signature = "`loss(params, batch, model_state, rng)`"
+
     @functools.wraps(loss)
     def checked(params, batch, model_state, rng):
         out = loss(params, batch, model_state, rng)
         if isinstance(out, Mean) or not (isinstance(out, tuple) and len(out) == 2):
-            got = type(out).__name__
-            if not isinstance(out, Mean | tuple):
-                got = f"an array of shape {jnp.shape(out)}"
+            got = type(out).__name__ if isinstance(out, Mean | tuple) else None
             raise TypeError(
-                "`loss(params, batch, model_state, rng)` must return a pair (loss, "
-                f"new_model_state) — return `model_state` unchanged if the model has none; "
-                f"got {got}."
+                f"{signature} must return a pair (loss, new_model_state) — return "
+                f"`model_state` unchanged if the model has none; got "
+                f"{got or f'an array of shape {jnp.shape(out)}'}."
             )
-        _check_no_aux(out[0], "The first element of `loss(params, batch, model_state, rng)`")
-        given, returned = jax.tree.structure(model_state), jax.tree.structure(out[1])
-        if returned != given:
+        _check_loss_alone(out[0], f"The first element of {signature}")
+        if jax.tree.structure(out[1]) != jax.tree.structure(model_state):
             raise TypeError(
-                f"`loss(params, batch, model_state, rng)` returned a new_model_state with tree "
-                f"structure {returned}; it must keep the structure of the model_state it was "
-                f"given, {given} (TrainState.create's `model_state`)."
+                f"{signature} returned a new_model_state with tree structure "
+                f"{jax.tree.structure(out[1])}; it must keep the structure of the model_state "
+                f"it was given, {jax.tree.structure(model_state)} (TrainState.create's "
+                f"`model_state`)."
             )
         return out
 
     return checked
 
 
-def _donated(state: Any) -> bool:
-    """Whether ``state`` was donated to an earlier call: its step counter tells (or, while
-    that is a Python int, its first parameter). Every leaf is donated together."""
-    leaf = getattr(state, "step", None)
-    if not isinstance(leaf, jax.Array):
-        leaf = next(iter(jax.tree.leaves(getattr(state, "params", None))), None)
-    return isinstance(leaf, jax.Array) and leaf.is_deleted()
-
-
 def _traced(tree: Any) -> bool:
-    """Whether ``tree`` is being traced by an enclosing transformation (one leaf tells:
-    a train state's step counter, without flattening the state)."""
+    """Whether an enclosing transformation traces ``tree`` (its step counter, or first leaf)."""
     leaf = getattr(tree, "step", None)
-    if leaf is None:
-        leaf = next(iter(jax.tree.leaves(tree)), None)
-    return isinstance(leaf, jax.core.Tracer)
+    return isinstance(
+        leaf if leaf is not None else next(iter(jax.tree.leaves(tree)), None), jax.core.Tracer
+    )
 
 
-def _buffers(x: jax.Array) -> list[Any]:
-    """The addresses of ``x``'s buffers: two arrays that share one are one to donate.
-
-    Addresses on different devices may coincide; that costs a needless copy, no error.
-    """
-    try:
-        return [x.unsafe_buffer_pointer()]  # one device: cheap, no shard objects built
-    except Exception:
-        pass
-    try:
-        return [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
-    except Exception:  # a backend without buffer pointers: the array object itself
-        return [id(x)]
-
-
-def _unaliased(tree: Any) -> Any:
-    """``tree`` with a copy of each array whose buffer it holds a second time.
-
-    A call may not donate one buffer twice, and optimisers do hold the parameters
-    themselves in their state (``optax.contrib.prodigy`` keeps the initial ones), also
-    as other array objects over the same buffer (after ``jax.device_put``).
-    """
-    seen: set[Any] = set()
-
-    def once(x: Any) -> Any:
-        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
-            return x
-        buffers = _buffers(x)
-        if seen.intersection(buffers):
-            return _copy(x)
-        seen.update(buffers)
-        return x
-
-    return jax.tree.map(once, tree)
-
-
-def _as_step(
-    fn: Callable[..., Any], jitted: Any, place: Callable[[Any], Any], donate: bool
-) -> Callable:
-    """``jitted`` with its state placed by ``place`` first, and a clear error for a state
-    an earlier call donated. Under an enclosing ``jit`` it is ``fn`` itself, inlined:
-    XLA options belong to the outermost ``jit``."""
+def _as_step(fn: Callable, jitted: Any, place: Callable[[Any], Any], donate: bool) -> Callable:
+    """``jitted`` with the state placed first and a clear error for a donated state; under an
+    enclosing ``jit``, ``fn`` inlined (XLA options belong to the outermost ``jit``)."""
 
     @functools.wraps(jitted)
     def step(state: Any, batch: Any) -> Any:
         if _traced(state):
             return fn(state, batch)
-        if _donated(state):
+        leaf = getattr(state, "step", None)
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
             raise ValueError(
                 "The train step was given a state that an earlier call deleted: it donates "
                 "its state's buffers (donate=True), so pass the state it returned, not the "
@@ -465,66 +368,22 @@ def _as_step(
     return step
 
 
-def _state_placer(mesh: Mesh | None, strategy: Any, axis_name: str) -> Callable[[Any], Any]:
-    """Puts a state that is not on ``mesh`` yet (fresh from ``create``) where the step keeps
-    it, so that its first call compiles the program the later ones run and donates.
-
-    Two leaves tell, the step counter and the first parameter; arrays and
-    ``jax.ShapeDtypeStruct``s are placed.
-    """
-
-    def placed(x: Any, spec: P) -> bool:
-        current = getattr(x, "sharding", None)
-        return (
-            isinstance(current, NamedSharding)
-            and current.mesh == mesh
-            and current.is_equivalent_to(NamedSharding(mesh, spec), len(x.shape))
-        )
-
-    def first_param_spec(param: Any) -> P:
-        if not isinstance(strategy, str):
-            return jax.tree.leaves(strategy, is_leaf=lambda x: isinstance(x, P))[0]
-        if strategy in ("fsdp", "zero3"):
-            return sharding.fsdp_spec(param.shape, mesh.shape[axis_name], axis_name)
-        return P()
-
-    def place(state: Any) -> Any:
-        if mesh is None:
-            return state
-        _check_state(state)
-        counter = state.step
-        param = next(iter(jax.tree.leaves(state.params)), None)
-        if placed(counter, P()) and (param is None or placed(param, first_param_spec(param))):
-            return state
-        shardings = sharding.state_shardings(state, mesh, strategy, axis_name=axis_name)
-
-        def put(x, where):
-            if isinstance(x, jax.ShapeDtypeStruct):
-                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
-            return sharding.put(x, where)
-
-        return jax.tree.map(put, state, shardings)
-
-    return place
-
-
-def _check_wrt(optimizer: Any, model: Any, grads: Any) -> None:
-    if not isinstance(optimizer, nnx.Optimizer):
+def _check_step_options(loss, num_microbatches, mesh, axis_name, strategy, donate) -> None:
+    if callable(getattr(num_microbatches, "update", None)):
         raise TypeError(
-            f"`optimizer` must be an nnx.Optimizer(model, tx, wrt=nnx.Param); got "
-            f"{type(optimizer).__name__}."
+            "make_train_step takes no optimiser: it runs the state's own (`state.tx`, as in "
+            "Flax's TrainState); build the step as make_train_step(loss, num_microbatches) "
+            "and the state with jaxga.TrainState.create(params, tx)."
         )
-    if isinstance(optimizer, nnx.ModelAndOptimizer) and optimizer.model is not model:
-        raise ValueError(
-            "`optimizer` is an nnx.ModelAndOptimizer of another model than `model`: pass "
-            "the model it holds, `step(optimizer.model, optimizer, batch)`."
-        )
-    expected = jax.tree.structure(nnx.as_pure(nnx.state(model, optimizer.wrt)))
-    if jax.tree.structure(nnx.as_pure(grads)) != expected:
-        raise ValueError(
-            f"`optimizer` was built with wrt={optimizer.wrt!r}, but the step differentiates "
-            f"the model's nnx.Param state; build it as nnx.Optimizer(model, tx, wrt=nnx.Param)."
-        )
+    _checks.positive_int(num_microbatches, "num_microbatches")
+    signature = "`loss(params, batch, model_state, rng) -> (loss, new_model_state)`"
+    _checks.check_arity(loss, "loss", 4, signature)
+    if mesh is not None:
+        sharding.check_mesh(mesh, axis_name, concrete=True)
+    sharding.check_strategy(strategy)
+    if mesh is None and not (isinstance(strategy, str) and strategy == "data_parallel"):
+        raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
+    _checks.check_bool(donate, "donate")
 
 
 def make_train_step(
@@ -539,72 +398,34 @@ def make_train_step(
 ) -> Callable[[Any, Any], tuple[Any, Metrics]]:
     """Builds one jitted train step ``(state, batch) -> (state, metrics)``.
 
-    The step splits ``batch`` into ``num_microbatches`` micro-batches, accumulates
-    the loss and gradients exactly with :func:`jaxga.accumulate` (a fresh PRNG key
-    per micro-batch, model state threaded from one micro-batch to the next), runs
-    the state's optimiser ``state.tx`` and returns the new state.
+    The step accumulates the loss and gradients exactly over ``num_microbatches``
+    micro-batches (:func:`jaxga.accumulate`: a fresh key per micro-batch, model state
+    threaded through them), runs ``state.tx`` with ``weight=`` the call's item count (so
+    a :class:`jaxga.MultiSteps` in it is exact across calls) and donates the state. A call
+    whose batch counts no items leaves parameters and optimiser state as they were.
 
-    ``state`` is a ``flax.training.train_state.TrainState``. With a
-    :class:`jaxga.TrainState` the model state is ``state.model_state`` and the keys
-    come from ``state.rng``. With any other (a Linen user's own subclass, say, with a
-    ``batch_stats`` field) the model state is the dict of the variable collections the
-    subclass adds — its fields that hold dicts (``{"batch_stats": ...}``, just what
-    Linen's ``apply(..., mutable=...)`` returns) — and the keys come from its field
-    named ``rng`` or ``key``, or the one holding a PRNG key (``None`` without one).
-    Other added fields (a ``dynamic_scale``, counters) pass through unchanged.
-
-    The optimiser is handed the call's item count as ``weight=``, so a
-    :class:`jaxga.MultiSteps` in it accumulates exactly across calls; other
-    transformations ignore it. The state's buffers are donated: use the state the
-    step returns, not the one you gave it. (:meth:`jaxga.TrainState.create` copies the
-    arrays it is given; Flax's own ``TrainState.create`` does not, so the first call
-    deletes the ``params`` you passed it.)
+    ``state`` is a ``flax.training.train_state.TrainState``: with a :class:`TrainState` the
+    model state is ``state.model_state`` and keys come from ``state.rng``; with another
+    subclass, the model state is its added dict fields (``batch_stats``) and keys come
+    from its ``rng`` or ``key`` field.
 
     Args:
-        loss: ``loss(params, batch, model_state, rng) -> (loss, new_model_state)``,
-            where ``loss`` is a :class:`jaxga.Mean` (exact for masked and
-            variable-length losses) or a scalar mean over its micro-batch. For Flax
-            NNX, :func:`nnx_loss` builds it from ``loss(model, batch, rng)``; for Linen,
-            call ``model.apply({"params": params, **model_state}, ..., rngs=...,
-            mutable=list(model_state))``.
+        loss: ``loss(params, batch, model_state, rng) -> (loss, new_model_state)``; the
+            loss a :class:`jaxga.Mean` or a scalar mean over its micro-batch.
         num_microbatches: micro-batches per call.
-        mesh: data parallelism: the batch is sharded over ``mesh``'s ``axis_name``
-            axis; each device scans its own micro-batches and the gradients are
-            reduced once per call, after the loop. A single process may pass host
-            arrays; with several processes pass global arrays
-            (:func:`jaxga.sharding.shard_batch` places this process's rows,
-            ``jax.device_put(state, jaxga.sharding.state_shardings(...))`` the state).
-            Model state is threaded per device; then floating leaves (BatchNorm
-            statistics) are averaged over devices and the others (counters, keys)
-            take their maximum. See ``docs/distributed.md``.
-        axis_name: the mesh axis the batch is sharded over.
-        strategy: with ``mesh``, how the state is laid out over ``axis_name``
-            (:func:`jaxga.sharding.state_specs`): ``"data_parallel"`` replicates it;
-            ``"zero1"`` shards the optimiser state (the gradient is reduce-scattered
-            into its shards, the updated parameters all-gathered); ``"fsdp"`` shards
-            the parameters and optimiser state too — they are all-gathered once per
-            call, before the micro-batch loop, and the gradient is reduce-scattered
-            once, after it; ``"zero3"`` shards the same, but gathers the parameters
-            in every micro-batch and reduce-scatters each micro-batch's gradient, so
-            that neither whole parameters nor a whole gradient sum stay on a device
-            through the loop (k times the communication). A tree of
-            ``PartitionSpec``s for the parameters is FSDP with those specs. The
-            returned state keeps the layout.
-        accumulator_dtype: dtype of the gradient sums; ``None`` (default) is at least
-            float32, an explicit dtype is used as given.
-        donate: donate the state's buffers to the step. Inside a ``jax.jit`` of your
-            own, donate the state there too: without, the step's guard for a batch that
-            counts no items (a ``lax.cond`` over the state) holds a copy of the state.
+        mesh: shard the batch over ``mesh``'s ``axis_name``; gradients are reduced once
+            per call, after the loop.
+        axis_name: the mesh axis of the batch.
+        strategy: the state's layout on the mesh: ``"data_parallel"``, ``"zero1"``,
+            ``"fsdp"``, ``"zero3"`` or a tree of parameter specs
+            (:func:`jaxga.sharding.state_specs`).
+        accumulator_dtype: dtype of the gradient sums; ``None``: at least float32.
+        donate: donate the state's buffers to the step.
 
     Returns:
-        The jitted step (with ``lower`` and ``trace``, for :func:`jaxga.memory_report`
-        and :func:`jaxga.plan`). ``metrics`` holds ``loss`` (the exact global mean),
-        ``count`` (items, e.g. tokens; for a scalar loss, micro-batches over all
-        devices), ``grad_norm`` (of the accumulated gradient), ``learning_rate`` (from
-        ``optax.inject_hyperparams``, NaN if unknown) and ``applied`` (whether the
-        parameters changed on this call: false while a MultiSteps accumulates, and for
-        a call whose batch counts no items — all padding — which leaves the parameters
-        and the optimiser as they were; its ``loss`` and ``grad_norm`` are NaN).
+        The jitted step, with ``lower`` and ``trace``. ``metrics`` holds ``loss``,
+        ``count``, ``grad_norm``, ``learning_rate`` (NaN without
+        ``optax.inject_hyperparams``) and ``applied``.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, jaxga
@@ -612,29 +433,12 @@ def make_train_step(
         ...     return jaxga.Mean.of((batch["x"] @ params - batch["y"]) ** 2), model_state
         >>> state = jaxga.TrainState.create(params=jnp.zeros(3), tx=optax.sgd(0.1))
         >>> step = jaxga.make_train_step(loss, num_microbatches=4)
-        >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.ones(8)}
-        >>> state, metrics = step(state, batch)
+        >>> state, metrics = step(state, {"x": jnp.ones((8, 3)), "y": jnp.ones(8)})
         >>> float(metrics["loss"]), int(metrics["count"]), int(state.step)
         (1.0, 8, 1)
     """
-    if callable(getattr(num_microbatches, "update", None)):
-        raise TypeError(
-            "make_train_step takes no optimiser: it runs the state's own (`state.tx`, as "
-            "in Flax's TrainState); build the step as make_train_step(loss, "
-            "num_microbatches) and the state with jaxga.TrainState.create(params, tx)."
-        )
-    _checks.positive_int(num_microbatches, "num_microbatches")
-    signature = "`loss(params, batch, model_state, rng) -> (loss, new_model_state)`"
-    _checks.check_arity(loss, "loss", 4, signature)
-    if mesh is not None:
-        sharding._check_mesh(mesh, kinds=(Mesh,))  # a concrete one: it places arrays
-        sharding._check_mesh_axis(mesh, axis_name)
-    sharding._check_strategy(strategy)
-    if mesh is None and not (isinstance(strategy, str) and strategy == "data_parallel"):
-        raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
-    if not isinstance(donate, bool):
-        raise TypeError(f"`donate` must be a bool; got {donate!r}.")
-    accumulate_with = functools.partial(
+    _check_step_options(loss, num_microbatches, mesh, axis_name, strategy, donate)
+    accumulated = functools.partial(
         accumulate,
         num_microbatches=num_microbatches,
         batch_argnums=1,
@@ -644,163 +448,82 @@ def make_train_step(
         accumulator_dtype=accumulator_dtype,
     )
     checked = _checked_loss(loss)
-    grad_fn = accumulate_with(checked)
 
     def step(state: Any, batch: Any) -> tuple[Any, Metrics]:
         _check_state(state)
-        rng = _get_rng(state)
-        model_state = _get_model_state(state)
+        fields, key = _model_fields(state)
+        model_state = {n: getattr(state, n) for n in fields}
+        if isinstance(state, TrainState):
+            model_state = state.model_state
+        rng = getattr(state, key) if key else None
+        rng = None if rng is None else jax.random.fold_in(_as_key(rng), state.step)
+        specs = None
         if mesh is None:
-            acc = grad_fn(state.params, batch, model_state, rng)
-            params_view, place = state.params, lambda tree, _: tree
+            acc = accumulated(checked)(state.params, batch, model_state, rng)
+            view = state.params
         else:
-            _check_mesh_batch(batch, mesh, axis_name, num_microbatches)
+            sharding.check_batch(batch, mesh, axis_name, num_microbatches)
             specs = sharding.state_specs(state, mesh, strategy, axis_name=axis_name)
-            place = functools.partial(_place, mesh)
-            state = place(state, specs)
-            grad_specs = _grad_specs(state.params, specs.params, strategy, mesh, axis_name)
-            acc = _accumulate_on_mesh(
-                accumulate_with,
-                checked,
-                isinstance(strategy, str) and strategy == "zero3",
-                mesh,
-                axis_name,
-                specs.params,
-                grad_specs,
-                state.params,
-                place(batch, jax.tree.map(lambda _: P(axis_name), batch)),
-                model_state,
-                rng,
+            state = sharding.place(mesh, state, specs)
+            grad_specs = specs.params
+            if isinstance(strategy, str) and strategy == "zero1":  # the optimiser's shards
+                grad_specs = sharding.fsdp_specs(state.params, mesh, axis_name)
+            batch = sharding.place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))
+            zero3 = isinstance(strategy, str) and strategy == "zero3"
+            all_specs = (specs.params, grad_specs)
+            args = (state.params, batch, model_state, rng)
+            acc = sharding.accumulate_on_mesh(
+                accumulated, checked, mesh, axis_name, all_specs, zero3, *args
             )
-            # zero1: the optimiser runs on its shards of the (replicated) parameters
-            params_view = place(state.params, grad_specs)
+            view = sharding.place(mesh, state.params, grad_specs)
 
         def update(params_and_opt_state, grads):
             params, opt_state = params_and_opt_state
-            updates, opt_state = state.tx.update(
-                grads, opt_state, params_view, **_weight_of(state.tx, acc)
-            )
+            updates, opt_state = state.tx.update(grads, opt_state, view, **_weight(state.tx, acc))
             if mesh is not None:
-                updates = place(updates, specs.params)
+                updates = sharding.place(mesh, updates, specs.params)
             return optax.apply_updates(params, updates), opt_state
 
-        params, opt_state = _update_if_counted(
-            acc, state.opt_state, update, (state.params, state.opt_state), donated=donate
+        params, opt_state = _update(acc, update, (state.params, state.opt_state))
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        new = new.replace(
+            **({"model_state": acc.state} if fields == ["model_state"] else acc.state)
         )
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        new_state = _set_model_state(new_state, acc.state)
         if mesh is not None:
-            new_state = place(new_state, specs)
-        return new_state, _metrics(acc, state.opt_state, opt_state)
+            new = sharding.place(mesh, new, specs)
+        return new, _metrics(acc, state.opt_state, opt_state)
 
-    # on a GPU: no zero-filled scan buffers (jaxga.compiler)
     jitted = jax.jit(
         step, donate_argnums=(0,) if donate else (), compiler_options=compiler_options()
     )
-    return _as_step(step, jitted, _state_placer(mesh, strategy, axis_name), donate)
+    return _as_step(step, jitted, sharding.placer(mesh, strategy, axis_name), donate)
 
 
-def _check_mesh_batch(batch: Any, mesh: Mesh, axis_name: str, num_microbatches: int) -> None:
-    """Names a batch the devices × micro-batches do not divide, before it is placed."""
-    size = _checks.leading_size(batch, "batch", "batch")
-    if size is None:
-        raise ValueError(f"`batch` has no array leaves to split over the devices; got {batch!r}.")
-    devices = mesh.shape[axis_name]
-    if size % (devices * num_microbatches):
-        raise sharding.indivisible_error(size, devices, num_microbatches, axis_name)
+# --- the Flax NNX step ---------------------------------------------------------------
 
 
-def _place(mesh: Mesh, tree: Any, specs: Any) -> Any:
-    """``tree`` with the sharding of ``specs``, in its type too on a mesh of explicit axes."""
-    explicit = AxisType.Explicit in mesh.axis_types
-
-    def put(x, spec):
-        if x is None:
-            return x
-        sharding_ = NamedSharding(mesh, spec)
-        if explicit:
-            return jax.reshard(x, sharding_)
-        return jax.lax.with_sharding_constraint(x, sharding_)
-
-    return jax.tree.map(put, tree, specs, is_leaf=lambda x: x is None)
-
-
-def _sharded_dim(spec: P) -> int | None:
-    return next((i for i, entry in enumerate(spec) if entry is not None), None)
-
-
-def _grad_specs(params: Any, param_specs: Any, strategy: Any, mesh: Mesh, axis_name: str) -> Any:
-    """How the gradient leaves the micro-batch loop: reduce-scattered to the shards of the
-    state it updates (the parameters' under FSDP, the optimiser state's under ZeRO-1)."""
-    if strategy == "zero1":
-        return sharding.fsdp_specs(params, mesh, axis_name)
-    return param_specs
-
-
-def _accumulate_on_mesh(
-    accumulate_with: Callable[..., Callable[..., Accumulated]],
-    loss: Callable[..., Any],
-    per_microbatch: bool,
-    mesh: Mesh,
-    axis_name: str,
-    param_specs: Any,
-    grad_specs: Any,
-    params: Any,
-    batch: Any,
-    model_state: Any,
-    rng: Any,
-) -> Accumulated:
-    """The micro-batch loop on every device, with the state's shards gathered for it.
-
-    By default sharded parameters are all-gathered once, before the loop; a gradient
-    that stays replicated is all-reduced by :func:`jaxga.accumulate`, one whose state is
-    sharded is kept local through the loop and reduce-scattered into its shard after it.
-    With ``per_microbatch`` the loss gathers the parameters itself, so each micro-batch
-    gathers them and reduce-scatters its gradient (JAX's transpose of the gather), and
-    the accumulator holds only this device's shard.
-    """
-    is_spec = lambda x: isinstance(x, P)
-
-    def gather(x, spec):
-        dim = _sharded_dim(spec)
-        return x if dim is None else jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)
-
-    def scatter(g, spec):
-        dim = _sharded_dim(spec)
-        if dim is None:
-            return g
-        return jax.lax.psum_scatter(g, axis_name, scatter_dimension=dim, tiled=True)
-
-    def gathered(tree):
-        return jax.tree.map(gather, tree, param_specs, is_leaf=is_spec)
-
-    def local(params, batch, model_state, rng):
-        if per_microbatch:
-
-            def loss_on_shards(shards, batch, *rest):
-                # tied to the micro-batch, so that XLA does not hoist the gather out of
-                # the loop (and keep the whole parameters through it)
-                shards, batch = jax.lax.optimization_barrier((shards, batch))
-                return loss(gathered(shards), batch, *rest)
-
-            return accumulate_with(loss_on_shards)(params, batch, model_state, rng)
-        # local sums through the loop for the gradients that are reduce-scattered
-        full = jax.tree.map(
-            lambda x, spec: x if _sharded_dim(spec) is None else sharding.varying(x, axis_name),
-            gathered(params),
-            grad_specs,
-            is_leaf=is_spec,
+def _check_optimizer(optimizer: Any, model: Any, grads: Any) -> None:
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            f"`optimizer` must be an nnx.Optimizer(model, tx, wrt=nnx.Param); got "
+            f"{type(optimizer).__name__}."
         )
-        acc = accumulate_with(loss)(full, batch, model_state, rng)
-        return acc._replace(grads=jax.tree.map(scatter, acc.grads, grad_specs, is_leaf=is_spec))
-
-    out_specs = Accumulated(mean=P(), grads=grad_specs, aux=P(), state=P())
-    return jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(param_specs, P(axis_name), P(), P()),
-        out_specs=out_specs,
-    )(params, batch, model_state, rng)
+    if not modules.is_graph_node(model):
+        raise TypeError(
+            f"`model` must be the Flax NNX module the optimizer updates (an nnx.State is "
+            f"not: nnx.merge rebuilds the module); got {type(model).__name__}."
+        )
+    if isinstance(optimizer, nnx.ModelAndOptimizer) and optimizer.model is not model:
+        raise ValueError(
+            "`optimizer` is an nnx.ModelAndOptimizer of another model than `model`: pass "
+            "the model it holds, `step(optimizer.model, optimizer, batch)`."
+        )
+    expected = nnx.as_pure(nnx.state(model, optimizer.wrt))
+    if grads is not None and jax.tree.structure(nnx.as_pure(grads)) != jax.tree.structure(expected):
+        raise ValueError(
+            f"`optimizer` was built with wrt={optimizer.wrt!r}, but the step differentiates "
+            f"the model's nnx.Param state; build it as nnx.Optimizer(model, tx, wrt=nnx.Param)."
+        )
 
 
 def nnx_train_step(
@@ -812,37 +535,20 @@ def nnx_train_step(
 ) -> Callable[[Any, Any, Any], Metrics]:
     """Builds one compiled train step ``(model, optimizer, batch) -> metrics`` for Flax NNX.
 
-    The Flax NNX counterpart of :func:`make_train_step`: ``loss(model, batch)`` runs
-    on each micro-batch through :func:`jaxga.accumulate`, so the model's
-    ``nnx.Param``s are differentiated and every other ``nnx.Variable`` (BatchNorm
-    statistics, ``nnx.Rngs`` counters for Dropout) is threaded through the
-    micro-batches and written back, as if they had run one after another. Then
-    ``optimizer.update(model, grads, weight=count)`` (``optimizer.update(grads, ...)``
-    for an ``nnx.ModelAndOptimizer``, called with the model it holds) updates the model
-    in place: a
-    :class:`jaxga.MultiSteps` optimiser weighs each call by its item count, so
-    accumulation across calls is exact too; other transformations ignore ``weight``.
+    ``loss(model, batch)`` runs on each micro-batch through :func:`jaxga.accumulate` (the
+    model's other state threaded and written back), then ``optimizer.update(model, grads,
+    weight=count)`` updates model and optimiser in place, as :func:`make_train_step` does.
 
     Args:
-        loss: ``loss(model, batch) -> loss``, a :class:`jaxga.Mean` or a scalar mean
-            over its micro-batch.
+        loss: ``loss(model, batch) -> loss``, a :class:`jaxga.Mean` or a scalar mean.
         num_microbatches: micro-batches per call.
-        accumulator_dtype: dtype of the gradient sums; ``None`` (default) is at least
-            float32.
-        donate: donate the buffers of the model's and the optimiser's state to the step
-            (the model and optimiser get the new ones): one copy of them in memory, not
-            two. Arrays taken out of the model before the call are deleted by it, and so
-            are those of an ``nnx.clone`` of it, which shares them: snapshot with
-            ``jax.tree.map(jnp.copy, nnx.state(model))``, or pass ``donate=False``
-            (which also costs a copy of the parameters, kept for a call whose batch
-            counts no items).
+        accumulator_dtype: dtype of the gradient sums; ``None``: at least float32.
+        donate: donate the model's and optimiser's buffers (arrays taken out of the
+            model before the call are deleted by it).
 
     Returns:
-        The step; it updates ``model`` and ``optimizer`` in place and returns the
-        metrics of :func:`make_train_step`. It is ``jax.jit``-compiled over
-        ``nnx.split((model, optimizer))``, with :func:`jaxga.compiler_options`; its
-        ``lower`` and ``trace`` take the step's arguments, so
-        ``jaxga.memory_report(step, model, optimizer, batch)`` sizes it without running.
+        The step, returning :func:`make_train_step`'s metrics; its ``lower`` and ``trace``
+        take the step's arguments.
 
     Example:
         >>> import jax.numpy as jnp, optax, jaxga
@@ -857,11 +563,12 @@ def nnx_train_step(
     """
     _checks.positive_int(num_microbatches, "num_microbatches")
     _checks.check_arity(loss, "loss", 2, "`loss(model, batch) -> loss`")
+    _checks.check_bool(donate, "donate")
 
     @functools.wraps(loss)
     def checked(model, batch):
         value = loss(model, batch)
-        _check_no_aux(value, "`loss(model, batch)`")
+        _check_loss_alone(value, "`loss(model, batch)`")
         return value
 
     grad_fn = accumulate(
@@ -871,26 +578,21 @@ def nnx_train_step(
     def pure(graphdef: Any, state: Any, batch: Any) -> tuple[Any, Metrics]:
         model, optimizer = nnx.merge(graphdef, state)
         acc = grad_fn(model, batch)
-        _check_wrt(optimizer, model, acc.grads)
+        _check_optimizer(optimizer, model, acc.grads)
 
         def update(state, grads):
             model, optimizer = nnx.merge(graphdef, state)
             if isinstance(optimizer, nnx.ModelAndOptimizer):  # which holds the model
-                optimizer.update(grads, **_weight_of(optimizer.tx, acc))
+                optimizer.update(grads, **_weight(optimizer.tx, acc))
             else:
-                optimizer.update(model, grads, **_weight_of(optimizer.tx, acc))
+                optimizer.update(model, grads, **_weight(optimizer.tx, acc))
             return nnx.state((model, optimizer))
 
         opt_state = nnx.as_pure(optimizer.opt_state)
-        state = _update_if_counted(
-            acc, opt_state, update, nnx.state((model, optimizer)), donated=donate
-        )
+        state = _update(acc, update, nnx.state((model, optimizer)))
         new_opt_state = nnx.as_pure(nnx.merge(graphdef, state)[1].opt_state)
         return state, _metrics(acc, opt_state, new_opt_state)
 
-    # jax.jit of the split objects rather than nnx.jit: it takes XLA's options
-    if not isinstance(donate, bool):
-        raise TypeError(f"`donate` must be a bool; got {donate!r}.")
     jitted = jax.jit(
         pure,
         static_argnums=0,
@@ -899,8 +601,7 @@ def nnx_train_step(
     )
 
     def split(model: Any, optimizer: Any) -> tuple[Any, Any]:
-        if not isinstance(optimizer, nnx.Optimizer):
-            _check_wrt(optimizer, model, None)
+        _check_optimizer(optimizer, model, None)
         graphdef, state = nnx.split((model, optimizer))
         return graphdef, _unaliased(state) if donate else state
 
@@ -910,7 +611,6 @@ def nnx_train_step(
         nnx.update((model, optimizer), state)
         return metrics
 
-    # for jaxga.memory_report and jaxga.plan: the compiled program of these arguments
     step.lower = lambda model, optimizer, batch: jitted.lower(*split(model, optimizer), batch)
     step.trace = lambda model, optimizer, batch: jitted.trace(*split(model, optimizer), batch)
     return step

@@ -159,12 +159,14 @@ def test_tuple_argnums_and_several_batch_args():
     assert_trees_close(actual, expected)
 
 
-def test_has_aux_is_stacked_per_microbatch():
+def test_has_aux_comes_back_as_the_whole_batch_gives_it():
     params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1))
 
     def loss(params, batch):
         logits = mlp(params, batch["x"])
-        return jnp.mean(optax_xent(logits, batch["y"])), {"logits": logits}
+        losses = optax_xent(logits, batch["y"])
+        aux = {"logits": logits, "mean": jaxga.Mean.of(losses), "max": jnp.max(losses)}
+        return jnp.mean(losses), aux
 
     k = 4
     (value, aux), grads = jaxga.value_and_grad(loss, num_microbatches=k, has_aux=True)(
@@ -174,9 +176,13 @@ def test_has_aux_is_stacked_per_microbatch():
         params, batch
     )
     assert_trees_close((value, grads), (expected_value, expected_grads))
-    assert aux["logits"].shape == (k, BATCH // k, 3)
-    split = jaxga.split_microbatches(expected_aux["logits"], k)
-    np.testing.assert_allclose(aux["logits"], split, rtol=1e-5, atol=1e-6)
+    # per-example leaves in batch order, Means summed: as the whole batch gives them
+    assert_trees_close(aux["logits"], expected_aux["logits"])
+    assert_trees_close(aux["mean"], expected_aux["mean"])
+    # other leaves: one per micro-batch (a Python loop over the strided micro-batches)
+    parts = jaxga.split_microbatches(batch, k)
+    expected_max = [loss(params, jax.tree.map(lambda x: x[i], parts))[1]["max"] for i in range(k)]
+    assert_trees_close(aux["max"], jnp.stack(expected_max))
 
 
 def test_rng_key_per_microbatch():
@@ -196,8 +202,9 @@ def test_rng_key_per_microbatch():
     expected = [
         jax.random.bernoulli(jax.random.fold_in(key, i), 0.5, parts[i].shape) for i in range(k)
     ]
-    np.testing.assert_array_equal(masks, jnp.stack(expected))
-    assert len({np.asarray(m).tobytes() for m in masks}) == k  # every micro-batch differs
+    np.testing.assert_array_equal(masks, jaxga.merge_microbatches(jnp.stack(expected)))
+    per_micro = jaxga.split_microbatches(masks, k)
+    assert len({np.asarray(m).tobytes() for m in per_micro}) == k  # every micro-batch differs  # every micro-batch differs
     expected_grad = np.mean([np.mean(np.where(m, p, 0.0)) for m, p in zip(expected, parts)])
     np.testing.assert_allclose(grads, expected_grad, rtol=1e-6)
 
@@ -292,9 +299,7 @@ def test_aux_merges_back_to_batch_order():
         return jnp.mean(optax_xent(logits, batch["y"])), logits
 
     (_, aux), _ = jaxga.value_and_grad(loss, num_microbatches=6, has_aux=True)(params, batch)
-    np.testing.assert_allclose(
-        jaxga.merge_microbatches(aux), mlp(params, batch["x"]), rtol=1e-5, atol=1e-6
-    )
+    np.testing.assert_allclose(aux, mlp(params, batch["x"]), rtol=1e-5, atol=1e-6)
 
 
 def test_integer_counts_and_no_batch_argument():

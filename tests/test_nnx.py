@@ -234,7 +234,7 @@ def test_filter_that_selects_nothing_is_rejected():
 
 def test_returning_the_module_is_rejected():
     model, batch = make_net(), make_batch()
-    with pytest.raises(TypeError, match=r"returned a Flax NNX graph node .* in its aux"):
+    with pytest.raises(TypeError, match=r"returned a Flax NNX graph node .* in its value or aux"):
         jaxga.value_and_grad(lambda m, b: (loss(m, b), m), num_microbatches=2, has_aux=True)(
             model, batch
         )
