@@ -322,28 +322,35 @@ def _sharded_dim(spec: P) -> int | None:
 
 
 def accumulate_on_mesh(
-    accumulated: Callable[[Callable], Callable],
+    accumulated: Callable[..., Callable],
     loss: Callable[..., Any],
     mesh: Mesh,
     axis_name: Any,
-    specs: tuple[Any, Any],
-    per_microbatch: bool,
-    *args: Any,
-) -> Any:
-    """The micro-batch loop on every device: ``accumulated(loss)(params, batch, *rest)``.
+    strategy: Any,
+    num_microbatches: int,
+    state: Any,
+    batch: Any,
+    *rest: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """The train step's micro-batch loop on every device of ``mesh``.
 
-    ``specs`` are the parameters' and the gradient's. Sharded parameters are gathered once
-    before the loop and their gradient reduce-scattered once after it; ``per_microbatch``
-    (ZeRO-3) gathers and reduce-scatters in every micro-batch instead.
+    Returns ``(accumulated, state placed by strategy, its specs, the parameters as the
+    optimiser sees them)``. Sharded parameters are gathered once before the loop and their
+    gradient reduce-scattered once after it; ZeRO-3 does both in every micro-batch.
     """
-    param_specs, grad_specs = specs
+    check_batch(batch, mesh, axis_name, num_microbatches)
+    specs = state_specs(state, mesh, strategy, axis_name=axis_name)
+    state = place(mesh, state, specs)
+    kind = strategy if isinstance(strategy, str) else "fsdp"
+    grad_specs = fsdp_specs(state.params, mesh, axis_name) if kind == "zero1" else specs.params
+    batch = place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))
 
     def gathered(tree):
         def gather(x, spec):
             dim = _sharded_dim(spec)
             return x if dim is None else jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)
 
-        return jax.tree.map(gather, tree, param_specs, is_leaf=_is_spec)
+        return jax.tree.map(gather, tree, specs.params, is_leaf=_is_spec)
 
     def scatter(g, spec):
         dim = _sharded_dim(spec)
@@ -352,7 +359,7 @@ def accumulate_on_mesh(
         return jax.lax.psum_scatter(g, axis_name, scatter_dimension=dim, tiled=True)
 
     def local(params, batch, *rest):
-        if per_microbatch:
+        if kind == "zero3":
 
             def loss_on_shards(shards, batch, *rest):
                 # tied to the micro-batch, so that XLA does not hoist the gather out of the loop
@@ -369,6 +376,8 @@ def accumulate_on_mesh(
         acc = accumulated(loss)(full, batch, *rest)
         return acc._replace(grads=jax.tree.map(scatter, acc.grads, grad_specs, is_leaf=_is_spec))
 
-    in_specs = (param_specs, P(axis_name), *(P() for _ in args[2:]))
+    in_specs = (specs.params, P(axis_name), *(P() for _ in rest))
     out_specs = Accumulated(mean=P(), grads=grad_specs, aux=P(), state=P())
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+    run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    acc = run(state.params, batch, *rest)
+    return acc, state, specs, place(mesh, state.params, grad_specs)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -15,7 +14,6 @@ import optax
 from flax import nnx
 from flax.training import train_state
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, modules, sharding
 from jaxga.accumulation import Accumulated, accumulate
@@ -59,8 +57,7 @@ class TrainState(train_state.TrainState):
         rng: jax.Array | int = 0,
         **kwargs: Any,
     ) -> TrainState:
-        """Returns the initial state; ``params``, ``model_state`` and ``rng`` (a seed or a key)
-        are copied, since the train step donates them.
+        """Returns the initial state, with copies of ``params``, ``model_state`` and ``rng``.
 
         Example:
             >>> import jax.numpy as jnp, optax, jaxga
@@ -85,21 +82,14 @@ class TrainState(train_state.TrainState):
 
 
 def _check_arrays(tree: Any, name: str, empty_ok: bool = False) -> None:
-    """Raises unless ``tree`` is a pytree of arrays (an NNX state of ``nnx.Param``s for params)."""
+    """Raises unless ``tree`` is a pytree of arrays (``nnx.Param``s only, for an NNX state)."""
+    split = "split it as `graphdef, params, rest = nnx.split(model, nnx.Param, ...)`"
     if modules.holds_module(tree):
-        raise TypeError(
-            f"`{name}` is (or holds) a module; pass its arrays: for Flax NNX, `graphdef, params, "
-            f"rest = nnx.split(model, nnx.Param, ...)` with params=params, model_state=rest (or "
-            f"use jaxga.nnx_train_step)."
-        )
-    if name == "params" and isinstance(tree, nnx.State):
-        kinds = {type(v).__name__ for v in jax.tree.leaves(tree, is_leaf=_is_variable)}
-        if kinds - {"Param"}:
-            raise ValueError(
-                f"`params` holds {sorted(kinds - {'Param'})} state besides nnx.Param: split the "
-                f"model three ways, `graphdef, params, rest = nnx.split(model, nnx.Param, ...)`, "
-                f"and pass model_state=rest."
-            )
+        raise TypeError(f"`{name}` is (or holds) a module; {split}, or use jaxga.nnx_train_step.")
+    is_variable = lambda x: isinstance(x, nnx.Variable)
+    kinds = {type(v).__name__ for v in jax.tree.leaves(tree, is_leaf=is_variable) if is_variable(v)}
+    if name == "params" and (others := kinds - {"Param"}):
+        raise ValueError(f"`params` holds {sorted(others)} besides nnx.Param: {split}.")
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     for path, x in leaves:
         if not (hasattr(x, "dtype") or isinstance(x, int | float | complex)):
@@ -109,10 +99,6 @@ def _check_arrays(tree: Any, name: str, empty_ok: bool = False) -> None:
             )
     if not leaves and not empty_ok:
         raise ValueError(f"`{name}` must be a pytree holding the parameter arrays; got {tree!r}.")
-
-
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 def _copy(x: Any) -> Any:
@@ -202,10 +188,8 @@ def _find(tree: Any, kind: type) -> Any:
 
 
 def _update(acc: Accumulated, update: Callable[[Any, Any], Any], state: Any) -> Any:
-    """``update(state, grads)``, or ``state`` as it was for a call that counted no items.
-
-    A MultiSteps takes such a call itself (weight 0, zero gradients) as one of its group's.
-    """
+    """``update(state, grads)``, or ``state`` as it was for a call that counted no items
+    (which a MultiSteps takes itself, as one of its group's, with zero gradients)."""
     counted = acc.mean.count > 0
     hint = "was it built for these parameters (`nnx.Optimizer(model, tx)`, `TrainState.create`)?"
     try:
@@ -264,29 +248,34 @@ def _weight(tx: Any, acc: Accumulated) -> dict[str, jax.Array]:
 # --- the functional step ---------------------------------------------------------------
 
 
-def _model_fields(state: Any) -> tuple[list[str], str | None]:
-    """The fields a Flax TrainState subclass adds: variable collections (dicts) and a key."""
+def _model_io(state: Any) -> tuple[Any, jax.Array | None, Callable[[Any, Any], Any]]:
+    """A Flax TrainState's model state, the step's key, and how to set a new model state."""
     if isinstance(state, TrainState):
-        return ["model_state"], "rng"
-    added = [
-        f.name
-        for f in dataclasses.fields(state)
-        if f.name not in _FLAX_FIELDS and f.metadata.get("pytree_node", True)
-    ]
-    is_key = lambda n: (
-        n in ("rng", "key")
-        or jnp.issubdtype(getattr(getattr(state, n), "dtype", np.float32), jax.dtypes.prng_key)
-    )
-    keys = [n for n in added if is_key(n)]
-    if len(keys) > 1:
-        raise ValueError(
-            f"`state` ({type(state).__name__}) has several PRNG-key fields, {keys}; the train "
-            f"step draws its keys from one: keep one, or hold the others elsewhere."
-        )
-    dicts = [
-        n for n in added if n not in keys and isinstance(getattr(state, n), collections.abc.Mapping)
-    ]
-    return dicts, (keys[0] if keys else None)
+        model_state, key = state.model_state, state.rng
+        setter = lambda s, m: s.replace(model_state=m)
+    else:  # a subclass: its added dict fields (batch_stats) and its key field
+        added = [
+            f.name
+            for f in dataclasses.fields(state)
+            if f.name not in _FLAX_FIELDS and f.metadata.get("pytree_node", True)
+        ]
+        is_key = lambda n: n in ("rng", "key") or _is_typed_key(getattr(state, n))
+        keys = [n for n in added if is_key(n)]
+        if len(keys) > 1:
+            raise ValueError(
+                f"`state` ({type(state).__name__}) has several PRNG-key fields, {keys}; the "
+                f"train step draws its keys from one: keep one, or hold the others elsewhere."
+            )
+        fields = [n for n in added if n not in keys and isinstance(getattr(state, n), Mapping)]
+        model_state = {n: getattr(state, n) for n in fields}
+        key = getattr(state, keys[0]) if keys else None
+        setter = lambda s, m: s.replace(**m)
+    rng = None if key is None else jax.random.fold_in(_as_key(key), state.step)
+    return model_state, rng, setter
+
+
+def _is_typed_key(x: Any) -> bool:
+    return jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key)
 
 
 def _check_state(state: Any) -> None:
@@ -451,31 +440,14 @@ def make_train_step(
 
     def step(state: Any, batch: Any) -> tuple[Any, Metrics]:
         _check_state(state)
-        fields, key = _model_fields(state)
-        model_state = {n: getattr(state, n) for n in fields}
-        if isinstance(state, TrainState):
-            model_state = state.model_state
-        rng = getattr(state, key) if key else None
-        rng = None if rng is None else jax.random.fold_in(_as_key(rng), state.step)
-        specs = None
+        model_state, rng, set_model_state = _model_io(state)
         if mesh is None:
             acc = accumulated(checked)(state.params, batch, model_state, rng)
-            view = state.params
+            specs, view = None, state.params
         else:
-            sharding.check_batch(batch, mesh, axis_name, num_microbatches)
-            specs = sharding.state_specs(state, mesh, strategy, axis_name=axis_name)
-            state = sharding.place(mesh, state, specs)
-            grad_specs = specs.params
-            if isinstance(strategy, str) and strategy == "zero1":  # the optimiser's shards
-                grad_specs = sharding.fsdp_specs(state.params, mesh, axis_name)
-            batch = sharding.place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))
-            zero3 = isinstance(strategy, str) and strategy == "zero3"
-            all_specs = (specs.params, grad_specs)
-            args = (state.params, batch, model_state, rng)
-            acc = sharding.accumulate_on_mesh(
-                accumulated, checked, mesh, axis_name, all_specs, zero3, *args
-            )
-            view = sharding.place(mesh, state.params, grad_specs)
+            args = (state, batch, model_state, rng)
+            on = (accumulated, checked, mesh, axis_name, strategy, num_microbatches)
+            acc, state, specs, view = sharding.accumulate_on_mesh(*on, *args)
 
         def update(params_and_opt_state, grads):
             params, opt_state = params_and_opt_state
@@ -486,9 +458,7 @@ def make_train_step(
 
         params, opt_state = _update(acc, update, (state.params, state.opt_state))
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        new = new.replace(
-            **({"model_state": acc.state} if fields == ["model_state"] else acc.state)
-        )
+        new = set_model_state(new, acc.state)
         if mesh is not None:
             new = sharding.place(mesh, new, specs)
         return new, _metrics(acc, state.opt_state, opt_state)
@@ -524,6 +494,25 @@ def _check_optimizer(optimizer: Any, model: Any, grads: Any) -> None:
             f"`optimizer` was built with wrt={optimizer.wrt!r}, but the step differentiates "
             f"the model's nnx.Param state; build it as nnx.Optimizer(model, tx, wrt=nnx.Param)."
         )
+
+
+def _nnx_step(grad_fn: Callable, graphdef: Any, state: Any, batch: Any) -> tuple[Any, Metrics]:
+    model, optimizer = nnx.merge(graphdef, state)
+    acc = grad_fn(model, batch)
+    _check_optimizer(optimizer, model, acc.grads)
+
+    def update(state, grads):
+        model, optimizer = nnx.merge(graphdef, state)
+        if isinstance(optimizer, nnx.ModelAndOptimizer):  # which holds the model
+            optimizer.update(grads, **_weight(optimizer.tx, acc))
+        else:
+            optimizer.update(model, grads, **_weight(optimizer.tx, acc))
+        return nnx.state((model, optimizer))
+
+    opt_state = nnx.as_pure(optimizer.opt_state)
+    state = _update(acc, update, nnx.state((model, optimizer)))
+    new_opt_state = nnx.as_pure(nnx.merge(graphdef, state)[1].opt_state)
+    return state, _metrics(acc, opt_state, new_opt_state)
 
 
 def nnx_train_step(
@@ -575,24 +564,7 @@ def nnx_train_step(
         checked, num_microbatches=num_microbatches, accumulator_dtype=accumulator_dtype
     )
 
-    def pure(graphdef: Any, state: Any, batch: Any) -> tuple[Any, Metrics]:
-        model, optimizer = nnx.merge(graphdef, state)
-        acc = grad_fn(model, batch)
-        _check_optimizer(optimizer, model, acc.grads)
-
-        def update(state, grads):
-            model, optimizer = nnx.merge(graphdef, state)
-            if isinstance(optimizer, nnx.ModelAndOptimizer):  # which holds the model
-                optimizer.update(grads, **_weight(optimizer.tx, acc))
-            else:
-                optimizer.update(model, grads, **_weight(optimizer.tx, acc))
-            return nnx.state((model, optimizer))
-
-        opt_state = nnx.as_pure(optimizer.opt_state)
-        state = _update(acc, update, nnx.state((model, optimizer)))
-        new_opt_state = nnx.as_pure(nnx.merge(graphdef, state)[1].opt_state)
-        return state, _metrics(acc, opt_state, new_opt_state)
-
+    pure = functools.partial(_nnx_step, grad_fn)
     jitted = jax.jit(
         pure,
         static_argnums=0,

@@ -1,0 +1,254 @@
+"""A transformed function's arguments: which are differentiated, split, keys or state; checked."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxga import _checks, collectives, modules
+from jaxga.loss import Mean, as_mean
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    num_microbatches: int
+    argnums: tuple[int, ...]
+    filters: dict[int, Any]  # the NNX filter of each differentiated argument
+    single_argnum: bool
+    has_aux: bool
+    batch_argnums: tuple[int, ...]
+    rng_argnums: tuple[int, ...] | None  # None: every other argument holding PRNG keys
+    state_argnums: tuple[int, ...]
+    single_state: bool
+    axis_name: Any
+    accumulator_dtype: Any
+
+
+def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:
+    """``value`` as a tuple of argument positions; raises naming ``name``."""
+    expected = f"`{name}` must be a non-negative int or a tuple of them; got {shown or value!r}."
+    try:
+        values = (value,) if isinstance(value, int) else tuple(value)
+    except TypeError:
+        raise TypeError(expected) from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise TypeError(expected)
+    if len(set(values)) != len(values):
+        raise ValueError(f"`{name}` must not repeat a position; got {shown or value!r}.")
+    return values
+
+
+def parse_options(fun, argnums, has_aux, num_microbatches, **named) -> Options:
+    """The checked options of :func:`jaxga.accumulate`."""
+    if not callable(fun):
+        raise TypeError(f"`fun` must be a function; got {fun!r} of type {type(fun).__name__}.")
+    single = isinstance(argnums, int | nnx.DiffState)
+    try:
+        items = (argnums,) if single or isinstance(argnums, str) else tuple(argnums)
+    except TypeError:
+        items = (argnums,)
+    filters = {a.argnum: a.filter for a in items if isinstance(a, nnx.DiffState)}
+    diff = tuple(a.argnum if isinstance(a, nnx.DiffState) else a for a in items)
+    rng = named["rng_argnums"]
+    pos = {
+        "argnums": as_positions("argnums", diff, shown=repr(argnums)),
+        "batch_argnums": as_positions("batch_argnums", named["batch_argnums"]),
+        "rng_argnums": () if rng is None else as_positions("rng_argnums", rng),
+        "state_argnums": as_positions("state_argnums", named["state_argnums"]),
+    }
+    if not pos["argnums"]:
+        raise ValueError("`argnums` must name at least one argument to differentiate.")
+    for (a, x), (b, y) in itertools.combinations(pos.items(), 2):
+        if common := sorted(set(x) & set(y)):
+            raise ValueError(
+                f"`{a}`={x} and `{b}`={y} both name positional argument(s) {common}; an "
+                f"argument is either differentiated, split into micro-batches, a PRNG key or "
+                f"threaded state, not two of these."
+            )
+    return Options(
+        num_microbatches=_checks.positive_int(num_microbatches, "num_microbatches"),
+        argnums=pos["argnums"],
+        filters={i: filters.get(i, nnx.Param) for i in pos["argnums"]},
+        single_argnum=single,
+        has_aux=_checks.check_bool(has_aux, "has_aux"),
+        batch_argnums=pos["batch_argnums"],
+        rng_argnums=None if rng is None else pos["rng_argnums"],
+        state_argnums=pos["state_argnums"],
+        single_state=isinstance(named["state_argnums"], int),
+        axis_name=named["axis_name"],
+        accumulator_dtype=_checks.float_dtype(named["accumulator_dtype"]),
+    )
+
+
+def is_key(x: Any, raw: bool = True) -> bool:
+    """A typed PRNG key, or (``raw``) a ``jax.random.PRNGKey``'s ``uint32[2]``."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    return jnp.issubdtype(dtype, jax.dtypes.prng_key) or (
+        raw and dtype == jnp.uint32 and jnp.shape(x) == (2,)
+    )
+
+
+def rng_positions(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
+    """The PRNG key arguments: ``rng_argnums``, or by default every other one holding keys."""
+    if options.rng_argnums is not None:
+        for i in options.rng_argnums:
+            for path, key in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+                if not is_key(key):
+                    raise TypeError(
+                        f"`rng_argnums` names args[{i}], but args[{i}]"
+                        f"{jax.tree_util.keystr(path)} is not a PRNG key ({describe(key)}); "
+                        f"expected keys from jax.random.key (or jax.random.PRNGKey)."
+                    )
+        return options.rng_argnums
+    named = {*options.argnums, *options.batch_argnums, *options.state_argnums}
+    found = []
+    for i, arg in enumerate(args):
+        if i in named or modules.holds_graph_node(arg):
+            continue
+        leaves = jax.tree.leaves(arg)
+        if any(is_key(x, raw=False) for x in leaves):
+            found.append(i)
+        elif any(is_key(x) for x in leaves):
+            raise TypeError(
+                f"args[{i}] holds a uint32[2] array, a raw PRNG key (jax.random.PRNGKey): pass "
+                f"rng_argnums={i} so that each micro-batch draws its own key from it, or "
+                f"rng_argnums=() to give every micro-batch this same array."
+            )
+    return tuple(found)
+
+
+def check_call(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    for name in ("argnums", "batch_argnums", "rng_argnums", "state_argnums"):
+        positions = getattr(options, name) or ()
+        if positions and max(positions) >= len(args):
+            hint = " Pass the batch as an argument." if name == "batch_argnums" else ""
+            raise ValueError(
+                f"`{name}`={positions} refers to positional argument {max(positions)}, but "
+                f"the function was called with {len(args)} positional argument(s).{hint}"
+            )
+        if name != "argnums":
+            for i in positions:
+                if modules.holds_graph_node(args[i]):
+                    raise TypeError(
+                        f"`{name}` names args[{i}], a Flax NNX graph node; modules are "
+                        f"differentiated (`argnums`) or passed as they are, and their state "
+                        f"is threaded through the micro-batches without being named."
+                    )
+    for key, value in kwargs.items():
+        if modules.holds_graph_node(value):
+            raise TypeError(
+                f"Keyword argument {key!r} holds a Flax NNX graph node; pass modules positionally."
+            )
+    for i in options.batch_argnums:
+        if not jax.tree.leaves(args[i]):
+            raise ValueError(
+                f"`batch_argnums` names args[{i}], which has no array leaves (got {args[i]!r}): "
+                f"nothing would be split. Pass the batch there, or set `batch_argnums`."
+            )
+        _checks.leading_size(args[i], f"args[{i}]", "batch")
+    if options.axis_name is not None:
+        collectives.check_axis_bound(options.axis_name)
+    elif axes := set().union(
+        *map(collectives.varying_axes, jax.tree.leaves([args[i] for i in options.batch_argnums]))
+    ):
+        raise ValueError(
+            f"The batch varies over mesh axes {sorted(axes, key=str)} (this is inside "
+            f"shard_map), but `axis_name` is None: pass axis_name={sorted(axes, key=str)[0]!r} "
+            f"so that the sums are reduced across devices once, after the micro-batch loop."
+        )
+
+
+def check_primals(primals: tuple[Any, ...], argnums: tuple[int, ...]) -> None:
+    for i, tree in zip(argnums, primals):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if not is_inexact(leaf):
+                raise TypeError(
+                    f"`argnums` differentiates args[{i}], whose leaf args[{i}]"
+                    f"{jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}; only "
+                    f"floating leaves can be differentiated. Pass others in another argument."
+                )
+
+
+def is_inexact(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None) if not isinstance(x, float | complex) else jnp.float32
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def describe(x: Any) -> str:
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+        return f"shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"{x!r} of type {type(x).__name__}"
+
+
+def parse_output(out: Any, options: Options) -> tuple[Mean, Any, Any]:
+    """``fun``'s output as ``(mean, aux, new_state)``, each checked."""
+    state = aux = None
+    if options.state_argnums:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"With `state_argnums`, `fun` must return a pair (output, new_state); got "
+                f"{type(out).__name__}."
+            )
+        out, state = out
+    if options.has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"With has_aux=True, `fun` must return a pair (value, aux); got "
+                f"{type(out).__name__}."
+            )
+        out, aux = out
+    elif isinstance(out, tuple | list):
+        raise TypeError(
+            f"`fun` returned a {type(out).__name__} of length {len(out)}, but has_aux=False; "
+            f"pass has_aux=True if it returns (loss, aux)."
+        )
+    if modules.holds_graph_node((out, aux)):
+        raise TypeError(
+            "`fun` returned a Flax NNX graph node (a module) in its value or aux; return "
+            "arrays: jaxga writes the state of module arguments back into them itself."
+        )
+    total = out.total if isinstance(out, Mean) else out
+    if not (is_inexact(total) and jnp.shape(total) == ()):
+        what = "Mean.total has" if isinstance(out, Mean) else "it returned"
+        raise TypeError(
+            f"`fun` must return a float scalar or a jaxga.Mean of float scalars; "
+            f"{what} {describe(total)}."
+        )
+    mean = as_mean(out)
+    count = mean.count
+    if jnp.shape(count) != () or not jnp.issubdtype(jnp.result_type(count), jnp.number):
+        raise TypeError(
+            f"`fun` returned a jaxga.Mean whose count has {describe(jnp.asarray(count))}; "
+            f"expected a scalar number of items (or total weight)."
+        )
+    return mean, aux, state
+
+
+def like(new: Any, old: Any, what: str) -> Any:
+    """``new`` cast to the dtypes of ``old``, so that it can be carried by the scan."""
+    if jax.tree.structure(new) != jax.tree.structure(old):
+        raise TypeError(
+            f"`fun` {what} with tree structure {jax.tree.structure(new)}; it must keep the "
+            f"structure it was given, {jax.tree.structure(old)}."
+        )
+
+    def cast(path, n, o):
+        n, dtype = jnp.asarray(n), jnp.result_type(o)
+        same_kind = n.dtype == dtype or (
+            jnp.issubdtype(dtype, jnp.number) and jnp.can_cast(n.dtype, dtype, casting="same_kind")
+        )
+        if n.shape != jnp.shape(o) or not same_kind:
+            raise TypeError(
+                f"`fun` {what} whose leaf {jax.tree_util.keystr(path)} has {describe(n)}; it was "
+                f"given {describe(jnp.asarray(o))}: state keeps its shape and dtype kind."
+            )
+        return n.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, new, old)
