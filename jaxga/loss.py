@@ -1,7 +1,5 @@
 """Means kept as numerator and denominator, so that they combine exactly."""
 
-from __future__ import annotations
-
 import dataclasses
 from typing import Any
 
@@ -18,9 +16,10 @@ class Mean:
     """A mean kept as its numerator ``total`` and denominator ``count``; means add exactly.
 
     Example:
-        >>> import jaxga
-        >>> float((jaxga.Mean(3.0, 2.0) + jaxga.Mean(6.0, 1.0)).value)
-        3.0
+        >>> import jax.numpy as jnp, jaxga
+        >>> m = jaxga.Mean.of(jnp.array([1.0, 2.0, 9.0]), where=jnp.array([1, 1, 0]))
+        >>> float(m.value), float((m + jaxga.Mean(6.0, 1.0)).value)
+        (1.5, 3.0)
     """
 
     total: jax.Array
@@ -28,34 +27,26 @@ class Mean:
 
     @property
     def value(self) -> jax.Array:
-        """The mean itself, ``total / count``."""
+        """The mean, ``total / count``."""
         return self.total / self.count
 
-    def __add__(self, other: Mean) -> Mean:
+    def __add__(self, other: "Mean") -> "Mean":
         if not isinstance(other, Mean):
             return NotImplemented
         return Mean(self.total + other.total, self.count + other.count)
 
     @classmethod
-    def of(cls, values: jax.Array, where: jax.Array | None = None) -> Mean:
-        """Returns the mean of ``values`` over the items where ``where`` is non-zero.
+    def of(cls, values: jax.Array, where: jax.Array | None = None) -> "Mean":
+        """Returns the mean of ``values`` (summed in at least float32) weighted by ``where``.
 
-        Args:
-            values: an array of numbers, summed in at least float32.
-            where: a mask or non-negative weights broadcastable to ``values``. Under jit
-                NaN or negative weights cannot be checked: they give a wrong mean.
-
-        Example:
-            >>> import jax.numpy as jnp, jaxga
-            >>> float(jaxga.Mean.of(jnp.array([1.0, 2.0, 9.0]), where=jnp.array([1, 1, 0])).value)
-            1.5
+        ``where``: a mask or weights >= 0. Under jit, NaN or negative weights cannot be checked.
         """
         values = _array(values, "Mean.of: `values`", "an array of numbers", jnp.number, jnp.bool)
-        dtype = jnp.promote_types(values.dtype, jnp.float32)  # counts survive long sums
-        where = 1 if where is None else where
-        weights = _broadcast(where, values.shape, "Mean.of: `where`", "`values`").astype(dtype)
+        where = _broadcast(1 if where is None else where, values.shape, "Mean.of: `where`")
+        weights = where.astype(jnp.promote_types(values.dtype, jnp.float32))
         ok = jnp.all((weights >= 0) & (weights < jnp.inf))  # False for NaN too
-        _check_eagerly(ok, "Mean.of: `where` must hold a mask or finite, non-negative weights")
+        if not isinstance(ok, jax.core.Tracer) and not ok:  # traced: not known yet
+            raise ValueError("Mean.of: `where` must hold a mask or finite, non-negative weights.")
         # a select, not only a product: a masked-out item may hold a NaN or an inf
         return cls(jnp.sum(jnp.where(weights != 0, values * weights, 0)), jnp.sum(weights))
 
@@ -72,17 +63,11 @@ def _array(value: Any, name: str, expected: str, *kinds: Any) -> jax.Array:
     return array
 
 
-def _check_eagerly(ok: jax.Array, message: str) -> None:
-    if not isinstance(ok, jax.core.Tracer) and not ok:  # a traced value is not known yet
-        raise ValueError(f"{message}.")
-
-
-def _broadcast(value: Any, shape: tuple[int, ...], name: str, of: str) -> jax.Array:
+def _broadcast(value: Any, shape: tuple[int, ...], name: str) -> jax.Array:
     try:
         return jnp.broadcast_to(jnp.asarray(value), shape)
     except ValueError:
-        message = f"{name} must broadcast to the shape of {of} {shape}; got {jnp.shape(value)}."
-        raise ValueError(message) from None
+        raise ValueError(f"{name} must broadcast to {shape}; got {jnp.shape(value)}.") from None
 
 
 def as_mean(value: Mean | jax.Array) -> Mean:
@@ -102,10 +87,7 @@ def as_mean(value: Mean | jax.Array) -> Mean:
 def token_cross_entropy(logits: jax.Array, labels: jax.Array, mask: Any = None) -> Mean:
     """Returns the softmax cross-entropy of integer ``labels`` as a :class:`Mean` over tokens.
 
-    Args:
-        logits: ``[..., vocab]`` unnormalised log-probabilities.
-        labels: ``[...]`` integer targets in ``[0, vocab)``; anything where ``mask`` is 0.
-        mask: optional weights broadcastable to ``labels``; 0 leaves a token out.
+    ``logits``: ``[..., vocab]``; ``labels``: in ``[0, vocab)`` where ``mask`` (optional) is not 0.
 
     Example:
         >>> import jax.numpy as jnp, jaxga
@@ -113,19 +95,14 @@ def token_cross_entropy(logits: jax.Array, labels: jax.Array, mask: Any = None) 
         >>> float(m.count), round(float(m.value), 4)
         (1.0, 1.6094)
     """
-    name, expected = "token_cross_entropy: `logits`", "a float array [..., vocab]"
-    logits = _array(logits, name, expected, jnp.floating)
-    labels = _array(labels, "token_cross_entropy: `labels`", "integer token ids", jnp.integer)
+    logits = _array(logits, "`logits`", "a float array", jnp.floating)
+    labels = _array(labels, "`labels`", "integer token ids", jnp.integer)
     if not logits.ndim or logits.shape[:-1] != labels.shape:
-        shapes = f"for `labels` of shape {labels.shape}; got shape {logits.shape}"
-        raise TypeError(f"{name} must be {expected} {shapes}.")
-    if mask is not None:  # the labels of tokens left out are not looked up
-        mask = _broadcast(mask, labels.shape, "token_cross_entropy: `mask`", "`labels`")
-        labels = jnp.where(mask != 0, labels, 0)
+        raise TypeError(f"`logits` {logits.shape} must be [..., vocab] for labels {labels.shape}.")
+    mask = _broadcast(1 if mask is None else mask, labels.shape, "`mask`")
+    labels = jnp.where(mask != 0, labels, 0)  # the labels of tokens left out are not looked up
     vocab, (low, high) = logits.shape[-1], (labels.min(), labels.max()) if labels.size else (0, 0)
-    where = f"`labels` of counted tokens must lie in [0, {vocab}) for a vocabulary of {vocab}"
-    _check_eagerly(
-        (low >= 0) & (high < vocab), f"token_cross_entropy: {where}; got {low} to {high}"
-    )
+    if not isinstance(low, jax.core.Tracer) and not 0 <= low <= high < vocab:  # as in Mean.of
+        raise ValueError(f"counted `labels` must be in [0, {vocab}); got {low} to {high}.")
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
     return Mean.of(losses, where=mask)

@@ -57,9 +57,7 @@ def test_mean_of_weights_under_jit_are_documented_as_unchecked():
 
 
 def test_token_cross_entropy_rejects_labels_outside_the_vocabulary():
-    with pytest.raises(
-        ValueError, match=r"`labels` of counted tokens must lie in \[0, 5\) .* 0 to 5"
-    ):
+    with pytest.raises(ValueError, match=r"^counted `labels` must be in \[0, 5\); got 0 to 5\.$"):
         jaxga.token_cross_entropy(jnp.zeros((2, 5)), jnp.array([0, 5]))
 
 
@@ -71,13 +69,12 @@ def test_token_cross_entropy_rejects_labels_outside_the_vocabulary():
             jnp.array([0.0, 1.0]),
             r"`labels` must be integer token ids; .*float32",
         ),
-        (jnp.zeros(()), jnp.zeros((), jnp.int32), r"`logits` must be a float array \[..., vocab\]"),
-        (jnp.zeros((2, 5), jnp.int32), jnp.array([0, 1]), r"`logits` must be a float array"),
+        (jnp.zeros(()), jnp.zeros((), jnp.int32), r"`logits` \(\) must be \[\.\.\., vocab\] for"),
+        (jnp.zeros((2, 5), jnp.int32), jnp.array([0, 1]), r"`logits` must be a float array; got"),
         (
             jnp.zeros((2, 5)),
             jnp.array([0, 1, 2]),
-            r"`logits` must be a float array \[..., vocab\] for `labels` of shape \(3,\); got "
-            r"shape \(2, 5\)",
+            r"`logits` \(2, 5\) must be \[\.\.\., vocab\] for labels \(3,\)\.",
         ),
     ],
 )
@@ -122,13 +119,11 @@ def test_token_cross_entropy_valid_labels_match_a_hand_computation():
 
 
 def test_a_mask_of_another_shape_is_named():
-    with pytest.raises(
-        ValueError, match=r"`mask` must broadcast to the shape of `labels` \(2, 5\)"
-    ):
+    with pytest.raises(ValueError, match=r"`mask` must broadcast to \(2, 5\); got \(2, 4\)"):
         jaxga.token_cross_entropy(
             jnp.zeros((2, 5, 7)), jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 4))
         )
     with pytest.raises(
-        ValueError, match=r"Mean.of: `where` must broadcast .* \(2, 5\); got \(2, 4\)"
+        ValueError, match=r"Mean.of: `where` must broadcast to \(2, 5\); got \(2, 4\)"
     ):
         jaxga.Mean.of(jnp.ones((2, 5)), where=jnp.ones((2, 4)))
