@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import re
 import sys
 from pathlib import Path
 
@@ -680,11 +681,54 @@ def test_a_call_without_weight_weighs_one():
     tx = jaxga.MultiSteps(optax.sgd(1.0), 3)
     update = jax.jit(lambda g, s, **kw: tx.update(g, s, params, **kw))
     g = [jnp.array([1.0, 2.0, 3.0]), jnp.array([4.0, 0.0, -1.0]), jnp.array([0.5, 0.5, 0.5])]
-    _, state = update(g[0], tx.init(params))
-    _, state = update(g[1], state, weight=3.0)
-    updates, state = update(g[2], state)
-    assert bool(tx.has_updated(state)) and float(state.weight_sum) == 5.0
-    chex.assert_trees_all_close(updates, -(g[0] + 3 * g[1] + g[2]) / 5, rtol=1e-6)
+    state = tx.init(params)
+    for weights, expected in (((None,) * 3, 3.0), ((1.0, 3.0, 1.0), 5.0)):
+        for gradient, w in zip(g, weights):
+            updates, state = update(gradient, state, **({} if w is None else {"weight": w}))
+        assert bool(tx.has_updated(state)) and float(state.weight_sum) == expected
+        ones = (1.0, 1.0, 1.0) if weights[0] is None else weights
+        reference = -sum(w * x for w, x in zip(ones, g)) / expected
+        chex.assert_trees_all_close(updates, reference, rtol=1e-6)
+
+
+def test_a_group_mixing_weighted_and_unweighted_calls():
+    params = jnp.zeros(3)
+    tx = jaxga.MultiSteps(optax.sgd(1.0), 2)
+    g = [jnp.array([1.0, 2.0, 3.0]), jnp.array([4.0, 0.0, -1.0]), jnp.array([0.5, 0.5, 0.5])]
+    _, weighted = tx.update(g[0], tx.init(params), params, weight=3.0)
+    _, unweighted = tx.update(g[0], tx.init(params), params)
+    # eagerly, the state is known: an error naming `weight`
+    message = (
+        "`weight`: this call passes none, but the earlier calls of its group did; pass "
+        "`weight` to all or none."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        tx.update(g[1], weighted, params)
+    message = message.replace("passes none", "passes one").replace("did;", "did not;")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        tx.update(g[1], unweighted, params, weight=1.0)
+    # under jit the state is not known: as documented, a call without weight weighs 1
+    updates, state = jax.jit(lambda g, s: tx.update(g, s, params))(g[1], weighted)
+    assert bool(tx.has_updated(state)) and int(state.num_skipped) == 0
+    chex.assert_trees_all_close(updates, -(3 * g[0] + g[1]) / 4, rtol=1e-6)
+    # a new group may change: its first call decides
+    _, state = tx.update(g[1], state, params)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        tx.update(g[2], state, params, weight=1.0)
+    updates, state = tx.update(g[2], state, params)
+    assert bool(tx.has_updated(state)) and float(state.weight_sum) == 2.0
+    chex.assert_trees_all_close(updates, -(g[1] + g[2]) / 2, rtol=1e-6)
+
+
+def test_weight_passed_by_position():
+    params = jnp.zeros(3)
+    tx = jaxga.MultiSteps(optax.sgd(1.0), 2)
+    message = (
+        "MultiSteps.update takes (grads, state, params) by position; got 4 positional "
+        "arguments: pass `weight` by keyword, update(..., weight=w)."
+    )
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        tx.update(params, tx.init(params), params, 2.0)
 
 
 def test_bad_grads_and_state():
