@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.extend import core as jex_core
 
 from jaxga import _checks, arguments, collectives, modules
 from jaxga.loss import Mean
@@ -147,8 +148,33 @@ def _scan(loss_on, options, primals, micro, state0, sum_dtype) -> tuple[Any, ...
     zeros = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), dtype(x)), primals)
     zero = jnp.zeros((), sum_dtype)
     carry = collectives.varying((jnp.zeros((), jnp.int32), zeros, zero, zero, state0), axis)
-    carry, aux = jax.lax.scan(body, carry, micro, length=options.num_microbatches)
+    k = options.num_microbatches
+    carry, aux = jax.lax.scan(
+        body, carry, micro, length=k, unroll=_unroll(loss_on, primals, micro, state0, k)
+    )
     return (*carry[1:], aux)
+
+
+def _unroll(loss_on: Callable, primals: Any, micro: Any, state: Any, k: int) -> int:
+    """``k`` on a CPU for a loss with convolutions (XLA:CPU runs their gradients inside a
+    loop many times slower), else 1."""
+    if jax.default_backend() != "cpu":
+        return 1
+    first = jax.tree.map(lambda x: x[0], micro)
+    jaxpr = jax.make_jaxpr(loss_on)(primals, first, 0, state)
+    return k if _has_conv(jaxpr.jaxpr) else 1
+
+
+def _has_conv(jaxpr: Any) -> bool:
+    return any(
+        e.primitive.name == "conv_general_dilated"
+        or any(map(_has_conv, map(_open, jex_core.jaxprs_in_params(e.params))))
+        for e in jaxpr.eqns
+    )
+
+
+def _open(jaxpr: Any) -> Any:
+    return getattr(jaxpr, "jaxpr", jaxpr)
 
 
 def _accumulate(

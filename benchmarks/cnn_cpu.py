@@ -1,0 +1,74 @@
+"""A CNN's k-way step against its full batch on CPU: Flax's NNX MNIST tutorial model.
+
+XLA:CPU runs a convolution's weight gradient many times slower inside a loop, so
+``jaxga.value_and_grad`` unrolls its micro-batches on a CPU when the loss has
+convolutions. This compares, per step (median of ``--repeats``), the full batch's
+``nnx.value_and_grad``, jaxga's default and jaxga with the micro-batch loop kept rolled.
+
+    .venv/bin/python benchmarks/cnn_cpu.py
+"""
+
+import argparse
+import statistics
+import time
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import jaxga
+from jaxga import accumulation
+
+
+class CNN(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(1, 32, (3, 3), rngs=rngs)
+        self.conv2 = nnx.Conv(32, 64, (3, 3), rngs=rngs)
+        self.linear1 = nnx.Linear(3136, 256, rngs=rngs)
+        self.linear2 = nnx.Linear(256, 10, rngs=rngs)
+
+    def __call__(self, x):
+        pool = lambda x: nnx.avg_pool(x, (2, 2), (2, 2))
+        x = pool(nnx.relu(self.conv2(pool(nnx.relu(self.conv1(x))))))
+        return self.linear2(nnx.relu(self.linear1(x.reshape(x.shape[0], -1))))
+
+
+def loss(model, batch):
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def median_ms(fn, *args, repeats):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    model = CNN(nnx.Rngs(0))
+    batch = {"x": jnp.ones((args.batch_size, 28, 28, 1)), "y": jnp.zeros(args.batch_size, int)}
+    k = args.microbatches
+    full = median_ms(nnx.jit(nnx.value_and_grad(loss)), model, batch, repeats=args.repeats)
+    step = lambda: nnx.jit(jaxga.value_and_grad(loss, num_microbatches=k))
+    unrolled = median_ms(step(), model, batch, repeats=args.repeats)
+    with mock.patch.object(accumulation, "_unroll", lambda *a: 1):
+        rolled = median_ms(step(), model, batch, repeats=args.repeats)
+    print(f"{jax.devices()[0].device_kind}, batch {args.batch_size}, k={k}:")
+    print(f"  full batch                  {full:7.1f} ms  1.00x")
+    print(f"  jaxga (default: unrolled)   {unrolled:7.1f} ms  {unrolled / full:.2f}x")
+    print(f"  jaxga, micro-batches rolled {rolled:7.1f} ms  {rolled / full:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

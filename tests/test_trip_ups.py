@@ -1,0 +1,185 @@
+"""What users tripped on (issue 22), each against an independent reference or its exact error."""
+
+import chex
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxga
+
+
+def dropout_loss(w, batch, key):  # a Linen-style loss with its dropout key as an argument
+    keep = jax.random.bernoulli(key, 0.5, batch.shape)
+    return jnp.mean(jnp.where(keep, batch * w, 0.0)), keep
+
+
+def test_a_key_argument_gets_a_key_per_microbatch_by_default():
+    x, key, k = jnp.ones((8, 16)), jax.random.key(3), 4
+    (_, keep), _ = jaxga.value_and_grad(dropout_loss, num_microbatches=k, has_aux=True)(2.0, x, key)
+    parts = jaxga.split_microbatches(x, k)
+    expected = [
+        jax.random.bernoulli(jax.random.fold_in(key, i), 0.5, parts[i].shape) for i in range(k)
+    ]
+    np.testing.assert_array_equal(keep, jaxga.merge_microbatches(jnp.stack(expected)))
+
+
+def test_a_raw_key_argument_is_named_with_what_to_pass():
+    vg = jaxga.value_and_grad(dropout_loss, num_microbatches=2, has_aux=True)
+    with pytest.raises(
+        TypeError, match=r"args\[2\] holds a uint32\[2\] .* rng_argnums=2 .* rng_argnums=\(\)"
+    ):
+        vg(2.0, jnp.ones((4, 3)), jax.random.PRNGKey(0))
+    shared = jaxga.value_and_grad(
+        lambda w, x, key: jnp.mean(x * w) + 0 * jnp.sum(key), num_microbatches=2, rng_argnums=()
+    )
+    value, _ = shared(2.0, jnp.ones((4, 3)), jax.random.PRNGKey(0))  # opted in: no error
+    assert float(value) == 2.0
+
+
+@pytest.mark.parametrize(
+    "batch, message",
+    [
+        ({"x": jnp.ones((4, 2)), "split": "train"}, r"args\[1\]\['split'\] is a str"),
+        ({"x": jnp.ones((4, 2)), "n": 3}, r"args\[1\]\['n'\] is a scalar"),
+    ],
+)
+def test_bad_batch_leaves_are_named(batch, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        jaxga.grad(lambda w, b: jnp.mean(b["x"] * w), num_microbatches=2)(1.0, batch)
+
+
+@pytest.mark.parametrize(
+    "out, message",
+    [
+        (lambda x: jnp.sum(x).astype(jnp.int32), r"it returned shape \(\) and dtype int32"),
+        (lambda x: None, r"it returned None of type NoneType"),
+        (lambda x: jaxga.Mean(jnp.sum(x), jnp.float32(-2.0)), r"counts summed to -4.0 items"),
+        (lambda x: jaxga.Mean(jnp.sum(x), jnp.nan), r"counts summed to nan items"),
+    ],
+)
+def test_bad_loss_outputs_are_named(out, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        jaxga.grad(lambda w, x: out(w * x), num_microbatches=2)(1.0, jnp.ones(4))
+
+
+def test_a_batch_read_from_a_closure_is_told_to_pass_the_batch():
+    batch = jnp.ones(4)
+    with pytest.raises(
+        ValueError, match=r"called with 1 positional .* Pass the batch as an argument"
+    ):
+        jaxga.grad(lambda w: jnp.mean(w * batch), num_microbatches=2)(1.0)
+
+
+def test_per_example_aux_needs_no_second_call():
+    """Flax's own metrics call (logits [B, C] against labels [B]) takes the aux as it is."""
+    w, x = (
+        jax.random.normal(jax.random.key(0), (3, 5)),
+        jax.random.normal(jax.random.key(1), (8, 3)),
+    )
+    labels = jnp.arange(8) % 5
+
+    def loss(w, batch):
+        logits = batch[0] @ w
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean(), logits
+
+    (_, logits), _ = jaxga.value_and_grad(loss, num_microbatches=4, has_aux=True)(w, (x, labels))
+    metrics = nnx.metrics.Accuracy()
+    metrics.update(logits=logits, labels=labels)  # raised "expected logits.ndim == 2" before
+    chex.assert_trees_all_close(logits, x @ w, rtol=1e-6)
+
+
+class EqxMLP(eqx.Module):
+    layers: list
+    activation: callable = eqx.field(static=False)  # a non-array leaf (a custom_jvp)
+    steps: jax.Array  # an integer leaf: not differentiated
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.layers = [eqx.nn.Linear(3, 8, key=k1), eqx.nn.Linear(8, 2, key=k2)]
+        self.activation = jax.nn.relu
+        self.steps = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        return self.layers[1](self.activation(self.layers[0](x)))
+
+
+def eqx_loss(model, batch):
+    preds = jax.vmap(model)(batch["x"])
+    return jaxga.Mean.of(jnp.sum((preds - batch["y"]) ** 2, -1), where=batch["w"])
+
+
+def test_equinox_modules_are_exact_against_filter_value_and_grad():
+    model = EqxMLP(jax.random.key(0))
+    keys = jax.random.split(jax.random.key(1), 3)
+    batch = {
+        "x": jax.random.normal(keys[0], (12, 3)),
+        "y": jax.random.normal(keys[1], (12, 2)),
+        "w": (jax.random.uniform(keys[2], (12,)) > 0.4).astype(jnp.float32),
+    }
+    value, grads = eqx.filter_jit(jaxga.value_and_grad(eqx_loss, num_microbatches=4))(model, batch)
+    expected = eqx.filter_value_and_grad(lambda m, b: eqx_loss(m, b).value)(model, batch)
+    assert isinstance(grads, EqxMLP) and grads.steps is None
+    chex.assert_trees_all_close((value, grads), expected, rtol=2e-5, atol=1e-6)
+
+
+def conv_loss(params, batch):
+    y = jax.lax.conv_general_dilated(
+        batch, params, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    return jnp.mean(jnp.tanh(y) ** 2)
+
+
+def test_a_convolution_loss_is_unrolled_on_cpu_and_exact():
+    """XLA:CPU runs a convolution's gradient many times slower inside a loop
+    (benchmarks/cnn_cpu.py): on a CPU such a loss's micro-batches are unrolled."""
+    params = jax.random.normal(jax.random.key(0), (3, 3, 2, 4))
+    batch = jax.random.normal(jax.random.key(1), (8, 6, 6, 2))
+    step = jax.jit(jaxga.value_and_grad(conv_loss, num_microbatches=4))
+    dense = jax.jit(jaxga.value_and_grad(lambda w, x: jnp.mean(x @ w), num_microbatches=4))
+    if jax.default_backend() == "cpu":
+        assert " while(" not in step.lower(params, batch).as_text(dialect="hlo")
+    assert " while(" in dense.lower(jnp.ones((2, 3)), jnp.ones((8, 2))).as_text(dialect="hlo")
+    chex.assert_trees_all_close(
+        step(params, batch), jax.value_and_grad(conv_loss)(params, batch), rtol=2e-5, atol=1e-6
+    )
+
+
+def train_loss(params, batch, model_state, rng):
+    return jnp.mean((batch["x"] @ params["w"]) ** 2), model_state
+
+
+@pytest.mark.parametrize(
+    "create, error, message",
+    [
+        (lambda m: dict(params=m), TypeError, r"`params` is \(or holds\) a module; split it as"),
+        (
+            lambda m: dict(params=nnx.split(m)[1]),
+            ValueError,
+            r"holds \['BatchStat'\] besides nnx.Param",
+        ),
+        (lambda m: dict(params={"w": "abc"}), TypeError, r"params\['w'\] is 'abc' of type str"),
+        (
+            lambda m: dict(params={"w": jnp.ones(2)}, model_state="bn"),
+            TypeError,
+            r"model_state is 'bn'",
+        ),
+    ],
+)
+def test_train_state_create_names_what_it_was_given(create, error, message):
+    model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.BatchNorm(2, rngs=nnx.Rngs(0)))
+    with pytest.raises(error, match=message):
+        jaxga.TrainState.create(tx=optax.sgd(0.1), **create(model))
+
+
+def test_nnx_step_names_a_state_given_as_the_model_and_an_optimizer_of_another_model():
+    model, other = nnx.Linear(3, 1, rngs=nnx.Rngs(0)), nnx.Linear(5, 2, rngs=nnx.Rngs(0))
+    step = jaxga.nnx_train_step(lambda m, b: jnp.mean(m(b) ** 2), 2)
+    optimizer = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+    with pytest.raises(TypeError, match=r"`model` must be the Flax NNX module .* got State"):
+        step(nnx.state(model), optimizer, jnp.ones((4, 3)))
+    with pytest.raises(ValueError, match=r"was it built for these parameters"):
+        step(model, nnx.Optimizer(other, optax.adam(0.1), wrt=nnx.Param), jnp.ones((4, 3)))
