@@ -38,45 +38,36 @@ _cp = jax.checkpoint_policies
 REMAT: dict[str, Remat] = {
     "none": Remat(None, 1, "everything (no rematerialisation)"),
     "dots": Remat(_cp.dots_saveable, 1, "the outputs of matmuls and convolutions"),
-    "dots_no_batch": Remat(
-        _cp.dots_with_no_batch_dims_saveable, 1, "the outputs of matmuls without batch dims"
-    ),
+    "dots_no_batch": Remat(_cp.dots_with_no_batch_dims_saveable, 1, "unbatched matmul outputs"),
     "offload_dots": Remat(
         _cp.offload_dot_with_no_batch_dims("device", "pinned_host"), 1, "as dots_no_batch, on host"
     ),
     "full": Remat(_cp.nothing_saveable, 1, "each layer's input"),
     "sqrt": Remat(_cp.nothing_saveable, "sqrt", "the inputs of √L segments of layers"),
 }
-
-
-def _names(segments: int | str | None = None) -> str:
-    return ", ".join(repr(n) for n, r in REMAT.items() if segments in (None, r.segments))
+_PER_LAYER = [name for name, row in REMAT.items() if row.segments == 1]  # checkpoint_policy's
 
 
 def checkpoint_policy(policy: Policy) -> Callable[..., Any] | None:
-    """Returns the ``jax.checkpoint`` policy for a per-layer name of :data:`REMAT`.
+    """Returns the ``jax.checkpoint`` policy that ``policy`` stands for.
 
-    Args:
-        policy: a name (``"none"`` or ``None``: no checkpoint), a list of
-            ``checkpoint_name`` names to save, or a ``jax.checkpoint_policies`` callable.
+    ``policy``: a per-layer name of :data:`REMAT` (``"none"`` or ``None``: no checkpoint), a
+    list of ``checkpoint_name`` names to save, or a ``jax.checkpoint_policies`` callable.
 
     Example:
         >>> import jax, jaxga
         >>> jaxga.checkpoint_policy("full") is jax.checkpoint_policies.nothing_saveable
         True
     """
-    row = REMAT.get(policy) if isinstance(policy, str) else None
-    if policy is None or (row is not None and row.segments == 1):
-        return None if row is None else row.policy
-    if isinstance(policy, str):
-        hint = f" (pass **remat_options({policy!r}) to remat_scan)" if row else ""
-        raise ValueError(
-            f"`policy`={policy!r} is not a known policy name{hint}; expected one of "
-            f"{_names(segments=1)}, a list of checkpoint_name names, or a "
-            f"jax.checkpoint_policies callable."
-        )
-    if callable(policy):
+    if policy is None or callable(policy):
         return policy
+    if isinstance(policy, str):
+        if policy not in _PER_LAYER:
+            raise ValueError(
+                f"`policy`={policy!r} is not a known policy name; expected one of {_PER_LAYER} "
+                f"(pass the other remat names as **remat_options(name))."
+            )
+        return REMAT[policy].policy
     if isinstance(policy, (list, tuple)) and all(isinstance(n, str) for n in policy):
         return _cp.save_only_these_names(*policy)
     raise TypeError(
@@ -93,91 +84,62 @@ def remat_options(name: str) -> dict[str, Any]:
         >>> remat_options("sqrt"), remat_options("dots")
         ({'policy': 'full', 'segments': 'sqrt'}, {'policy': 'dots', 'segments': 1})
     """
-    row = REMAT.get(name) if isinstance(name, str) else None
-    if row is None:
-        raise ValueError(f"`name`={name!r} is not a remat name; expected one of {_names()}.")
-    policy = next(n for n, r in REMAT.items() if r.segments == 1 and r.policy is row.policy)
-    return {"policy": policy, "segments": row.segments}
+    if not isinstance(name, str) or name not in REMAT:
+        raise ValueError(f"`name`={name!r} is not a remat name; expected one of {list(REMAT)}.")
+    policy = next(n for n in _PER_LAYER if REMAT[n].policy is REMAT[name].policy)
+    return {"policy": policy, "segments": REMAT[name].segments}
 
 
 def stack_length(stacked_params: Any) -> int:
-    """Returns the number of layers L: the common leading size of every leaf.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> from jaxga.remat import stack_length
-        >>> stack_length({"w": jnp.zeros((6, 3, 3)), "b": jnp.zeros((6, 3))})
-        6
-    """
-    if isinstance(stacked_params, (list, tuple)) and len(stacked_params) > 1:
-        kinds = {jax.tree.structure(p) for p in stacked_params}
-        if len(kinds) == 1 and jax.tree.structure(stacked_params[0]).num_nodes > 1:
-            raise ValueError(
-                f"`stacked_params` is a {type(stacked_params).__name__} of "
-                f"{len(stacked_params)} per-layer trees; stack them into one tree whose "
-                f"leaves have a leading layer axis: {_STACK}."
-            )
+    """Returns the number of layers L: the common leading size of every leaf."""
+    layers = stacked_params if isinstance(stacked_params, (list, tuple)) else ()
+    kinds = {jax.tree.structure(p) for p in layers}
+    if len(layers) > 1 and len(kinds) == 1 and kinds.pop().num_nodes > 1:  # per-layer trees
+        raise ValueError(
+            f"`stacked_params` is a {type(layers).__name__} of {len(layers)} per-layer trees; "
+            f"stack them into one tree of leaves with a leading layer axis: {_STACK}."
+        )
     try:
         size = leading_size(stacked_params, "stacked_params", "layer")
     except ValueError as e:
         raise ValueError(f"{e} Stack per-layer parameters with {_STACK}.") from None
     if size is None:
-        raise ValueError(
-            "`stacked_params` has no array leaves; it must be a pytree of arrays that "
-            "share a leading layer axis of size L."
-        )
+        raise ValueError("`stacked_params` has no array leaves; it must be a pytree of arrays.")
     return size
 
 
 def resolve_segments(segments: int | str, num_layers: int) -> int:
-    """Returns the number of segments: ``segments``, or for ``"sqrt"`` the divisor of L nearest √L.
-
-    Example:
-        >>> from jaxga.remat import resolve_segments
-        >>> resolve_segments("sqrt", 64), resolve_segments("sqrt", 12)
-        (8, 3)
-    """
+    """Returns the number of segments: ``segments``, or for ``"sqrt"`` the divisor nearest √L."""
     divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
-    if segments == "sqrt" and not divisors:
-        raise ValueError(
-            f"`segments`='sqrt' needs at least one layer; `stacked_params` has {num_layers} "
-            f"(a leading layer axis of size {num_layers})."
-        )
-    if segments == "sqrt":
+    if segments == "sqrt" and divisors:
         return min(divisors, key=lambda d: (abs(d - math.sqrt(num_layers)), d))
+    if segments == "sqrt":
+        raise ValueError("`segments`='sqrt' needs at least one layer; `stacked_params` has 0.")
     if isinstance(segments, str):
         raise ValueError(f"`segments` must be a positive int or 'sqrt'; got {segments!r}.")
     segments = positive_int(segments, "segments", "a positive int or 'sqrt'")
     if num_layers % segments:
-        nearest = [max(d for d in divisors if d < segments)]
-        nearest += [d for d in divisors if d > segments][:1]
+        below, above = [d for d in divisors if d < segments], [d for d in divisors if d > segments]
         raise ValueError(
-            f"`segments`={segments} does not divide the number of layers L={num_layers}; "
-            f"the nearest divisors of {num_layers} are {' and '.join(map(str, nearest))}."
+            f"`segments`={segments} does not divide the number of layers L={num_layers}; the "
+            f"nearest divisors are {' and '.join(map(str, [below[-1], *above[:1]]))}."
         )
     return segments
 
 
-def _carry_checked(layer_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    def typed(v: Any) -> str:
-        return f"{jnp.result_type(v).name}{list(jnp.shape(v))}"
-
-    def step(params: Any, x: Any) -> Any:
-        y = layer_fn(params, x)
-        if jax.tree.structure(x) != jax.tree.structure(y):
+def _same_carry(x: Any, y: Any) -> Any:
+    """``y``, what ``layer_fn`` returned, if it has the structure, shapes and dtypes of ``x``."""
+    tx, ty = jax.tree.structure(x), jax.tree.structure(y)
+    if tx != ty:
+        raise TypeError(f"`layer_fn` must return a carry structured as its input {tx}; got {ty}.")
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(x)[0], jax.tree.leaves(y)):
+        a, b = (f"{jnp.result_type(v).name}{list(jnp.shape(v))}" for v in (a, b))
+        if a != b:
             raise TypeError(
-                f"`layer_fn` must return a carry with the structure of its input "
-                f"{jax.tree.structure(x)}; got {jax.tree.structure(y)}."
+                f"`layer_fn` changed the carry x{jax.tree_util.keystr(path)} from {a} to {b}; a "
+                f"layer must return its input's shape and dtype."
             )
-        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(x)[0], jax.tree.leaves(y)):
-            if typed(a) != typed(b):
-                raise TypeError(
-                    f"`layer_fn` changed the carry x{jax.tree_util.keystr(path)} from "
-                    f"{typed(a)} to {typed(b)}; a layer must return its input's shape and dtype."
-                )
-        return y
-
-    return step
+    return y
 
 
 def remat_scan(
@@ -191,16 +153,11 @@ def remat_scan(
     """Computes ``for p in stacked_params: x = layer_fn(p, x)`` in a rematerialised ``lax.scan``.
 
     Args:
-        layer_fn: ``layer_fn(params_of_one_layer, x) -> x``, returning ``x``'s structure,
-            shapes and dtypes.
+        layer_fn: ``layer_fn(params_of_one_layer, x) -> x``, keeping ``x``'s shapes and dtypes.
         stacked_params: a pytree of arrays sharing a leading layer axis of size L.
-        x: the initial carry, an array or a pytree of arrays.
-        policy: the ``jax.checkpoint`` policy of each layer, see :func:`checkpoint_policy`.
+        policy: each layer's ``jax.checkpoint`` policy, see :func:`checkpoint_policy`.
         segments: 1 (per-layer remat), a divisor s of L (an outer scan over s
             checkpointed segments of L/s layers), or ``"sqrt"`` (s nearest √L).
-
-    Returns:
-        The carry after the last layer.
 
     Example:
         >>> import jax.numpy as jnp, jaxga
@@ -213,18 +170,13 @@ def remat_scan(
     save = checkpoint_policy(policy)
     num_segments = resolve_segments(segments, num_layers)
     check_arity(layer_fn, "layer_fn", 2, "layer_fn(params_of_one_layer, x) -> x")
-    step = _carry_checked(layer_fn)
+    scan = lambda step, x, stacked: jax.lax.scan(lambda c, p: (step(p, c), None), x, stacked)[0]
+    step = lambda params, carry: _same_carry(carry, layer_fn(params, carry))
     if save is not None:  # inside a scan the loop keeps XLA from merging recomputation
         step = jax.checkpoint(step, policy=save, prevent_cse=False)
-
-    def scan(step: Callable[[Any, Any], Any], x: Any, stacked: Any) -> Any:
-        return jax.lax.scan(lambda carry, params: (step(params, carry), None), x, stacked)[0]
-
-    if num_segments == 1:
-        return scan(step, x, stacked_params)
-    segment = jax.checkpoint(lambda params, carry: scan(step, carry, params), prevent_cse=False)
-    per_segment = num_layers // num_segments
-    grouped = jax.tree.map(
-        lambda p: jnp.reshape(p, (num_segments, per_segment, *jnp.shape(p)[1:])), stacked_params
-    )
-    return scan(segment, x, grouped)
+    if num_segments > 1:  # an outer scan over checkpointed segments, each an inner scan
+        inner = step
+        step = jax.checkpoint(lambda p, c: scan(inner, c, p), prevent_cse=False)
+        shape = lambda p: (num_segments, num_layers // num_segments, *jnp.shape(p)[1:])
+        stacked_params = jax.tree.map(lambda p: jnp.reshape(p, shape(p)), stacked_params)
+    return scan(step, x, stacked_params)

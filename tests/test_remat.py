@@ -267,7 +267,7 @@ def test_error_on_policy_of_wrong_type(policy):
             r"changed the carry x from float32\[2, 3\] to float32\[2, 2\]",
         ),
         (lambda w, x: (x @ w).astype(jnp.float16), r"from float32\[2, 3\] to float16\[2, 3\]"),
-        (lambda w, x: (x, x), "must return a carry with the structure"),
+        (lambda w, x: (x, x), "must return a carry structured as its input"),
     ],
 )
 @pytest.mark.parametrize("policy", ["none", "full"])
