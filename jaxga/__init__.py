@@ -15,7 +15,8 @@ from jaxga.microbatch import merge_microbatches, split_microbatches
 from jaxga.multistep import MultiSteps, MultiStepsState, skip_not_finite
 from jaxga.planner import Plan, parse_bytes, plan
 from jaxga.remat import checkpoint_policy, remat_scan
-from jaxga.train import TrainState, make_train_step, nnx_loss, nnx_train_step
+from jaxga.state import TrainState
+from jaxga.train import make_train_step, nnx_loss, nnx_train_step
 
 __version__ = "0.1.0"
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from flax.training import train_state
@@ -20,139 +18,24 @@ from jaxga.accumulation import Accumulated, accumulate
 from jaxga.compiler import compiler_options
 from jaxga.loss import Mean
 from jaxga.multistep import MultiStepsState
+from jaxga.state import model_io, unaliased
 
-__all__ = ["TrainState", "make_train_step", "nnx_loss", "nnx_train_step"]
+__all__ = ["make_train_step", "nnx_loss", "nnx_train_step"]
 
 Metrics = dict[str, jax.Array]
-_FLAX_FIELDS = frozenset(f.name for f in dataclasses.fields(train_state.TrainState))
-
-
-class TrainState(train_state.TrainState):
-    """Flax's ``TrainState`` plus the model's non-differentiated state and a PRNG key.
-
-    Attributes:
-        model_state: state the model updates but does not differentiate (Linen
-            ``{"batch_stats": ...}``, an NNX model's non-``Param`` state); ``{}`` if none.
-        rng: a typed PRNG key; step ``s``, micro-batch ``i`` draws
-            ``fold_in(fold_in(rng, s), i)``.
-
-    Example:
-        >>> import jax.numpy as jnp, optax, jaxga
-        >>> state = jaxga.TrainState.create(params={"w": jnp.zeros(3)}, tx=optax.adam(1e-3))
-        >>> int(state.step), state.params["w"].shape
-        (0, (3,))
-    """
-
-    model_state: Any = None
-    rng: jax.Array | None = None
-
-    @classmethod
-    def create(
-        cls,
-        params: Any,
-        tx: optax.GradientTransformation,
-        *,
-        apply_fn: Callable[..., Any] | None = None,
-        model_state: Any = None,
-        rng: jax.Array | int = 0,
-        **kwargs: Any,
-    ) -> TrainState:
-        """Returns the initial state, with copies of ``params``, ``model_state`` and ``rng``.
-
-        Example:
-            >>> import jax.numpy as jnp, optax, jaxga
-            >>> state = jaxga.TrainState.create(params=jnp.zeros(3), tx=optax.sgd(0.1), rng=1)
-            >>> int(state.step), state.rng.shape
-            (0, ())
-        """
-        _checks.check_optimizer(tx, "tx")
-        _check_arrays(params, "params")
-        model_state = {} if model_state is None else model_state
-        _check_arrays(model_state, "model_state", empty_ok=True)
-        params, model_state = jax.tree.map(_copy, (params, model_state))
-        state = super().create(
-            apply_fn=apply_fn,
-            params=params,
-            tx=tx,
-            model_state=model_state,
-            rng=_copy(_as_key(rng)),
-            **kwargs,
-        )
-        return _unaliased(state.replace(step=jnp.zeros((), jnp.int32)))
-
-
-def _check_arrays(tree: Any, name: str, empty_ok: bool = False) -> None:
-    """Raises unless ``tree`` is a pytree of arrays (``nnx.Param``s only, for an NNX state)."""
-    split = "split it as `graphdef, params, rest = nnx.split(model, nnx.Param, ...)`"
-    if modules.holds_module(tree):
-        raise TypeError(f"`{name}` is (or holds) a module; {split}, or use jaxga.nnx_train_step.")
-    is_variable = lambda x: isinstance(x, nnx.Variable)
-    kinds = {type(v).__name__ for v in jax.tree.leaves(tree, is_leaf=is_variable) if is_variable(v)}
-    if name == "params" and (others := kinds - {"Param"}):
-        raise ValueError(f"`params` holds {sorted(others)} besides nnx.Param: {split}.")
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    for path, x in leaves:
-        if not (hasattr(x, "dtype") or isinstance(x, int | float | complex)):
-            raise TypeError(
-                f"{name}{jax.tree_util.keystr(path)} is {x!r} of type {type(x).__name__}; "
-                f"`{name}` must be a pytree of arrays."
-            )
-    if not leaves and not empty_ok:
-        raise ValueError(f"`{name}` must be a pytree holding the parameter arrays; got {tree!r}.")
-
-
-def _copy(x: Any) -> Any:
-    """A copy of the same kind (host arrays stay on the host, for ``jax.distributed``)."""
-    return x.copy() if isinstance(x, np.ndarray) else jnp.array(x, copy=True)
-
-
-def _as_key(rng: Any) -> jax.Array:
-    """A typed PRNG key from a seed, a typed key or raw ``uint32[2]`` key data."""
-    dtype = getattr(rng, "dtype", None) or (jnp.int32 if isinstance(rng, int) else None)
-    shape = jnp.shape(rng) if dtype is not None else None
-    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
-        return rng
-    if dtype is not None and jnp.issubdtype(dtype, jnp.integer) and shape == ():
-        return jax.random.key(rng)
-    if dtype == jnp.uint32 and shape == (2,):
-        return jax.random.wrap_key_data(rng)
-    raise TypeError(f"`rng` must be an integer seed or a single PRNG key; got {rng!r}.")
-
-
-def _unaliased(tree: Any) -> Any:
-    """``tree`` with a copy of each array whose buffer it already holds: a call may not
-    donate one buffer twice (``optax.contrib.prodigy`` keeps the initial parameters)."""
-    seen: set[Any] = set()
-
-    def once(x: Any) -> Any:
-        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
-            return x
-        try:
-            buffers = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
-        except Exception:  # a backend without buffer pointers: the array object itself
-            buffers = {id(x)}
-        if seen & buffers:
-            return _copy(x)
-        seen.update(buffers)
-        return x
-
-    return jax.tree.map(once, tree)
 
 
 def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
     """Turns ``loss(model, batch, rng)`` on a Flax NNX model into :func:`make_train_step`'s form.
 
-    The result is ``(params, batch, model_state, rng) -> (loss, new_model_state)`` for a
-    model split as ``graphdef, params, model_state = nnx.split(model, nnx.Param, ...)``.
+    For ``graphdef, params, model_state = nnx.split(model, nnx.Param, ...)``.
 
     Example:
-        >>> import jax, jax.numpy as jnp, optax, jaxga
+        >>> import jax.numpy as jnp, jaxga
         >>> from flax import nnx
-        >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-        >>> graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        >>> fn = jaxga.nnx_loss(graphdef, lambda m, b, rng: jnp.mean((m(b["x"]) - b["y"]) ** 2))
-        >>> loss, _ = fn(params, {"x": jnp.ones((4, 2)), "y": jnp.zeros((4, 1))}, rest, None)
-        >>> loss.shape
+        >>> graphdef, params, rest = nnx.split(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), nnx.Param, ...)
+        >>> fn = jaxga.nnx_loss(graphdef, lambda m, x, rng: jnp.mean(m(x) ** 2))
+        >>> fn(params, jnp.ones((4, 2)), rest, None)[0].shape
         ()
     """
     if not isinstance(graphdef, nnx.graphlib.GraphDef):
@@ -248,36 +131,6 @@ def _weight(tx: Any, acc: Accumulated) -> dict[str, jax.Array]:
 # --- the functional step ---------------------------------------------------------------
 
 
-def _model_io(state: Any) -> tuple[Any, jax.Array | None, Callable[[Any, Any], Any]]:
-    """A Flax TrainState's model state, the step's key, and how to set a new model state."""
-    if isinstance(state, TrainState):
-        model_state, key = state.model_state, state.rng
-        setter = lambda s, m: s.replace(model_state=m)
-    else:  # a subclass: its added dict fields (batch_stats) and its key field
-        added = [
-            f.name
-            for f in dataclasses.fields(state)
-            if f.name not in _FLAX_FIELDS and f.metadata.get("pytree_node", True)
-        ]
-        is_key = lambda n: n in ("rng", "key") or _is_typed_key(getattr(state, n))
-        keys = [n for n in added if is_key(n)]
-        if len(keys) > 1:
-            raise ValueError(
-                f"`state` ({type(state).__name__}) has several PRNG-key fields, {keys}; the "
-                f"train step draws its keys from one: keep one, or hold the others elsewhere."
-            )
-        fields = [n for n in added if n not in keys and isinstance(getattr(state, n), Mapping)]
-        model_state = {n: getattr(state, n) for n in fields}
-        key = getattr(state, keys[0]) if keys else None
-        setter = lambda s, m: s.replace(**m)
-    rng = None if key is None else jax.random.fold_in(_as_key(key), state.step)
-    return model_state, rng, setter
-
-
-def _is_typed_key(x: Any) -> bool:
-    return jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key)
-
-
 def _check_state(state: Any) -> None:
     if not isinstance(state, train_state.TrainState):
         hint = (
@@ -350,7 +203,7 @@ def _as_step(fn: Callable, jitted: Any, place: Callable[[Any], Any], donate: boo
                 "one you gave it (or build it with donate=False)."
             )
         state = place(state)
-        return jitted(_unaliased(state) if donate else state, batch)
+        return jitted(unaliased(state) if donate else state, batch)
 
     step.lower = lambda state, batch: jitted.lower(place(state), batch)
     step.trace = lambda state, batch: jitted.trace(place(state), batch)
@@ -387,16 +240,10 @@ def make_train_step(
 ) -> Callable[[Any, Any], tuple[Any, Metrics]]:
     """Builds one jitted train step ``(state, batch) -> (state, metrics)``.
 
-    The step accumulates the loss and gradients exactly over ``num_microbatches``
-    micro-batches (:func:`jaxga.accumulate`: a fresh key per micro-batch, model state
-    threaded through them), runs ``state.tx`` with ``weight=`` the call's item count (so
-    a :class:`jaxga.MultiSteps` in it is exact across calls) and donates the state. A call
-    whose batch counts no items leaves parameters and optimiser state as they were.
-
-    ``state`` is a ``flax.training.train_state.TrainState``: with a :class:`TrainState` the
-    model state is ``state.model_state`` and keys come from ``state.rng``; with another
-    subclass, the model state is its added dict fields (``batch_stats``) and keys come
-    from its ``rng`` or ``key`` field.
+    It accumulates over ``num_microbatches`` micro-batches (:func:`jaxga.accumulate`) and
+    runs ``state.tx`` with ``weight=`` the call's item count. ``state`` is a Flax
+    ``TrainState``: a :class:`TrainState`, or a subclass whose dict fields (``batch_stats``)
+    are the model state and whose ``rng`` or ``key`` field holds the key.
 
     Args:
         loss: ``loss(params, batch, model_state, rng) -> (loss, new_model_state)``; the
@@ -412,9 +259,8 @@ def make_train_step(
         donate: donate the state's buffers to the step.
 
     Returns:
-        The jitted step, with ``lower`` and ``trace``. ``metrics`` holds ``loss``,
-        ``count``, ``grad_norm``, ``learning_rate`` (NaN without
-        ``optax.inject_hyperparams``) and ``applied``.
+        The jitted step; ``metrics`` holds ``loss``, ``count``, ``grad_norm``,
+        ``learning_rate`` (NaN without ``optax.inject_hyperparams``) and ``applied``.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, jaxga
@@ -440,7 +286,7 @@ def make_train_step(
 
     def step(state: Any, batch: Any) -> tuple[Any, Metrics]:
         _check_state(state)
-        model_state, rng, set_model_state = _model_io(state)
+        model_state, rng, set_model_state = model_io(state)
         if mesh is None:
             acc = accumulated(checked)(state.params, batch, model_state, rng)
             specs, view = None, state.params
@@ -524,20 +370,16 @@ def nnx_train_step(
 ) -> Callable[[Any, Any, Any], Metrics]:
     """Builds one compiled train step ``(model, optimizer, batch) -> metrics`` for Flax NNX.
 
-    ``loss(model, batch)`` runs on each micro-batch through :func:`jaxga.accumulate` (the
-    model's other state threaded and written back), then ``optimizer.update(model, grads,
-    weight=count)`` updates model and optimiser in place, as :func:`make_train_step` does.
+    The NNX counterpart of :func:`make_train_step`; model and optimizer are updated in place.
 
     Args:
         loss: ``loss(model, batch) -> loss``, a :class:`jaxga.Mean` or a scalar mean.
         num_microbatches: micro-batches per call.
         accumulator_dtype: dtype of the gradient sums; ``None``: at least float32.
-        donate: donate the model's and optimiser's buffers (arrays taken out of the
-            model before the call are deleted by it).
+        donate: donate the model's and optimiser's buffers.
 
     Returns:
-        The step, returning :func:`make_train_step`'s metrics; its ``lower`` and ``trace``
-        take the step's arguments.
+        The step, returning :func:`make_train_step`'s metrics.
 
     Example:
         >>> import jax.numpy as jnp, optax, jaxga
@@ -575,7 +417,7 @@ def nnx_train_step(
     def split(model: Any, optimizer: Any) -> tuple[Any, Any]:
         _check_optimizer(optimizer, model, None)
         graphdef, state = nnx.split((model, optimizer))
-        return graphdef, _unaliased(state) if donate else state
+        return graphdef, unaliased(state) if donate else state
 
     def step(model: Any, optimizer: Any, batch: Any) -> Metrics:
         graphdef, state = split(model, optimizer)
