@@ -19,8 +19,6 @@ class MemoryReport:
     """What XLA's compiled program for one call needs, in bytes, and how much it computes.
 
     Attributes:
-        argument_bytes: the inputs (parameters, batch, ...).
-        output_bytes: the outputs (e.g. gradients).
         temp_bytes: scratch memory, mostly the activations kept for the backward pass.
         alias_bytes: outputs that reuse a donated input's buffer.
         peak_bytes: ``argument_bytes + output_bytes + temp_bytes - alias_bytes``.
@@ -28,14 +26,11 @@ class MemoryReport:
         dot_flops: matmul and convolution FLOPs of the jaxpr, see :func:`dot_flops`.
         dot_flops_exact: ``False`` when a ``while_loop`` body was counted once.
         measured_peak_bytes: the device's peak in one real run (``measure=True``), or ``None``.
-        backend: the platform compiled for, e.g. ``"cpu"`` or ``"gpu"``.
 
     Example:
-        >>> import jax, jax.numpy as jnp, jaxga
-        >>> x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
-        >>> report = jaxga.memory_report(lambda a: a @ a, x)
-        >>> report.argument_bytes, report.output_bytes, report.dot_flops
-        (262144, 262144, 33554432)
+        >>> import jax.numpy as jnp, jaxga
+        >>> jaxga.memory_report(lambda a: a @ a, jnp.ones((256, 256))).dot_flops
+        33554432
     """
 
     argument_bytes: int
@@ -96,17 +91,6 @@ def _eqn_dot_flops(eqn: Any) -> int:
     return 2 * out_shape[out_spec[0]] * out_shape[out_spec[1]] * rhs[rhs_spec[1]] * taps
 
 
-def _live_eqns(jaxpr: Any) -> list[Any]:
-    # The equations that feed an output or have effects: what XLA keeps after DCE.
-    used = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
-    live = []
-    for eqn in reversed(jaxpr.eqns):
-        if eqn.effects or any(v in used for v in eqn.outvars):
-            live.append(eqn)
-            used.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
-    return live[::-1]
-
-
 def dot_flops(jaxpr: Any) -> tuple[int, bool]:
     """Returns ``(flops, exact)``: the matmul and convolution FLOPs of a jaxpr, loops unrolled.
 
@@ -119,31 +103,34 @@ def dot_flops(jaxpr: Any) -> tuple[int, bool]:
         >>> dot_flops(jax.make_jaxpr(jnp.dot)(jnp.ones((4, 3)), jnp.ones((3, 5))))
         (120, True)
     """
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    used = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
     total, exact = 0, True
-    for eqn in _live_eqns(getattr(jaxpr, "jaxpr", jaxpr)):
+    for eqn in reversed(jaxpr.eqns):  # from the outputs back, skipping the dead code XLA drops
+        if not (eqn.effects or any(v in used for v in eqn.outvars)):
+            continue
+        used.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+        name = eqn.primitive.name
         subs = [dot_flops(j) for j in jex_core.jaxprs_in_params(eqn.params)]
-        flops = [f for f, _ in subs]
-        exact = exact and all(e for _, e in subs) and eqn.primitive.name != "while"
-        if eqn.primitive.name == "scan":
-            total += eqn.params["length"] * sum(flops)
-        elif eqn.primitive.name == "cond":
-            total += max(flops, default=0)
-        else:
-            total += _eqn_dot_flops(eqn) + sum(flops)
+        exact = exact and name != "while" and all(e for _, e in subs)
+        inner = [f for f, _ in subs]
+        inner = max(inner, default=0) if name == "cond" else sum(inner)
+        total += _eqn_dot_flops(eqn) + inner * (eqn.params["length"] if name == "scan" else 1)
     return total, exact
 
 
 def _measure(jitted: Callable[..., Any], args: tuple, kwargs: dict) -> int | None:
-    device = jax.devices()[0]
-    before = device.memory_stats()
+    leaves = jax.tree.leaves((args, kwargs))
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        raise TypeError("`measure=True` runs `fn`, so it needs arrays; got a jax.ShapeDtypeStruct.")
+    before = jax.devices()[0].memory_stats()
     if not before or "peak_bytes_in_use" not in before:
         return None
-    on_device = sum(x.nbytes for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array))
     jax.block_until_ready(jitted(*args, **kwargs))
-    peak = device.memory_stats()["peak_bytes_in_use"]
+    peak = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
     if peak <= before["peak_bytes_in_use"]:
         return None  # an earlier, larger allocation hides this run's peak
-    return peak - before["bytes_in_use"] + on_device
+    return peak - before["bytes_in_use"] + sum(x.nbytes for x in leaves if isinstance(x, jax.Array))
 
 
 def memory_report(
@@ -153,12 +140,8 @@ def memory_report(
 
     Args:
         fn: a ``jax.jit`` or ``nnx.jit`` function, or a plain function (then jitted).
-        *args: its positional arguments, arrays or ``jax.ShapeDtypeStruct``.
+        *args: its arguments (and ``**kwargs``), arrays or ``jax.ShapeDtypeStruct``.
         measure: also run ``fn`` once and record the device's peak (GPU, TPU; needs arrays).
-        **kwargs: its keyword arguments.
-
-    Returns:
-        A :class:`MemoryReport`; ``print`` it for a table.
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxga
@@ -170,35 +153,22 @@ def memory_report(
     """
     if not callable(fn):
         raise TypeError(
-            f"`fn` must be callable: a jax.jit or nnx.jit step or a plain function; got {fn!r} "
-            f"of type {type(fn).__name__}."
+            f"`fn` must be a jitted or plain function; got {fn!r} of type {type(fn).__name__}."
         )
-    if measure and any(
-        isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((args, kwargs))
-    ):
-        raise TypeError("`measure=True` runs `fn`, so it needs arrays; got a jax.ShapeDtypeStruct.")
     jitted = fn if hasattr(fn, "trace") and hasattr(fn, "lower") else jax.jit(fn)
     traced = jitted.trace(*args, **kwargs)
     compiled = traced.lower().compile()
     stats = compiled.memory_analysis()
     if stats is None:
-        raise ValueError(
-            f"The {jax.default_backend()!r} backend reports no memory analysis for compiled "
-            f"programs, so memory_report cannot size `fn`."
-        )
+        raise ValueError(f"The {jax.default_backend()} backend gives no memory analysis of `fn`.")
     try:
         flops = compiled.cost_analysis().get("flops")
     except Exception:  # backends without a cost model raise rather than return nothing
         flops = None
+    flops = float(flops) if flops is not None and flops >= 0 else None
     count, exact = dot_flops(getattr(traced, "traced", traced).jaxpr)  # nnx.jit: flax's Traced
+    measured = _measure(jitted, args, kwargs) if measure else None
     sizes = [int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes)]
     sizes += [int(stats.temp_size_in_bytes), int(stats.alias_size_in_bytes)]
-    return MemoryReport(
-        *sizes,
-        peak_bytes=sum(sizes[:3]) - sizes[3],
-        flops=float(flops) if flops is not None and flops >= 0 else None,
-        dot_flops=int(count),
-        dot_flops_exact=exact,
-        measured_peak_bytes=_measure(jitted, args, kwargs) if measure else None,
-        backend=jax.default_backend(),
-    )
+    peak = sum(sizes[:3]) - sizes[3]
+    return MemoryReport(*sizes, peak, flops, count, exact, measured, jax.default_backend())
