@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import jaxga
-from jaxga.planner import InfeasibleBudgetError, format_bytes
+from jaxga.planner import Candidate, InfeasibleBudgetError, format_bytes
 from jaxga.remat import REMAT, remat_options
 
 BATCH, FEATURES, DIM, HIDDEN, LAYERS = 8, 4, 8, 64, 4
@@ -95,6 +95,7 @@ def test_chosen_peak_is_within_budget_and_first_that_fits(table):
     assert (chosen.num_microbatches, chosen.remat) == (p.num_microbatches, p.remat)
     assert before and all(compiled_peak(c.num_microbatches, c.remat) > budget for c in before)
     assert p.num_skipped == len(table) - len(p.candidates)
+    assert isinstance(p, Candidate) and vars(chosen).items() <= vars(p).items()  # its fields
     assert "<- chosen" in str(p) and format_bytes(budget) in str(p)
 
 
@@ -200,7 +201,7 @@ def test_batch_argnums_names_every_batch_argument():
     assert [c.num_microbatches for c in p.candidates] == [1, 2, 4, 8]
     assert p.batch_size == BATCH
     short = jax.ShapeDtypeStruct((BATCH // 2, 16, 1), jnp.float32)
-    with pytest.raises(ValueError, match=r"`batch_argnums`=\(1, 2\).*args\[1\]: 8, args\[2\]: 4"):
+    with pytest.raises(ValueError, match=r"args\[1\]: 8, args\[2\]: 4.*\(`batch_argnums`=\(1, 2\)"):
         jaxga.plan(split_build, STATE, BATCH_SHAPES["x"], short, batch_argnums=(1, 2), **options)
 
 
@@ -226,7 +227,7 @@ def test_parse_bytes(text, expected):
     [
         ("512 parsecs", ValueError, r"`budget`='512 parsecs' is not a size.*MiB"),
         ("MiB", ValueError, r"`budget`='MiB' is not a size"),
-        (-1, ValueError, r"`budget` must be a non-negative number of bytes; got -1"),
+        (-1, ValueError, r"`budget` must be a number of bytes in \[0, 2\*\*63\); got -1\."),
         (1.5, TypeError, r"`budget` must be an int number of bytes or a string.*float"),
         (True, TypeError, r"`budget` must be an int.*got True of type bool"),
     ],
@@ -236,12 +237,12 @@ def test_parse_bytes_errors_name_the_argument(value, error, message):
         jaxga.parse_bytes(value)
 
 
-BATCH_ARGNUMS = r"`batch_argnums` must be a non-negative int or a non-empty tuple of them; "
+BATCH_ARGNUMS = r"`batch_argnums` must be a non-negative int or a tuple of them; "
 
 
 def test_batch_argnums_is_rejected_as_value_and_grad_rejects_it():
     loss = lambda w, x: jnp.mean(x @ w)
-    with pytest.raises(TypeError, match=r"^" + BATCH_ARGNUMS.replace("non-empty ", "")):
+    with pytest.raises(TypeError, match=r"^" + BATCH_ARGNUMS):
         jaxga.value_and_grad(loss, num_microbatches=2, batch_argnums=-1)
     with pytest.raises(TypeError, match=r"^" + BATCH_ARGNUMS):
         jaxga.plan(build, *ARGS, budget="1GiB", batch_argnums=-1)
@@ -251,10 +252,14 @@ def test_batch_argnums_is_rejected_as_value_and_grad_rejects_it():
 @pytest.mark.parametrize(
     "options, error, message",
     [
-        ({"batch_argnums": 2}, ValueError, r"`batch_argnums`=2 holds \[2\], which name none"),
+        ({"batch_argnums": 2}, ValueError, r"^`batch_argnums`=2 goes past the 2 arguments given"),
         ({"batch_argnums": 0}, ValueError, r"args\[0\].*scalar.*`batch_argnums`=0"),
         ({"batch_argnums": (1, 1.0)}, TypeError, BATCH_ARGNUMS + r"got \(1, 1.0\)\.$"),
-        ({"batch_argnums": ()}, TypeError, BATCH_ARGNUMS + r"got \(\)\.$"),
+        (
+            {"batch_argnums": ()},
+            TypeError,
+            r"^`batch_argnums` must name at least one argument; got \(\)\.$",
+        ),
         # Issue 20: negative positions, which jaxga.value_and_grad rejects, are rejected here too.
         ({"batch_argnums": -1}, TypeError, BATCH_ARGNUMS + r"got -1\.$"),
         ({"batch_argnums": (0, -1)}, TypeError, BATCH_ARGNUMS + r"got \(0, -1\)\.$"),
@@ -263,6 +268,7 @@ def test_batch_argnums_is_rejected_as_value_and_grad_rejects_it():
         ({"num_microbatches": (0, 2)}, ValueError, r"`num_microbatches` must be a positive int"),
         ({"margin": 1.0}, ValueError, r"`margin` must be a fraction.*got 1.0"),
         ({"time_top": -1}, ValueError, r"`time_top` must be a non-negative int; got -1"),
+        ({"repeats": 0}, ValueError, r"^`repeats` must be a positive int; got 0\b"),
         ({"remat": ()}, ValueError, r"`remat` must hold at least one value"),
         ({"budget": "lots"}, ValueError, r"`budget`='lots' is not a size"),
     ],
