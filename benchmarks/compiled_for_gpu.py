@@ -15,27 +15,35 @@ Both wrap ``optax.adam``, in two settings as in ``multisteps.py``: as built by d
 ``multisteps.py`` (one call: gradient, ``tx.update``, apply; and ``tx.update`` alone) and
 Transformer M of ``run.py`` (GPT-2 small's shape in a layer scan, bfloat16 matmuls, one
 micro-batch call of k = 4), compiled with ``jaxga.compiler_options("gpu")``. The
-transformer picks its attention by the default backend, here the CPU: XLA's, which
-materialises the attention scores, where a real GPU run uses cuDNN's fused kernel. So
-compare the ratios; the absolute peaks are larger than ``run.py`` measures on an H100.
+transformer picks its attention by the default backend, here the CPU; under
+:func:`cudnn_attention` it takes cuDNN's fused kernel, as a real GPU run does, so that its
+peaks are those of ``run.py`` on an H100 (within a few per cent).
 
-Run (the CUDA plugin installs without a GPU; nothing is downloaded at run time):
-    pip install "jax[cuda12]"
+The functions here are also those of ``tests/test_h100_compiled.py``, which holds the GPU
+memory claims of the README and ``docs/`` on every test run.
+
+Run (JAX's CUDA plugin installs without a GPU and without the CUDA libraries: ``jax[cuda12-
+local]``, in the ``dev`` extra; ``JAX_PLATFORMS=cpu``, or the plugin looks for a GPU):
+    pip install "jax[cuda12-local]"
     JAX_PLATFORMS=cpu python benchmarks/compiled_for_gpu.py [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 from jax.experimental import topologies
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -43,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _workloads
 import multisteps
 import run
+import train_lm  # examples/, on the path through _workloads
 
 import jaxga
 
@@ -75,12 +84,42 @@ dnn_version_info { major: 9 minor: 7 }
 """
 
 
+CUDNN_VERSION = 90700  # dnn_version_info above, as cuDNN reports it
+
+
+def h100s(count: int) -> list[jax.Device]:
+    """``count`` described (not attached) H100s of one host, for a mesh to compile for."""
+    topology = topologies.get_topology_desc(
+        "h100", "cuda", target_config=H100_SXM, topology=f"1x1x{count}"
+    )
+    return list(topology.devices)
+
+
 def h100() -> jax.Device:
     """A described (not attached) H100 that ``jax.jit`` can compile for."""
-    topology = topologies.get_topology_desc(
-        "h100", "cuda", target_config=H100_SXM, topology="1x1x1"
-    )
-    return topology.devices[0]
+    return h100s(1)[0]
+
+
+@contextlib.contextmanager
+def cudnn_attention() -> Iterator[None]:
+    """While tracing, ``jax.nn.dot_product_attention`` of 16-bit inputs is cuDNN's fused
+    kernel, as on a real GPU (``examples/train_lm.py`` picks it by the default backend,
+    here the CPU), and the cuDNN version is the described one (the CUDA plugin alone
+    ships no cuDNN to ask)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    xla_attention, check = jax.nn.dot_product_attention, fused.check_cudnn_version
+
+    def attention(query, key, value, *args, implementation=None, **kwargs):
+        if query.dtype in (jnp.bfloat16, jnp.float16):
+            implementation = "cudnn"
+        return xla_attention(query, key, value, *args, implementation=implementation, **kwargs)
+
+    jax.nn.dot_product_attention, fused.check_cudnn_version = attention, lambda: CUDNN_VERSION
+    try:
+        yield
+    finally:
+        jax.nn.dot_product_attention, fused.check_cudnn_version = xla_attention, check
 
 
 def on(device: jax.Device, tree: Any) -> Any:
@@ -92,9 +131,25 @@ def on(device: jax.Device, tree: Any) -> Any:
     )
 
 
+def on_mesh(devices: list[jax.Device], axis: str = "data") -> jax.sharding.Mesh:
+    """A one-axis mesh of described devices (``h100s``)."""
+    return jax.sharding.Mesh(np.array(devices), (axis,))
+
+
+def program(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn`` (a ``jax.jit``) compiled for the devices its arguments are placed on, with
+    cuDNN attention: the ``jax.stages.Compiled`` (``as_text()``, ``cost_analysis()``, ...)."""
+    with cudnn_attention():
+        return fn.lower(*args).compile()
+
+
 def compiled(fn: Callable[..., Any], *args: Any) -> dict[str, int]:
     """The compiled peak (arguments + outputs + temporaries − aliased) and kernel count."""
-    program = fn.lower(*args).compile()
+    return summary(program(fn, *args))
+
+
+def summary(program: Any) -> dict[str, int]:
+    """A compiled program's peak and the kernels of its top level (see the module doc)."""
     entry = program.as_text().split("\nENTRY ", 1)[1].split("\n}", 1)[0]
     calls = re.findall(r"^\s*(?:ROOT )?%\S+ = .*? (?:fusion|custom-call)\(.*$", entry, re.M)
     return {
@@ -102,6 +157,37 @@ def compiled(fn: Callable[..., Any], *args: Any) -> dict[str, int]:
         # AllocateBuffer (an uninitialised buffer) reserves memory and launches nothing
         "kernels": sum('custom_call_target="AllocateBuffer"' not in c for c in calls),
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class Transformer:
+    """``examples/train_lm.py``'s transformer as shapes: ``params`` and ``batch`` are
+    ``jax.ShapeDtypeStruct`` trees, ``loss_for(remat)`` the loss with that remat name."""
+
+    params: Any
+    batch: dict[str, jax.ShapeDtypeStruct]
+    loss_for: Callable[[str], Callable[[Any, Any], jaxga.Mean]]
+
+
+def transformer(
+    batch: int, seq_len: int, dim: int, heads: int, layers: int, dtype: str = "bfloat16"
+) -> Transformer:
+    """The main example's transformer at the given shape, its matrix products in ``dtype``
+    (Transformer M is ``transformer(64, 512, 768, 12, 12)``); nothing is allocated."""
+    cfg = train_lm.Config(seq_len, dim, heads, layers, dropout=0.0, remat="none", dtype=dtype)
+    model = nnx.eval_shape(lambda: train_lm.Transformer(cfg, nnx.Rngs(0)))
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    mask = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32)
+
+    def loss_for(remat: str) -> Callable[[Any, Any], jaxga.Mean]:
+        candidate = dataclasses.replace(cfg, remat=remat)
+        graphdef = nnx.split(
+            nnx.eval_shape(lambda: train_lm.Transformer(candidate, nnx.Rngs(0))), nnx.Param, ...
+        )[0]
+        return lambda params, batch: train_lm.loss(nnx.merge(graphdef, params, rest), batch, None)
+
+    return Transformer(params, {"inputs": tokens, "labels": tokens, "mask": mask}, loss_for)
 
 
 def mlp(device: jax.Device) -> dict[str, dict[str, dict[str, int]]]:
