@@ -28,6 +28,11 @@ class TrainState(train_state.TrainState):
             ``{"batch_stats": ...}``, an NNX model's non-``Param`` state); ``{}`` if none.
         rng: a typed PRNG key; step ``s``, micro-batch ``i`` draws
             ``fold_in(fold_in(rng, s), i)``.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jaxga
+        >>> jaxga.TrainState.create(params={"w": jnp.zeros(3)}, tx=optax.sgd(0.1)).model_state
+        {}
     """
 
     model_state: Any = None
