@@ -13,17 +13,14 @@ __all__ = ["MultiSteps", "MultiStepsState", "skip_not_finite"]
 
 
 class MultiStepsState(NamedTuple):
-    """State of :class:`MultiSteps`.
+    """State of :class:`MultiSteps`: optax's fields, a weighted mean and its weights.
 
     Attributes:
         mini_step: calls accumulated in the current group; 0 once a group completes.
-        gradient_step: how many times the inner optimiser has run.
         acc_grads: the group's weighted mean gradient so far, in the accumulator dtype.
         weight_sum: the group's total weight so far (a call without ``weight`` weighs 1).
         weighted: whether the last call passed ``weight``.
-        inner_opt_state: the inner optimiser's state.
         applied: whether the last call ran the inner optimiser.
-        num_skipped: how many calls were skipped.
         skip_state: the last report of ``should_skip_update_fn``; ``()`` without one.
     """
 
@@ -58,70 +55,32 @@ def _check_state(state: Any, grads: Any = None) -> None:
     if not isinstance(state, MultiStepsState):
         kind = type(state)
         library = "a" if kind.__module__ == "builtins" else f"{kind.__module__.split('.')[0]}'s"
-        raise TypeError(
-            f"`state` must be the jaxga.MultiStepsState returned by jaxga.MultiSteps' `init` "
-            f"or `update`; got {library} {kind.__name__} ({kind.__module__}.{kind.__qualname__})."
-        )
-    expected = jax.tree.structure(state.acc_grads)
-    if grads is not None and jax.tree.structure(grads) != expected:
-        raise TypeError(
-            f"`grads` has tree structure {jax.tree.structure(grads)}, but the state was "
-            f"initialised for {expected}; pass gradients of the params given to `init`."
-        )
+        raise TypeError(f"`state` must be a jaxga.MultiStepsState; got {library} {kind.__name__}.")
+    expected, got = jax.tree.structure(state.acc_grads), jax.tree.structure(grads)
+    if grads is not None and got != expected:
+        raise TypeError(f"`grads` must have the params' tree structure, {expected}; got {got}.")
     for (path, g), a in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(state.acc_grads)):
         if jnp.shape(g) != jnp.shape(a):
-            raise ValueError(
-                f"`grads{jax.tree_util.keystr(path)}` has shape {jnp.shape(g)}, but the "
-                f"state was initialised for shape {jnp.shape(a)}."
-            )
+            name = f"grads{jax.tree_util.keystr(path)}"
+            raise ValueError(f"`{name}` must have shape {jnp.shape(a)}; got {jnp.shape(g)}.")
 
 
 def _as_weight(weight: Any, state: MultiStepsState) -> tuple[jax.Array, jax.Array]:
     """``weight`` as a float32 scalar (1 for ``None``), and whether it is valid."""
     mixed = (state.mini_step > 0) & (state.weighted != (weight is not None))
     if not isinstance(mixed, jax.core.Tracer) and mixed:  # known eagerly
-        passes, did = ("none", "did") if weight is None else ("one", "did not")
-        raise ValueError(
-            f"`weight`: this call passes {passes}, but the earlier calls of its group {did}; "
-            f"pass `weight` to all or none."
-        )
+        got = "none after weighted calls" if weight is None else "one after unweighted calls"
+        raise ValueError(f"`weight` must be given to all calls of a group or none; got {got}.")
     try:
         w = jnp.asarray(1.0 if weight is None else weight)
     except TypeError:
         raise TypeError(f"`weight` must be a number; got {weight!r}.") from None
-    if not (jnp.issubdtype(w.dtype, jnp.integer) or jnp.issubdtype(w.dtype, jnp.floating)):
-        raise TypeError(f"`weight` must be an int or float scalar; got dtype {w.dtype}.")
-    if w.shape != ():
-        raise ValueError(f"`weight` must be a scalar; got shape {w.shape}.")
+    if w.shape != () or not any(jnp.issubdtype(w.dtype, t) for t in (jnp.integer, jnp.floating)):
+        raise TypeError(f"`weight` must be an int or float scalar; got {w.dtype}{list(w.shape)}.")
     valid = jnp.isfinite(w) & (w >= 0)
     if not isinstance(valid, jax.core.Tracer) and not valid:
         raise ValueError(f"`weight` must be finite and non-negative; got {float(w)}.")
     return w.astype(jnp.float32), valid
-
-
-def _group_size(every_k: Any, gradient_step: jax.Array) -> jax.Array:
-    k = jnp.asarray(every_k(gradient_step) if callable(every_k) else every_k)
-    if k.shape != () or not jnp.issubdtype(k.dtype, jnp.integer):
-        raise TypeError(
-            f"The `every_k` schedule must return an int scalar; it returned shape "
-            f"{k.shape} and dtype {k.dtype}."
-        )
-    if not isinstance(k, jax.core.Tracer) and k < 1:
-        raise ValueError(f"The `every_k` schedule must return at least 1; it returned {k}.")
-    return jnp.maximum(k, 1)
-
-
-def _should_skip(fn: Any, grads: Any, state: MultiStepsState, params: Any) -> tuple:
-    if fn is None:
-        return jnp.zeros((), jnp.bool_), ()
-    skip, report = fn(grads, state.gradient_step, params)
-    if jnp.shape(skip) != () or jnp.result_type(skip) != jnp.bool_:
-        raise ValueError(
-            f"`should_skip_update_fn` must return a bool scalar first; it returned shape "
-            f"{jnp.shape(skip)} and dtype {jnp.result_type(skip)}."
-        )
-    report = optax.tree.cast_like(jax.tree.map(jnp.asarray, report), state.skip_state)
-    return collectives.psum_varying((jnp.asarray(skip), report))  # sharded: devices agree
 
 
 def _apply_inner(inner, apply, acc_grads, grads, state, params, extra_args):
@@ -144,10 +103,11 @@ def _init(inner, accumulator_dtype, should_skip_update_fn, params: Any) -> Multi
     skip_state = ()
     if should_skip_update_fn is not None:
         out = jax.eval_shape(should_skip_update_fn, params, jnp.zeros((), jnp.int32), params)
-        if not (isinstance(out, tuple) and len(out) == 2):
+        pair = isinstance(out, tuple) and len(out) == 2
+        if not pair or jnp.shape(out[0]) != () or jnp.result_type(out[0]) != jnp.bool_:
             raise TypeError(
-                f"`should_skip_update_fn` must return a pair (skip, report), as optax's "
-                f"predicates do; it returned {out!r}."
+                f"`should_skip_update_fn` must return a pair (a bool scalar, a report), as "
+                f"optax's predicates do; it returned {out!r}."
             )
         skip_state = optax.tree.zeros_like(out[1])
     accumulator = lambda z: z.astype(_checks.sum_dtype(accumulator_dtype, z.dtype))
@@ -172,7 +132,11 @@ def _update(inner, every_k, skip_fn, grads, state, params=None, *args, weight=No
         )
     _check_state(state, grads)
     w, keep = _as_weight(weight, state)
-    skip, skip_state = _should_skip(skip_fn, grads, state, params)
+    skip, skip_state = jnp.zeros((), jnp.bool_), ()
+    if skip_fn is not None:  # its output was checked by `init`
+        skip, report = skip_fn(grads, state.gradient_step, params)
+        report = optax.tree.cast_like(jax.tree.map(jnp.asarray, report), state.skip_state)
+        skip, skip_state = collectives.psum_varying((jnp.asarray(skip), report))  # devices agree
     keep = keep & ~skip  # a call with a traced invalid weight is skipped: it cannot raise
     prior = jnp.where(state.mini_step == 0, 0.0, state.weight_sum)  # 0 for a new group
     weight_sum = prior + w
@@ -188,7 +152,13 @@ def _update(inner, every_k, skip_fn, grads, state, params=None, *args, weight=No
     acc_grads = jax.tree.map(add, state.acc_grads, grads)
     weight_sum = jnp.where(keep, weight_sum, state.weight_sum)
     mini_step = state.mini_step + keep.astype(jnp.int32)
-    done = keep & (mini_step >= _group_size(every_k, state.gradient_step))
+    k = jnp.asarray(every_k(state.gradient_step) if callable(every_k) else every_k)
+    is_int = k.shape == () and jnp.issubdtype(k.dtype, jnp.integer)
+    if not is_int or (not isinstance(k, jax.core.Tracer) and k < 1):  # traced: taken as >= 1
+        raise (ValueError if is_int else TypeError)(
+            f"The `every_k` schedule must return an int scalar >= 1; it returned {k!r}."
+        )
+    done = keep & (mini_step >= jnp.maximum(k, 1))
     apply = done & (weight_sum > 0)  # a group without weight holds no items
     updates, inner_state = _apply_inner(inner, apply, acc_grads, grads, state, params, extra)
     return updates, MultiStepsState(
@@ -208,13 +178,11 @@ def _update(inner, every_k, skip_fn, grads, state, params=None, *args, weight=No
 class MultiSteps(optax.GradientTransformationExtraArgs):
     """Accumulates gradients over ``every_k`` calls, then applies ``inner`` to their mean.
 
-    The call completing a group returns ``inner``'s updates (under ``lax.cond``) of its weighted
-    mean gradient Σwᵢgᵢ / Σwᵢ; others return zeros. Weigh every call of a group (``weight=w``,
-    finite, ≥ 0) or none; eagerly others raise; under ``jit`` a bad weight skips its call and
-    a call without one weighs 1.
+    The call completing a group returns ``inner``'s updates of its weighted mean gradient
+    Σwᵢgᵢ / Σwᵢ, the others zeros. Weigh every call of a group (``weight=w``, finite, ≥ 0) or
+    none: eagerly others raise; under ``jit`` a bad weight skips its call, no weight weighs 1.
 
     Args:
-        inner: the optax transformation applied to the accumulated gradient.
         every_k: calls per group: a positive int, or a function of ``gradient_step``.
         every_k_schedule: optax's name for ``every_k``; give one of the two.
         accumulator_dtype: the accumulator's dtype; ``None`` keeps at least float32.

@@ -646,12 +646,14 @@ def test_bad_construction_arguments(kwargs, error, match):
 def test_bad_schedule_outputs():
     params = jnp.zeros(3)
     for schedule, error, match in [
-        (lambda step: 2.5, TypeError, "schedule must return an int scalar; .* float32"),
-        (lambda step: jnp.array([2, 2]), TypeError, "schedule .* returned shape \\(2,\\)"),
-        (lambda step: 0, ValueError, "schedule must return at least 1; it returned 0"),
+        (lambda step: 2.5, TypeError, r"returned Array\(2\.5, dtype=float32"),
+        (lambda step: jnp.array([2, 2]), TypeError, r"returned Array\(\[2, 2\], dtype=int32\)"),
+        (lambda step: 0, ValueError, r"returned Array\(0, dtype=int32"),
     ]:
         tx = jaxga.MultiSteps(optax.sgd(0.1), schedule)
-        with pytest.raises(error, match=f"The `every_k` {match}"):
+        with pytest.raises(
+            error, match=rf"^The `every_k` schedule must return an int scalar >= 1; it {match}"
+        ):
             tx.update(params, tx.init(params), params)
     # under jit a schedule value cannot raise, and one below 1 counts as 1
     tx = jaxga.MultiSteps(optax.sgd(0.1), lambda step: step * 0)
@@ -662,11 +664,11 @@ def test_bad_schedule_outputs():
 @pytest.mark.parametrize(
     "weight, error, match",
     [
-        (jnp.ones(2), ValueError, "`weight` must be a scalar; got shape \\(2,\\)"),
+        (jnp.ones(2), TypeError, r"`weight` must be an int or float scalar; got float32\[2\]\.$"),
         (-1.0, ValueError, "`weight` must be finite and non-negative; got -1.0"),
         (float("nan"), ValueError, "finite and non-negative; got nan"),
         ("ten", TypeError, "`weight` must be a number; got 'ten'"),
-        (True, TypeError, "`weight` must be an int or float scalar; got dtype bool"),
+        (True, TypeError, r"`weight` must be an int or float scalar; got bool\[\]\.$"),
     ],
 )
 def test_bad_weight(weight, error, match):
@@ -699,12 +701,11 @@ def test_a_group_mixing_weighted_and_unweighted_calls():
     _, unweighted = tx.update(g[0], tx.init(params), params)
     # eagerly, the state is known: an error naming `weight`
     message = (
-        "`weight`: this call passes none, but the earlier calls of its group did; pass "
-        "`weight` to all or none."
+        "`weight` must be given to all calls of a group or none; got none after weighted calls."
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         tx.update(g[1], weighted, params)
-    message = message.replace("passes none", "passes one").replace("did;", "did not;")
+    message = message.replace("none after weighted", "one after unweighted")
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         tx.update(g[1], unweighted, params, weight=1.0)
     # under jit the state is not known: as documented, a call without weight weighs 1
@@ -735,27 +736,35 @@ def test_bad_grads_and_state():
     params = {"a": jnp.zeros(3), "b": jnp.zeros(2)}
     tx = jaxga.MultiSteps(optax.sgd(0.1), 2)
     state = tx.init(params)
-    with pytest.raises(TypeError, match=r"`grads` has tree structure .* initialised for"):
+    structure = r"PyTreeDef\(\{'a': \*, 'b': \*\}\); got PyTreeDef\(\{'a': \*\}\)\.$"
+    with pytest.raises(
+        TypeError, match=r"^`grads` must have the params' tree structure, " + structure
+    ):
         tx.update({"a": jnp.zeros(3)}, state, params)
-    with pytest.raises(ValueError, match=r"`grads\['b'\]` has shape \(4,\), .* shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"^`grads\['b'\]` must have shape \(2,\); got \(4,\)\.$"):
         tx.update({"a": jnp.zeros(3), "b": jnp.zeros(4)}, state, params)
     with pytest.raises(
-        TypeError, match=r"`state` must be the jaxga.MultiStepsState .* got a tuple"
+        TypeError, match=r"^`state` must be a jaxga.MultiStepsState; got a tuple\.$"
     ):
         tx.update(params, tuple(state), params)
-    with pytest.raises(TypeError, match=r"`state` must be the jaxga.MultiStepsState .* got a dict"):
+    with pytest.raises(TypeError, match=r"^`state` must be a jaxga.MultiStepsState; got a dict\.$"):
         tx.has_updated({})
 
 
 def test_bad_skip_predicate():
     params = jnp.zeros(3)
-    tx = jaxga.MultiSteps(optax.sgd(0.1), 2, should_skip_update_fn=lambda g, s, p: (0, ()))
-    with pytest.raises(ValueError, match="`should_skip_update_fn` must return a bool scalar"):
-        tx.update(params, tx.init(params), params)
+    expected = (
+        r"^`should_skip_update_fn` must return a pair \(a bool scalar, a report\), as optax's"
+    )
     bare = lambda g, s, p: jnp.array(False)  # the bool alone, without optax's report
-    tx = jaxga.MultiSteps(optax.sgd(0.1), 2, should_skip_update_fn=bare)
-    with pytest.raises(TypeError, match=r"must return a pair \(skip, report\), as optax's"):
-        tx.init(params)
+    for fn, got in [
+        (lambda g, s, p: (0, ()), r"\(ShapeDtypeStruct\(shape=\(\), dtype=int32"),  # an int skip
+        (lambda g, s, p: (jnp.ones(2) > 0, ()), r"\(ShapeDtypeStruct\(shape=\(2,\), dtype=bool"),
+        (bare, r"ShapeDtypeStruct\(shape=\(\), dtype=bool\)\.$"),
+    ]:
+        tx = jaxga.MultiSteps(optax.sgd(0.1), 2, should_skip_update_fn=fn)
+        with pytest.raises(TypeError, match=expected + r" predicates do; it returned " + got):
+            tx.init(params)  # checked once, where the report's structure is taken
 
 
 def test_optax_spelling_ports_by_changing_the_class():
@@ -784,7 +793,7 @@ def test_every_k_once():
 def test_optax_state_says_which_library_it_comes_from():
     params = jnp.zeros(2)
     optax_state = optax.MultiSteps(optax.sgd(0.1), 2).init(params)
-    with pytest.raises(TypeError, match=r"jaxga.MultiStepsState .* got optax's MultiStepsState"):
+    with pytest.raises(TypeError, match=r"MultiStepsState; got optax's MultiStepsState\.$"):
         jaxga.MultiSteps(optax.sgd(0.1), 2).update(jnp.ones(2), optax_state, params)
 
 
