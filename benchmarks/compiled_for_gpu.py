@@ -19,13 +19,16 @@ transformer picks its attention by the default backend, here the CPU; under
 :func:`cudnn_attention` it takes cuDNN's fused kernel, as a real GPU run does, so that its
 peaks are those of ``run.py`` on an H100 (within a few per cent).
 
-The functions here are also those of ``tests/test_h100_compiled.py``, which holds the GPU
-memory claims of the README and ``docs/`` on every test run.
+The functions here are also those of ``tests/h100/checks.py``, which holds the GPU memory
+claims of the README and ``docs/`` on every test run.
 
-Run (JAX's CUDA plugin installs without a GPU and without the CUDA libraries: ``jax[cuda12-
-local]``, in the ``dev`` extra; ``JAX_PLATFORMS=cpu``, or the plugin looks for a GPU):
-    pip install "jax[cuda12-local]"
-    JAX_PLATFORMS=cpu python benchmarks/compiled_for_gpu.py [--json PATH]
+Run with JAX's CUDA plugin on the path (it installs without a GPU and without the CUDA
+libraries; ``scripts/test.sh`` installs it, at jax's version, into ``.venv/h100-plugin``,
+not into ``.venv``, where every jax process would log that it found no GPU) and
+``JAX_PLATFORMS=cpu``, or the plugin looks for a GPU:
+    bash scripts/test.sh tests/test_h100_compiled.py  # installs the plugin, once
+    JAX_PLATFORMS=cpu PYTHONPATH=.venv/h100-plugin \\
+        .venv/bin/python benchmarks/compiled_for_gpu.py [--json PATH]
 """
 
 from __future__ import annotations

@@ -13,5 +13,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing jaxga[$extras] into .venv (first run only)" >&2
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
   .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$extras]"
+  # JAX's CUDA plugin, which the dev extra once installed, logs in every jax process on a
+  # machine without a GPU: out of .venv unless asked for (scripts/test.sh keeps its own copy)
+  if [[ ",$extras," != *,cuda12,* ]] \
+    && .venv/bin/python -m pip show --quiet jax-cuda12-plugin &>/dev/null; then
+    .venv/bin/python -m pip uninstall --quiet --yes jax-cuda12-plugin jax-cuda12-pjrt
+  fi
   printf '%s' "$want" > "$stamp"
 fi
