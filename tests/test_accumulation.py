@@ -204,7 +204,7 @@ def test_rng_key_per_microbatch():
     ]
     np.testing.assert_array_equal(masks, jaxga.merge_microbatches(jnp.stack(expected)))
     per_micro = jaxga.split_microbatches(masks, k)
-    assert len({np.asarray(m).tobytes() for m in per_micro}) == k  # every micro-batch differs  # every micro-batch differs
+    assert len({np.asarray(m).tobytes() for m in per_micro}) == k  # every micro-batch differs
     expected_grad = np.mean([np.mean(np.where(m, p, 0.0)) for m, p in zip(expected, parts)])
     np.testing.assert_allclose(grads, expected_grad, rtol=1e-6)
 
