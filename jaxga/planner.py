@@ -45,10 +45,7 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
         )
     match = _SIZE.fullmatch(value) if isinstance(value, str) else None
     if isinstance(value, str) and (match is None or match[3].lower() not in _UNITS):
-        raise ValueError(
-            f"`{name}`={value!r} is not a size; expected a number and a unit: B, KB ... TB "
-            f"(powers of 1000) or KiB ... TiB (powers of 1024), e.g. '512MiB' or '1.5GiB'."
-        )
+        raise ValueError(f"`{name}`={value!r} is not a size such as '512MiB', '1.5GiB' or '2GB'.")
     size = int(Fraction(match[1] + (match[2] or "")) * _UNITS[match[3].lower()]) if match else value
     if not 0 <= size < 2**63:  # XLA counts bytes in int64
         raise ValueError(f"`{name}` must be a number of bytes in [0, 2**63); got {value!r}.")
@@ -98,8 +95,7 @@ class Plan(Candidate):
             chosen = (c.num_microbatches, c.remat) == (self.num_microbatches, self.remat)
             rows.append([*map(str, cells), "<- chosen" * chosen])
         widths = [max(map(len, column)) for column in zip(*rows)]
-        left = (2, 6, len(widths) - 1)  # remat, fits and the marker; numbers to the right
-        align = ["<" if i in left else ">" for i in range(len(widths))]
+        align = ["<" if i in (2, 6, len(widths) - 1) else ">" for i in range(len(widths))]  # text
         peak, budget = format_bytes(self.report.peak_bytes), format_bytes(self.budget)
         lines = [
             f"jaxga.plan: {self.num_microbatches} micro-batch(es) of {self.microbatch_size}, remat "
@@ -107,10 +103,7 @@ class Plan(Candidate):
             *("  ".join(f"{x:{a}{w}}" for x, a, w in zip(r, align, widths)).rstrip() for r in rows),
         ]
         if self.num_skipped:
-            lines.append(
-                f"({self.num_skipped} more candidate(s) not compiled: the search stops at the "
-                f"first that fits; exhaustive=True compiles all)"
-            )
+            lines.append(f"({self.num_skipped} more not compiled; exhaustive=True compiles all)")
         return "\n".join(lines)
 
 
@@ -131,55 +124,29 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding, weak_type=weak)
 
 
-def _batch_size(args: tuple[Any, ...], batch_argnums: int | Sequence[int] | None) -> int:
-    """The leading size every array of the batch arguments ``args[batch_argnums]`` shares."""
+def _batch(args, batch_argnums, num_microbatches) -> tuple[int, list[int]]:
+    """The leading size all arrays of ``args[batch_argnums]`` share, and the counts dividing it."""
     if batch_argnums is None:
         argnums = (len(args) - 1,)
     elif not (argnums := as_positions("batch_argnums", batch_argnums)):
         raise TypeError("`batch_argnums` must name at least one argument; got ().")
     if max(argnums) >= len(args):
-        raise ValueError(
-            f"`batch_argnums`={batch_argnums!r} goes past the {len(args)} arguments given to plan."
-        )
+        raise ValueError(f"`batch_argnums`={batch_argnums!r} goes past the {len(args)} arguments.")
     try:
         size = leading_size({i: args[i] for i in argnums}, "args", "batch")
     except ValueError as e:
         raise ValueError(f"{e} (`batch_argnums`={batch_argnums!r} names the batch.)") from None
     if size is None:
         raise ValueError(f"`batch_argnums`={batch_argnums!r} names arguments with no arrays.")
-    return size
-
-
-def _microbatch_counts(num_microbatches: int | Sequence[int] | None, batch_size: int) -> list[int]:
     if num_microbatches is None:
-        return [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        return size, [d for d in range(1, size + 1) if size % d == 0]
     expected = "a positive int or a non-empty sequence of them"
     many = isinstance(num_microbatches, Sequence) and not isinstance(num_microbatches, str)
-    counts = num_microbatches if many else [num_microbatches]
+    counts = num_microbatches if many and num_microbatches else [num_microbatches]  # () named
     counts = sorted({positive_int(k, "num_microbatches", expected) for k in counts})
-    if not counts:
-        raise ValueError(f"`num_microbatches` must be {expected}; got {num_microbatches!r}.")
-    if indivisible := [k for k in counts if batch_size % k]:
-        raise ValueError(
-            f"`num_microbatches`={num_microbatches!r} holds {indivisible}, which do not divide "
-            f"the batch size {batch_size}."
-        )
-    return counts
-
-
-def _budget(budget: int | str | None, margin: Any, device: Any) -> int:
-    if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin < 1:
-        raise ValueError(f"`margin` must be a fraction of device memory in [0, 1); got {margin!r}.")
-    if budget is not None:
-        return parse_bytes(budget)
-    device = device if device is not None else jax.local_devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if not stats or "bytes_limit" not in stats:
-        raise ValueError(
-            f"`budget` is None, and the {device.platform} device {device} reports no memory "
-            f"limit (no 'bytes_limit' in its memory_stats()); pass budget=..., e.g. '8GiB'."
-        )
-    return int(stats["bytes_limit"] * (1.0 - margin))
+    if bad := [k for k in counts if size % k]:
+        raise ValueError(f"`num_microbatches` must divide the batch size {size}; got {bad}.")
+    return size, counts
 
 
 def _seconds(step: Callable[..., Any], args: tuple[Any, ...], repeats: int) -> float:
@@ -219,11 +186,10 @@ def _search(build, args, batch_size, order, budget, wanted, strict) -> tuple[lis
         s = min(found, key=lambda c: c.report.peak_bytes)
         peak = s.report.peak_bytes
         raise InfeasibleBudgetError(
-            f"No configuration fits the memory budget of {format_bytes(budget)} ({budget} bytes): "
-            f"the smallest compiled peak found is {format_bytes(peak)} ({peak} bytes), with "
-            f"{s.num_microbatches} micro-batch(es) of {s.microbatch_size} and remat {s.remat!r}, "
-            f"among {len(found)} candidate(s). Raise `budget`, or allow more micro-batches or "
-            f"more rematerialisation.",
+            f"No configuration fits the memory budget of {format_bytes(budget)} ({budget} bytes); "
+            f"the smallest peak, {format_bytes(peak)} ({peak} bytes), has {s.num_microbatches} "
+            f"micro-batch(es) of {s.microbatch_size} and remat {s.remat!r}. Raise `budget`, or "
+            f"allow more micro-batches or more rematerialisation.",
             tuple(found),
         )
     return found, steps, passed_over
@@ -250,16 +216,14 @@ def plan(
     Args:
         build: ``build(num_microbatches, remat) -> step``, a (``jax.jit``-ed) train step.
         *args: the step's arguments, arrays or :class:`jax.ShapeDtypeStruct`.
-        budget: bytes, e.g. ``"512MiB"`` (see :func:`parse_bytes`); default: the device's
-            ``memory_stats()["bytes_limit"]`` less ``margin``.
+        budget: bytes, e.g. ``"512MiB"`` (see :func:`parse_bytes`); default: ``device``'s
+            (the first local one's) ``memory_stats()["bytes_limit"]`` less the fraction ``margin``.
         num_microbatches: the candidate counts, divisors of the batch size; default: all.
         remat: the candidate remat values, least recomputation first; ``(None,)`` for none.
         batch_argnums: the position(s) of the batch in ``args``; default: the last.
-        margin: with the default budget, the fraction of device memory left free.
         exhaustive: compile every candidate instead of stopping at the first that fits.
-        time_top: if positive, time the first ``time_top`` that fit and choose the fastest.
-        repeats: timed runs of each of those (the median is kept).
-        device: the device whose memory limit is the default budget.
+        time_top: if positive, choose the fastest of the first ``time_top`` that fit, each
+            timed by the median of ``repeats`` runs.
 
     Raises :class:`InfeasibleBudgetError` if no candidate fits.
 
@@ -281,10 +245,18 @@ def plan(
     remat = (remat,) if isinstance(remat, str) else tuple(remat)
     if not remat:
         raise ValueError("`remat` must hold at least one value; use (None,) for no choice.")
-    budget = _budget(budget, margin, device)
+    if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin < 1:
+        raise ValueError(f"`margin` must be a fraction of device memory in [0, 1); got {margin!r}.")
+    if budget is None:
+        device = device if device is not None else jax.local_devices()[0]
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            raise ValueError(f"`budget`=None, but {device} has no memory limit; pass e.g. '8GiB'.")
+        budget = int(stats["bytes_limit"] * (1.0 - margin))
+    budget = parse_bytes(budget)
     args = jax.tree.map(_abstract, args)
-    batch_size = _batch_size(args, batch_argnums)
-    order = [(k, r) for k in _microbatch_counts(num_microbatches, batch_size) for r in remat]
+    batch_size, counts = _batch(args, batch_argnums, num_microbatches)
+    order = [(k, r) for k in counts for r in remat]
     wanted = len(order) if exhaustive else max(time_top, 1)
     strict = num_microbatches is not None  # a count the user asked for must compile
     found, steps, passed_over = _search(build, args, batch_size, order, budget, wanted, strict)
