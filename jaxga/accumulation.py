@@ -1,8 +1,4 @@
-"""Exact gradient accumulation over micro-batches inside one compiled step.
-
-One engine, :func:`accumulate`, runs the loss over the micro-batches in a ``lax.scan``;
-:func:`value_and_grad` and :func:`grad` shape its result as JAX's functions do.
-"""
+"""Exact gradient accumulation over micro-batches inside one compiled step."""
 
 from __future__ import annotations
 
@@ -42,9 +38,6 @@ class Accumulated(NamedTuple):
     state: Any
 
 
-# --- the engine ---------------------------------------------------------------------
-
-
 def _fold_keys(tree: Any, index: jax.Array, raw: bool = True) -> Any:
     return jax.tree.map(
         lambda x: jax.random.fold_in(x, index) if arguments.is_key(x, raw) else x, tree
@@ -52,8 +45,7 @@ def _fold_keys(tree: Any, index: jax.Array, raw: bool = True) -> Any:
 
 
 def _reduce_state(state: Any, before: Any, axis_name: Any) -> Any:
-    """Threaded state that was the same on every device made the same again: floating
-    leaves averaged (``before + pmean(x - before)``), counters and keys their maximum."""
+    """Replicated threaded state made the same again: floats averaged, the rest maxed."""
 
     def reduce(x, old):
         over = tuple(
@@ -72,8 +64,7 @@ def _reduce_state(state: Any, before: Any, axis_name: Any) -> Any:
 
 
 def _finish_aux(aux: Any, whole: Any, k: int) -> Any:
-    """``aux`` as the whole batch gives it (``whole``: its shapes): per-example leaves in
-    batch order, ``Mean``s summed; other leaves keep their micro-batch axis."""
+    """``aux`` as the whole batch (of shapes ``whole``) gives it, where that is known."""
 
     def finish(x, like):
         if isinstance(x, Mean):
@@ -92,10 +83,9 @@ def _split_batches(options: arguments.Options, args: tuple[Any, ...]) -> tuple[A
     if axis is not None and local is not None and local % k:  # name the global batch
         devices = jax.lax.axis_size(axis)
         raise IndivisibleBatchError.of(local * devices, k, devices, axis)
-    micro = tuple(
+    return tuple(
         split_microbatches(b, k, name=f"args[{i}]") for i, b in zip(options.batch_argnums, batches)
     )
-    return micro
 
 
 def _micro_loss(fun, options, args, kwargs, parts, rng_pos, device, sum_dtype) -> Callable:
@@ -156,8 +146,7 @@ def _scan(loss_on, options, primals, micro, state0, sum_dtype) -> tuple[Any, ...
 
 
 def _unroll(loss_on: Callable, primals: Any, micro: Any, state: Any, k: int) -> int:
-    """``k`` on a CPU for a loss with convolutions (XLA:CPU runs their gradients inside a
-    loop many times slower), else 1."""
+    """``k`` for a loss with convolutions on a CPU (slow in XLA:CPU loops), else 1."""
     if jax.default_backend() != "cpu":
         return 1
     first = jax.tree.map(lambda x: x[0], micro)
@@ -166,15 +155,9 @@ def _unroll(loss_on: Callable, primals: Any, micro: Any, state: Any, k: int) -> 
 
 
 def _has_conv(jaxpr: Any) -> bool:
-    return any(
-        e.primitive.name == "conv_general_dilated"
-        or any(map(_has_conv, map(_open, jex_core.jaxprs_in_params(e.params))))
-        for e in jaxpr.eqns
-    )
-
-
-def _open(jaxpr: Any) -> Any:
-    return getattr(jaxpr, "jaxpr", jaxpr)
+    subs = [getattr(j, "jaxpr", j) for e in jaxpr.eqns for j in jex_core.jaxprs_in_params(e.params)]
+    names = {e.primitive.name for e in jaxpr.eqns}
+    return "conv_general_dilated" in names or any(map(_has_conv, subs))
 
 
 def _accumulate(
@@ -231,9 +214,6 @@ def _check_count(count: jax.Array) -> None:
             f"The loss's jaxga.Mean counts summed to {float(count)} items over the batch; a "
             f"count is a number of items or a total weight: finite and non-negative."
         )
-
-
-# --- the public transformations -----------------------------------------------------
 
 
 def accumulate(
@@ -308,22 +288,16 @@ def value_and_grad(
 ) -> Callable[..., Any]:
     """Like :func:`jax.value_and_grad`, accumulated over micro-batches in one ``lax.scan``.
 
-    The leading axis of every array in the batch argument(s) is split into
-    ``num_microbatches`` micro-batches; gradients, and the totals and counts of a
-    :class:`jaxga.Mean` loss, are summed over them and divided once. NNX modules are
-    taken as ``nnx.value_and_grad`` takes them (their other state threaded through the
-    micro-batches and written back), Equinox modules as ``eqx.filter_value_and_grad``
-    does. ``aux`` comes back as the whole batch would give it where that is known:
-    per-example leaves in batch order, ``jaxga.Mean`` leaves summed; other leaves are
-    stacked along a leading micro-batch axis.
+    Gradients, and the totals and counts of a :class:`jaxga.Mean` loss, are summed over
+    the micro-batches and divided once. NNX modules are taken as ``nnx.value_and_grad``
+    takes them, Equinox modules as ``eqx.filter_value_and_grad`` does. ``aux`` comes back
+    as the whole batch gives it where that is known (per-example leaves in batch order,
+    ``Mean`` leaves summed); other leaves are stacked along a micro-batch axis.
 
     Args:
-        fun: the loss, as for :func:`accumulate`.
-        argnums: as in :func:`jax.value_and_grad`.
-        has_aux: as in :func:`jax.value_and_grad`.
+        fun, argnums, has_aux: as for :func:`jax.value_and_grad`.
         num_microbatches: how many micro-batches to split the batch into.
-        **options: ``batch_argnums``, ``rng_argnums``, ``state_argnums``, ``axis_name``,
-            ``accumulator_dtype``, as for :func:`accumulate`.
+        **options: the other options of :func:`accumulate`.
 
     Returns:
         A function returning ``(value, grads)``, or ``((value, aux), grads)`` with

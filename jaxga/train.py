@@ -61,9 +61,6 @@ def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
     return functional
 
 
-# --- one step: the optimiser and the metrics -----------------------------------------
-
-
 def _find(tree: Any, kind: type) -> Any:
     """The first ``kind`` node in ``tree`` (a MultiSteps state in an optimiser's), or ``None``."""
     is_kind = lambda x: isinstance(x, kind)
@@ -122,13 +119,9 @@ def _metrics(acc: Accumulated, old_opt_state: Any, opt_state: Any) -> Metrics:
 
 
 def _weight(tx: Any, acc: Accumulated) -> dict[str, jax.Array]:
-    """``weight=`` the call's item count, for optimisers taking extra arguments (MultiSteps)."""
-    return (
-        {"weight": acc.mean.count} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
-    )
-
-
-# --- the functional step ---------------------------------------------------------------
+    """``weight=`` the call's item count, for a MultiSteps in ``tx``."""
+    extra_args = isinstance(tx, optax.GradientTransformationExtraArgs)
+    return {"weight": acc.mean.count} if extra_args else {}
 
 
 def _check_state(state: Any) -> None:
@@ -313,9 +306,6 @@ def make_train_step(
         step, donate_argnums=(0,) if donate else (), compiler_options=compiler_options()
     )
     return _as_step(step, jitted, sharding.placer(mesh, strategy, axis_name), donate)
-
-
-# --- the Flax NNX step ---------------------------------------------------------------
 
 
 def _check_optimizer(optimizer: Any, model: Any, grads: Any) -> None:
