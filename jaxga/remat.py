@@ -1,7 +1,5 @@
 """Rematerialised scans over stacked layers: per-layer and two-level (√L) checkpointing."""
 
-from __future__ import annotations
-
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -26,7 +24,7 @@ _STACK = "jax.tree.map(lambda *p: jnp.stack(p), *layers)"
 
 
 class Remat(NamedTuple):
-    """A row of :data:`REMAT`: a ``jax.checkpoint`` policy, ``segments`` and what is kept."""
+    """A row of :data:`REMAT` (least to most recomputation): a policy, segments, what is kept."""
 
     policy: Callable[..., Any] | None
     segments: int | str
@@ -34,7 +32,6 @@ class Remat(NamedTuple):
 
 
 _cp = jax.checkpoint_policies
-# The remat names, from least to most recomputation (jaxga.plan's default order).
 REMAT: dict[str, Remat] = {
     "none": Remat(None, 1, "everything (no rematerialisation)"),
     "dots": Remat(_cp.dots_saveable, 1, "the outputs of matmuls and convolutions"),
@@ -61,18 +58,13 @@ def checkpoint_policy(policy: Policy) -> Callable[..., Any] | None:
     """
     if policy is None or callable(policy):
         return policy
-    if isinstance(policy, str):
-        if policy not in _PER_LAYER:
-            raise ValueError(
-                f"`policy`={policy!r} is not a known policy name; expected one of {_PER_LAYER} "
-                f"(pass the other remat names as **remat_options(name))."
-            )
+    if isinstance(policy, str) and policy in _PER_LAYER:
         return REMAT[policy].policy
     if isinstance(policy, (list, tuple)) and all(isinstance(n, str) for n in policy):
         return _cp.save_only_these_names(*policy)
-    raise TypeError(
-        f"`policy` must be a policy name, None, a list of checkpoint_name names or a "
-        f"jax.checkpoint_policies callable; got {policy!r} of type {type(policy).__name__}."
+    raise (ValueError if isinstance(policy, str) else TypeError)(
+        f"`policy` must be one of {_PER_LAYER} (other remat names: **remat_options(name)), None, "
+        f"a list of checkpoint_name names or a jax.checkpoint_policies callable; got {policy!r}."
     )
 
 
@@ -115,8 +107,6 @@ def resolve_segments(segments: int | str, num_layers: int) -> int:
         return min(divisors, key=lambda d: (abs(d - math.sqrt(num_layers)), d))
     if segments == "sqrt":
         raise ValueError("`segments`='sqrt' needs at least one layer; `stacked_params` has 0.")
-    if isinstance(segments, str):
-        raise ValueError(f"`segments` must be a positive int or 'sqrt'; got {segments!r}.")
     segments = positive_int(segments, "segments", "a positive int or 'sqrt'")
     if num_layers % segments:
         below, above = [d for d in divisors if d < segments], [d for d in divisors if d > segments]
@@ -129,16 +119,10 @@ def resolve_segments(segments: int | str, num_layers: int) -> int:
 
 def _same_carry(x: Any, y: Any) -> Any:
     """``y``, what ``layer_fn`` returned, if it has the structure, shapes and dtypes of ``x``."""
-    tx, ty = jax.tree.structure(x), jax.tree.structure(y)
-    if tx != ty:
-        raise TypeError(f"`layer_fn` must return a carry structured as its input {tx}; got {ty}.")
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(x)[0], jax.tree.leaves(y)):
-        a, b = (f"{jnp.result_type(v).name}{list(jnp.shape(v))}" for v in (a, b))
-        if a != b:
-            raise TypeError(
-                f"`layer_fn` changed the carry x{jax.tree_util.keystr(path)} from {a} to {b}; a "
-                f"layer must return its input's shape and dtype."
-            )
+    kind = lambda v: f"{jnp.result_type(v).name}{list(jnp.shape(v))}"
+    a, b = jax.tree.map(kind, x), jax.tree.map(kind, y)
+    if jax.tree.structure(a) != jax.tree.structure(b) or jax.tree.leaves(a) != jax.tree.leaves(b):
+        raise TypeError(f"`layer_fn` must return a carry like its input, {a}; got {b}.")
     return y
 
 
@@ -154,10 +138,9 @@ def remat_scan(
 
     Args:
         layer_fn: ``layer_fn(params_of_one_layer, x) -> x``, keeping ``x``'s shapes and dtypes.
-        stacked_params: a pytree of arrays sharing a leading layer axis of size L.
         policy: each layer's ``jax.checkpoint`` policy, see :func:`checkpoint_policy`.
-        segments: 1 (per-layer remat), a divisor s of L (an outer scan over s
-            checkpointed segments of L/s layers), or ``"sqrt"`` (s nearest √L).
+        segments: 1 (per-layer remat), a divisor s of the leading size L of ``stacked_params``
+            (an outer scan over s checkpointed segments of L/s layers), or ``"sqrt"`` (s ≈ √L).
 
     Example:
         >>> import jax.numpy as jnp, jaxga
