@@ -1,7 +1,6 @@
 """Compiled memory and FLOPs of a function, without running it."""
 
-from __future__ import annotations
-
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -23,8 +22,7 @@ class MemoryReport:
         alias_bytes: outputs that reuse a donated input's buffer.
         peak_bytes: ``argument_bytes + output_bytes + temp_bytes - alias_bytes``.
         flops: XLA's cost-analysis FLOPs (loop bodies once), or ``None``.
-        dot_flops: matmul and convolution FLOPs of the jaxpr, see :func:`dot_flops`.
-        dot_flops_exact: ``False`` when a ``while_loop`` body was counted once.
+        dot_flops, dot_flops_exact: see :func:`dot_flops`.
         measured_peak_bytes: the device's peak in one real run (``measure=True``), or ``None``.
 
     Example:
@@ -70,32 +68,11 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _eqn_dot_flops(eqn: Any) -> int:
-    # FLOPs of one dot_general or convolution, 2 per multiply-add; 0 for other primitives.
-    if eqn.primitive.name == "dot_general":
-        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-        out = math.prod(eqn.outvars[0].aval.shape)
-        return 2 * out * math.prod(eqn.invars[0].aval.shape[d] for d in lhs_contract)
-    if eqn.primitive.name != "conv_general_dilated":
-        return 0
-    # Like XLA's cost analysis, count only the taps on real inputs, not on padding.
-    p = eqn.params
-    lhs, rhs, out_shape = (v.aval.shape for v in (*eqn.invars[:2], eqn.outvars[0]))
-    lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
-    taps = 1
-    for i, (pad, _) in enumerate(p["padding"]):
-        o, j = np.ogrid[: out_shape[out_spec[i + 2]], : rhs[rhs_spec[i + 2]]]
-        x = o * p["window_strides"][i] + j * p["rhs_dilation"][i] - pad
-        real = (x >= 0) & (x <= (lhs[lhs_spec[i + 2]] - 1) * p["lhs_dilation"][i])
-        taps *= int(np.sum(real & (x % p["lhs_dilation"][i] == 0)))
-    return 2 * out_shape[out_spec[0]] * out_shape[out_spec[1]] * rhs[rhs_spec[1]] * taps
-
-
 def dot_flops(jaxpr: Any) -> tuple[int, bool]:
     """Returns ``(flops, exact)``: the matmul and convolution FLOPs of a jaxpr, loops unrolled.
 
-    A scan counts ``length`` times, a ``cond`` its costliest branch, dead code not at all;
-    ``exact`` is ``False`` if a ``while_loop`` body was counted once.
+    A scan counts ``length`` times, a ``cond`` its costliest branch, dead code not at all, a
+    ``while_loop`` body once (then ``exact`` is ``False``).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -110,27 +87,27 @@ def dot_flops(jaxpr: Any) -> tuple[int, bool]:
         if not (eqn.effects or any(v in used for v in eqn.outvars)):
             continue
         used.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
-        name = eqn.primitive.name
-        subs = [dot_flops(j) for j in jex_core.jaxprs_in_params(eqn.params)]
+        name, p = eqn.primitive.name, eqn.params
+        subs = [dot_flops(j) for j in jex_core.jaxprs_in_params(p)]
         exact = exact and name != "while" and all(e for _, e in subs)
         inner = [f for f, _ in subs]
         inner = max(inner, default=0) if name == "cond" else sum(inner)
-        total += _eqn_dot_flops(eqn) + inner * (eqn.params["length"] if name == "scan" else 1)
+        total += inner * (p["length"] if name == "scan" else 1)
+        if name == "dot_general":  # 2 FLOPs per multiply-add
+            (contract, _), _ = p["dimension_numbers"]
+            size = math.prod(eqn.invars[0].aval.shape[d] for d in contract)
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * size
+        elif name == "conv_general_dilated":  # as XLA's cost analysis: taps on real inputs only
+            lhs, rhs, out = (v.aval.shape for v in (*eqn.invars[:2], eqn.outvars[0]))
+            lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
+            taps = 1
+            for i, (pad, _) in enumerate(p["padding"]):
+                o, j = np.ogrid[: out[out_spec[i + 2]], : rhs[rhs_spec[i + 2]]]
+                x = o * p["window_strides"][i] + j * p["rhs_dilation"][i] - pad
+                real = (x >= 0) & (x <= (lhs[lhs_spec[i + 2]] - 1) * p["lhs_dilation"][i])
+                taps *= int(np.sum(real & (x % p["lhs_dilation"][i] == 0)))
+            total += 2 * out[out_spec[0]] * out[out_spec[1]] * rhs[rhs_spec[1]] * taps
     return total, exact
-
-
-def _measure(jitted: Callable[..., Any], args: tuple, kwargs: dict) -> int | None:
-    leaves = jax.tree.leaves((args, kwargs))
-    if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-        raise TypeError("`measure=True` runs `fn`, so it needs arrays; got a jax.ShapeDtypeStruct.")
-    before = jax.devices()[0].memory_stats()
-    if not before or "peak_bytes_in_use" not in before:
-        return None
-    jax.block_until_ready(jitted(*args, **kwargs))
-    peak = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
-    if peak <= before["peak_bytes_in_use"]:
-        return None  # an earlier, larger allocation hides this run's peak
-    return peak - before["bytes_in_use"] + sum(x.nbytes for x in leaves if isinstance(x, jax.Array))
 
 
 def memory_report(
@@ -155,19 +132,28 @@ def memory_report(
         raise TypeError(
             f"`fn` must be a jitted or plain function; got {fn!r} of type {type(fn).__name__}."
         )
+    leaves = jax.tree.leaves((args, kwargs))
+    if measure and any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        raise TypeError("`measure=True` runs `fn`: it needs arrays, not jax.ShapeDtypeStruct.")
     jitted = fn if hasattr(fn, "trace") and hasattr(fn, "lower") else jax.jit(fn)
     traced = jitted.trace(*args, **kwargs)
     compiled = traced.lower().compile()
     stats = compiled.memory_analysis()
     if stats is None:
         raise ValueError(f"The {jax.default_backend()} backend gives no memory analysis of `fn`.")
-    try:
+    flops = None
+    with contextlib.suppress(Exception):  # backends without a cost model raise
         flops = compiled.cost_analysis().get("flops")
-    except Exception:  # backends without a cost model raise rather than return nothing
-        flops = None
     flops = float(flops) if flops is not None and flops >= 0 else None
     count, exact = dot_flops(getattr(traced, "traced", traced).jaxpr)  # nnx.jit: flax's Traced
-    measured = _measure(jitted, args, kwargs) if measure else None
+    measured = None
+    before = (jax.devices()[0].memory_stats() if measure else None) or {}
+    if "peak_bytes_in_use" in before:  # a GPU or TPU: run once
+        jax.block_until_ready(jitted(*args, **kwargs))
+        device_peak = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
+        if device_peak > before["peak_bytes_in_use"]:  # else a larger earlier peak hides it
+            arrays = sum(x.nbytes for x in leaves if isinstance(x, jax.Array))
+            measured = device_peak - before["bytes_in_use"] + arrays
     sizes = [int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes)]
     sizes += [int(stats.temp_size_in_bytes), int(stats.alias_size_in_bytes)]
     peak = sum(sizes[:3]) - sizes[3]
