@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import numbers
 from typing import Any
@@ -15,34 +16,26 @@ def leading_size(tree: Any, name: str, axis: str) -> int | None:
     sizes = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         where = f"{name}{jax.tree_util.keystr(path)}"
-        if not (hasattr(leaf, "shape") or isinstance(leaf, numbers.Number)):
-            raise TypeError(
-                f"{where} is a {type(leaf).__name__} ({leaf!r}); every leaf of {name} must be "
-                f"an array."
-            )
-        shape = jnp.shape(leaf)
+        shape = getattr(leaf, "shape", () if isinstance(leaf, numbers.Number) else None)
         if not shape:
-            raise ValueError(
-                f"{where} is a scalar ({leaf!r}); every leaf of {name} needs a leading {axis} axis."
+            raise (TypeError if shape is None else ValueError)(
+                f"{where} is a {type(leaf).__name__ if shape is None else 'scalar'} ({leaf!r}); "
+                f"every leaf of {name} must be an array with a leading {axis} axis."
             )
         sizes[where] = shape[0]
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{k}: {v}" for k, v in sizes.items())
-        raise ValueError(
-            f"The leaves of {name} have different leading sizes ({listed}); every leaf "
-            f"needs the same leading {axis} axis."
-        )
+        raise ValueError(f"The leaves of {name} have different leading sizes ({listed}).")
     return next(iter(sizes.values()), None)
 
 
 def positive_int(value: Any, name: str, expected: str = "a positive int") -> int:
     """``value`` if it is a positive int; raises naming ``name`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
+    is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not is_int or value < 1:
+        raise (ValueError if is_int else TypeError)(
             f"`{name}` must be {expected}; got {value!r} of type {type(value).__name__}."
         )
-    if value < 1:
-        raise ValueError(f"`{name}` must be {expected}; got {value}.")
     return int(value)
 
 
@@ -50,49 +43,29 @@ def float_dtype(value: Any, name: str = "accumulator_dtype") -> jnp.dtype | None
     """``value`` as a floating dtype (``None`` stays ``None``); raises naming ``name``."""
     if value is None:
         return None
-    try:
-        dtype = jnp.dtype(value)
-    except TypeError:
-        dtype = None
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        got = repr(value) if dtype is None else str(dtype)
-        raise TypeError(
-            f"`{name}` must be a floating dtype such as jnp.float32 or jnp.bfloat16, or None; "
-            f"got {got}."
-        )
-    return dtype
+    with contextlib.suppress(TypeError):  # not a dtype at all
+        if jnp.issubdtype(value, jnp.floating):
+            return jnp.dtype(value)
+    got = getattr(value, "__name__", repr(value))
+    raise TypeError(f"`{name}` must be a floating dtype (jnp.float32...) or None; got {got}.")
 
 
 def sum_dtype(dtype: jnp.dtype | None, leaf_dtype: Any) -> jnp.dtype:
     """The dtype sums of ``leaf_dtype`` are kept in: ``dtype``, or at least float32."""
-    if dtype is not None:
-        return jnp.dtype(dtype)
-    return jnp.promote_types(jnp.float32, jnp.result_type(leaf_dtype))
+    return jnp.promote_types(jnp.float32, leaf_dtype) if dtype is None else jnp.dtype(dtype)
 
 
 def check_arity(fn: Any, name: str, nargs: int, signature: str) -> Any:
-    """``fn`` if it can be called with ``nargs`` positional arguments; raises naming it.
-
-    Example:
-        >>> from jaxga._checks import check_arity
-        >>> try:
-        ...     check_arity(lambda x: x, "layer_fn", 2, "layer_fn(params, x) -> x")
-        ... except TypeError as e:
-        ...     print(e)
-        `layer_fn` must be callable as layer_fn(params, x) -> x; it takes (x).
-    """
+    """``fn`` if it can be called with ``nargs`` positional arguments; raises naming it."""
+    expected = f"`{name}` must be callable as {signature}"
     if not callable(fn):
-        raise TypeError(
-            f"`{name}` must be callable as {signature}; got {fn!r} of type {type(fn).__name__}."
-        )
+        raise TypeError(f"{expected}; got {fn!r} of type {type(fn).__name__}.")
     try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # some builtins: the call will tell
-        return fn
-    try:
-        sig.bind(*range(nargs))
+        inspect.signature(fn).bind(*range(nargs))
+    except ValueError:  # no signature (some builtins): the call will tell
+        pass
     except TypeError:
-        raise TypeError(f"`{name}` must be callable as {signature}; it takes {sig}.") from None
+        raise TypeError(f"{expected}; it takes {inspect.signature(fn)}.") from None
     return fn
 
 

@@ -18,23 +18,15 @@ class IndivisibleBatchError(ValueError):
     @classmethod
     def of(cls, size: int, num_microbatches: int, devices: int = 1, axis_name: Any = None):
         """The error for a global batch of ``size`` rows."""
-        if axis_name is None:
-            return cls(
-                f"The batch size {size} is not divisible by num_microbatches={num_microbatches}."
-            )
-        return cls(
-            f"The global batch of {size} ({size // devices} per device on {devices} devices "
-            f"of axis {axis_name!r}) is not divisible by devices × num_microbatches = "
-            f"{devices} × {num_microbatches} = {devices * num_microbatches}."
-        )
+        k, on, times = num_microbatches, "", ""
+        if axis_name is not None:
+            on = f" ({size // devices} per device on {devices} devices of axis {axis_name!r})"
+            times = f" × {devices} devices = {devices * k}"
+        return cls(f"The batch size {size}{on} is not divisible by num_microbatches={k}{times}.")
 
 
 def split_microbatches(batch: Any, num_microbatches: int, *, name: str = "batch") -> Any:
-    """Splits the leading axis of every leaf of ``batch`` into ``num_microbatches``.
-
-    Returns leaves of shape ``[k, B // k, ...]``; micro-batch ``i`` holds rows
-    ``i, i + k, i + 2k, ...``, so a batch sharded along its leading axis stays evenly
-    sharded within every micro-batch.
+    """Splits each leaf of ``batch`` into ``[k, B // k, ...]``, ``k = num_microbatches``, strided.
 
     Example:
         >>> import jax.numpy as jnp, jaxga
@@ -45,11 +37,7 @@ def split_microbatches(batch: Any, num_microbatches: int, *, name: str = "batch"
     size = _checks.leading_size(batch, name, "batch")
     if size is not None and size % k:
         raise IndivisibleBatchError.of(size, k)
-
-    def split(x):
-        x = jnp.asarray(x)
-        return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
-
+    split = lambda x: jnp.swapaxes(jnp.reshape(x, (size // k, k, *jnp.shape(x)[1:])), 0, 1)
     return jax.tree.map(split, batch)
 
 
@@ -58,18 +46,14 @@ def merge_microbatches(tree: Any) -> Any:
 
     Example:
         >>> import jax.numpy as jnp, jaxga
-        >>> x = jnp.arange(6)
-        >>> jaxga.merge_microbatches(jaxga.split_microbatches(x, 3)).tolist()
+        >>> jaxga.merge_microbatches(jaxga.split_microbatches(jnp.arange(6), 3)).tolist()
         [0, 1, 2, 3, 4, 5]
     """
 
     def merge(x):
-        x = jnp.asarray(x)
-        if x.ndim < 2:
-            raise ValueError(
-                f"merge_microbatches: every leaf needs a micro-batch axis and a batch axis; "
-                f"got a leaf of shape {x.shape}."
-            )
-        return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+        shape = jnp.shape(x)
+        if len(shape) < 2:
+            raise ValueError(f"merge_microbatches: leaves must be [k, B // k, ...]; got {shape}.")
+        return jnp.reshape(jnp.swapaxes(x, 0, 1), (shape[0] * shape[1], *shape[2:]))
 
     return jax.tree.map(merge, tree)
