@@ -183,3 +183,13 @@ def test_nnx_step_names_a_state_given_as_the_model_and_an_optimizer_of_another_m
         step(nnx.state(model), optimizer, jnp.ones((4, 3)))
     with pytest.raises(ValueError, match=r"was it built for these parameters"):
         step(model, nnx.Optimizer(other, optax.adam(0.1), wrt=nnx.Param), jnp.ones((4, 3)))
+
+
+def test_an_equinox_module_passed_along_is_not_taken_apart():
+    model = EqxMLP(jax.random.key(0))
+    loss = lambda w, model, x: jnp.mean(jax.vmap(model)(x * w) ** 2)
+    x = jax.random.normal(jax.random.key(1), (8, 3))
+    vg = eqx.filter_jit(jaxga.value_and_grad(loss, num_microbatches=2, batch_argnums=2))
+    chex.assert_trees_all_close(
+        vg(1.5, model, x), jax.value_and_grad(loss)(1.5, model, x), rtol=2e-5
+    )
