@@ -16,10 +16,9 @@ class Mean:
     """A mean kept as its numerator ``total`` and denominator ``count``; means add exactly.
 
     Example:
-        >>> import jax.numpy as jnp, jaxga
-        >>> m = jaxga.Mean.of(jnp.array([1.0, 2.0, 9.0]), where=jnp.array([1, 1, 0]))
-        >>> float(m.value), float((m + jaxga.Mean(6.0, 1.0)).value)
-        (1.5, 3.0)
+        >>> import jaxga
+        >>> float((jaxga.Mean.of([1.0, 2.0, 9.0], where=[1, 1, 0]) + jaxga.Mean(6.0, 1.0)).value)
+        3.0
     """
 
     total: jax.Array
@@ -27,13 +26,10 @@ class Mean:
 
     @property
     def value(self) -> jax.Array:
-        """The mean, ``total / count``."""
         return self.total / self.count
 
     def __add__(self, other: "Mean") -> "Mean":
-        if not isinstance(other, Mean):
-            return NotImplemented
-        return Mean(self.total + other.total, self.count + other.count)
+        return optax.tree.add(self, other) if isinstance(other, Mean) else NotImplemented
 
     @classmethod
     def of(cls, values: jax.Array, where: jax.Array | None = None) -> "Mean":
@@ -41,8 +37,8 @@ class Mean:
 
         ``where``: a mask or weights >= 0. Under jit, NaN or negative weights cannot be checked.
         """
-        values = _array(values, "Mean.of: `values`", "an array of numbers", jnp.number, jnp.bool)
-        where = _broadcast(1 if where is None else where, values.shape, "Mean.of: `where`")
+        values = _array(values, "Mean.of: `values`")
+        where = _array(1 if where is None else where, "Mean.of: `where`", shape=values.shape)
         weights = where.astype(jnp.promote_types(values.dtype, jnp.float32))
         ok = jnp.all((weights >= 0) & (weights < jnp.inf))  # False for NaN too
         if not isinstance(ok, jax.core.Tracer) and not ok:  # traced: not known yet
@@ -51,23 +47,18 @@ class Mean:
         return cls(jnp.sum(jnp.where(weights != 0, values * weights, 0)), jnp.sum(weights))
 
 
-def _array(value: Any, name: str, expected: str, *kinds: Any) -> jax.Array:
+def _array(x, name, expected="an array of numbers", kinds=(jnp.number, jnp.bool), shape=None):
     try:
-        array = jnp.asarray(value)
+        array = jnp.asarray(x)
     except (TypeError, ValueError):  # None, strings, objects
         array = None
     if array is None or not any(jnp.issubdtype(array.dtype, kind) for kind in kinds):
-        got = getattr(value, "dtype", None)
-        got = f"dtype {got}" if got is not None else f"{value!r} of type {type(value).__name__}"
+        got = f"dtype {x.dtype}" if hasattr(x, "dtype") else f"{x!r} of type {type(x).__name__}"
         raise TypeError(f"{name} must be {expected}; got {got}.")
-    return array
-
-
-def _broadcast(value: Any, shape: tuple[int, ...], name: str) -> jax.Array:
     try:
-        return jnp.broadcast_to(jnp.asarray(value), shape)
+        return array if shape is None else jnp.broadcast_to(array, shape)
     except ValueError:
-        raise ValueError(f"{name} must broadcast to {shape}; got {jnp.shape(value)}.") from None
+        raise ValueError(f"{name} must broadcast to {shape}; got {array.shape}.") from None
 
 
 def as_mean(value: Mean | jax.Array) -> Mean:
@@ -80,7 +71,7 @@ def as_mean(value: Mean | jax.Array) -> Mean:
     """
     if isinstance(value, Mean):
         return value
-    _array(value, "as_mean: `value`", "a float scalar or a jaxga.Mean", jnp.floating)
+    _array(value, "as_mean: `value`", "a float scalar or a jaxga.Mean", (jnp.floating,))
     return Mean(value, 1.0)
 
 
@@ -95,11 +86,11 @@ def token_cross_entropy(logits: jax.Array, labels: jax.Array, mask: Any = None) 
         >>> float(m.count), round(float(m.value), 4)
         (1.0, 1.6094)
     """
-    logits = _array(logits, "`logits`", "a float array", jnp.floating)
-    labels = _array(labels, "`labels`", "integer token ids", jnp.integer)
+    logits = _array(logits, "`logits`", "a float array", (jnp.floating,))
+    labels = _array(labels, "`labels`", "integer token ids", (jnp.integer,))
     if not logits.ndim or logits.shape[:-1] != labels.shape:
         raise TypeError(f"`logits` {logits.shape} must be [..., vocab] for labels {labels.shape}.")
-    mask = _broadcast(1 if mask is None else mask, labels.shape, "`mask`")
+    mask = _array(1 if mask is None else mask, "`mask`", shape=labels.shape)
     labels = jnp.where(mask != 0, labels, 0)  # the labels of tokens left out are not looked up
     vocab, (low, high) = logits.shape[-1], (labels.min(), labels.max()) if labels.size else (0, 0)
     if not isinstance(low, jax.core.Tracer) and not 0 <= low <= high < vocab:  # as in Mean.of

@@ -127,3 +127,17 @@ def test_a_mask_of_another_shape_is_named():
         ValueError, match=r"Mean.of: `where` must broadcast to \(2, 5\); got \(2, 4\)"
     ):
         jaxga.Mean.of(jnp.ones((2, 5)), where=jnp.ones((2, 4)))
+
+
+def test_a_where_or_mask_of_no_numbers_is_named():
+    expected = r"must be an array of numbers; got 'ab' of type str\.$"
+    with pytest.raises(TypeError, match=r"^Mean.of: `where` " + expected):
+        jaxga.Mean.of(jnp.ones(2), where="ab")
+    with pytest.raises(TypeError, match=r"^`mask` " + expected):
+        jaxga.token_cross_entropy(jnp.zeros((2, 5)), jnp.array([0, 3]), "ab")
+
+
+def test_means_add_as_pytrees_and_refuse_other_operands():
+    assert jaxga.Mean(6.0, 1.0) + jaxga.Mean(1.0, 2.0) == jaxga.Mean(7.0, 3.0)
+    with pytest.raises(TypeError, match=r"unsupported operand type\(s\) for \+: 'Mean' and 'int'"):
+        jaxga.Mean(1.0, 1.0) + 1
