@@ -1,7 +1,5 @@
 """Exact gradient accumulation over micro-batches inside one compiled step."""
 
-from __future__ import annotations
-
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -22,14 +20,13 @@ Positions = int | Sequence[int]
 
 
 class Accumulated(NamedTuple):
-    """Everything one pass over the micro-batches produced.
+    """What one pass over the micro-batches produced.
 
     Attributes:
         mean: ``Mean(Σ total, Σ count)`` over micro-batches and devices.
-        grads: the gradient of ``mean.value`` in each parameter's dtype; a tuple for a
-            sequence ``argnums``; an ``nnx.State`` for an NNX module.
+        grads: the gradient of ``mean.value``, as :func:`jax.grad` (NNX: an ``nnx.State``).
         aux: the auxiliary output as :func:`value_and_grad` returns it, or ``None``.
-        state: the threaded ``state_argnums`` after the last micro-batch, or ``None``.
+        state: the ``state_argnums`` after the last micro-batch, or ``None``.
     """
 
     mean: Mean
@@ -76,49 +73,25 @@ def _finish_aux(aux: Any, whole: Any, k: int) -> Any:
     return jax.tree.map(finish, aux, whole, is_leaf=lambda x: isinstance(x, Mean))
 
 
-def _split_batches(options: arguments.Options, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    k, axis = options.num_microbatches, options.axis_name
-    batches = [args[i] for i in options.batch_argnums]
-    local = next((jnp.shape(x)[0] for x in jax.tree.leaves(batches)), None)
-    if axis is not None and local is not None and local % k:  # name the global batch
-        devices = jax.lax.axis_size(axis)
-        raise IndivisibleBatchError.of(local * devices, k, devices, axis)
-    return tuple(
-        split_microbatches(b, k, name=f"args[{i}]") for i, b in zip(options.batch_argnums, batches)
-    )
-
-
 def _micro_loss(fun, options, args, kwargs, parts, rng_pos, device, sum_dtype) -> Callable:
     """``(diff, batch, index, state) -> (total, (count, aux, state))``."""
-    diff_pos, state_pos = options.argnums, options.state_argnums
+    diff_pos, batch_pos, state_pos = options.argnums, options.batch_argnums, options.state_argnums
 
     def loss_on(diff, batch, index, state):
         full = list(args)
-        for group, values in ((diff_pos, diff), (options.batch_argnums, batch)):
+        for group, values in ((diff_pos, diff), (batch_pos, batch), (state_pos, state[0])):
             for i, v in zip(group, values):
                 full[i] = v
-        for i, v in zip(state_pos, state[0]):
-            full[i] = v
         for i in rng_pos:
             full[i] = _fold_keys(args[i], device * options.num_microbatches + index)
         for i, p in parts.items():
             own = diff[diff_pos.index(i)] if i in diff_pos else None
             full[i] = modules.put_together(p, own, state[1][i])
-        mean, aux, user = arguments.parse_output(fun(*full, **kwargs), options)
-        if state_pos:
-            user = arguments.like(
-                (user,) if options.single_state else user, state[0], "returned a new_state"
-            )
-        rest = {
-            i: arguments.like(
-                modules.new_rest(full[i], p, options.filters.get(i)),
-                state[1][i],
-                f"left the module args[{i}] with state",
-            )
-            for i, p in parts.items()
-        }
+        mean, aux, user = arguments.parse_output(fun(*full, **kwargs), options, state[0])
+        rest = {i: modules.new_rest(full[i], p, options.filters.get(i)) for i, p in parts.items()}
+        rest = arguments.like(rest, state[1], "left its modules (by position) a state")
         count = jax.lax.stop_gradient(jnp.asarray(mean.count, sum_dtype))
-        return jnp.asarray(mean.total), (count, aux, (user if state_pos else (), rest))
+        return jnp.asarray(mean.total), (count, aux, (user, rest))
 
     return loss_on
 
@@ -138,10 +111,8 @@ def _scan(loss_on, options, primals, micro, state0, sum_dtype) -> tuple[Any, ...
     zeros = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), dtype(x)), primals)
     zero = jnp.zeros((), sum_dtype)
     carry = collectives.varying((jnp.zeros((), jnp.int32), zeros, zero, zero, state0), axis)
-    k = options.num_microbatches
-    carry, aux = jax.lax.scan(
-        body, carry, micro, length=k, unroll=_unroll(loss_on, primals, micro, state0, k)
-    )
+    unroll = _unroll(loss_on, primals, micro, state0, options.num_microbatches)
+    carry, aux = jax.lax.scan(body, carry, micro, length=options.num_microbatches, unroll=unroll)
     return (*carry[1:], aux)
 
 
@@ -173,7 +144,12 @@ def _accumulate(
     modules.check_unshared(parts)
     primals = tuple(modules.diff_of(parts[i]) if i in parts else args[i] for i in options.argnums)
     arguments.check_primals(primals, options.argnums)
-    micro = _split_batches(options, args)
+    k, batch_pos = options.num_microbatches, options.batch_argnums
+    local = next((jnp.shape(x)[0] for x in jax.tree.leaves([args[i] for i in batch_pos])), 0)
+    if axis is not None and local % k:  # name the global batch
+        devices = jax.lax.axis_size(axis)
+        raise IndivisibleBatchError.of(local * devices, k, devices, axis)
+    micro = tuple(split_microbatches(args[i], k, name=f"args[{i}]") for i in batch_pos)
     device = 0 if axis is None else jax.lax.axis_index(axis)
     leaves = jax.tree.leaves(primals)
     sum_dtype = jnp.result_type(options.accumulator_dtype or jnp.float32, jnp.float32, *leaves)
@@ -193,27 +169,16 @@ def _accumulate(
         state = _reduce_state(state, state0, axis)
         restore = lambda x, r: r if arguments.is_key(x, raw=False) else x  # the caller's NNX keys
         state = (state[0], jax.tree.map(restore, state[1], rest))
-    _check_count(count)
+    if not isinstance(count, jax.core.Tracer) and not bool(count >= 0):  # under jit: NaN
+        raise ValueError(
+            f"The loss's jaxga.Mean counts summed to {float(count)} items; expected a finite, "
+            f"non-negative number of items or total weight."
+        )
     grads = jax.tree.map(lambda g, p: (g / count).astype(jnp.result_type(p)), grads, primals)
     for i, new in state[1].items():
         modules.write_back(parts[i], new)
-    return Accumulated(
-        mean=Mean(total, count),
-        grads=grads[0] if options.single_argnum else grads,
-        aux=aux if options.has_aux else None,
-        state=(state[0][0] if options.single_state else state[0])
-        if options.state_argnums
-        else None,
-    )
-
-
-def _check_count(count: jax.Array) -> None:
-    """An eagerly known count that is NaN or negative is an error (under jit it is a NaN)."""
-    if not isinstance(count, jax.core.Tracer) and not bool(count >= 0):
-        raise ValueError(
-            f"The loss's jaxga.Mean counts summed to {float(count)} items over the batch; a "
-            f"count is a number of items or a total weight: finite and non-negative."
-        )
+    user = state[0][0] if options.single_state else state[0] or None
+    return Accumulated(Mean(total, count), grads[0] if options.single_argnum else grads, aux, user)
 
 
 def accumulate(
@@ -231,21 +196,16 @@ def accumulate(
     """Like :func:`value_and_grad`, returning everything as an :class:`Accumulated`.
 
     Args:
-        fun: the loss; returns a float scalar (a mean over its micro-batch) or a
-            :class:`jaxga.Mean`; with ``has_aux`` a pair ``(loss, aux)``; with
-            ``state_argnums`` a pair ``(output, new_state)``.
-        argnums: position(s) of the argument(s) to differentiate, as in JAX; for NNX
-            modules also ``nnx.DiffState(position, filter)``.
-        has_aux: whether ``fun`` returns ``(loss, aux)``.
+        fun: the loss: a float scalar (its micro-batch's mean) or a :class:`jaxga.Mean`;
+            with ``has_aux`` ``(loss, aux)``; with ``state_argnums`` ``(output, new_state)``.
+        argnums, has_aux: as in JAX; for NNX modules also ``nnx.DiffState(position, filter)``.
         num_microbatches: how many micro-batches to split the batch into.
         batch_argnums: position(s) of the argument(s) split along their leading axis.
-        rng_argnums: position(s) of PRNG key arguments; micro-batch ``i`` gets
-            ``fold_in(key, i)``. ``None`` (default): every other argument holding typed
-            keys; ``()``: none.
+        rng_argnums: position(s) of PRNG keys; micro-batch ``i`` gets ``fold_in(key, i)``.
+            ``None``: every other argument holding typed keys; ``()``: none.
         state_argnums: position(s) of state threaded through the micro-batches (Linen
-            ``batch_stats``); ``fun`` returns ``(output, new_state)``.
-        axis_name: the mesh axis the batch is split over inside ``shard_map``: sums are
-            reduced across it once, after the loop.
+            ``batch_stats``).
+        axis_name: the ``shard_map`` axis the batch is split over; sums are reduced once.
         accumulator_dtype: dtype of the gradient sums; ``None``: at least float32.
 
     Returns:
@@ -288,11 +248,10 @@ def value_and_grad(
 ) -> Callable[..., Any]:
     """Like :func:`jax.value_and_grad`, accumulated over micro-batches in one ``lax.scan``.
 
-    Gradients, and the totals and counts of a :class:`jaxga.Mean` loss, are summed over
-    the micro-batches and divided once. NNX modules are taken as ``nnx.value_and_grad``
-    takes them, Equinox modules as ``eqx.filter_value_and_grad`` does. ``aux`` comes back
-    as the whole batch gives it where that is known (per-example leaves in batch order,
-    ``Mean`` leaves summed); other leaves are stacked along a micro-batch axis.
+    Gradients and a :class:`jaxga.Mean` loss's totals and counts are summed, then divided
+    once. NNX and Equinox modules are taken as ``nnx.value_and_grad`` and
+    ``eqx.filter_value_and_grad`` take them. ``aux`` comes back as the whole batch gives it
+    (per-example leaves in order, ``Mean``s summed), other leaves stacked per micro-batch.
 
     Args:
         fun, argnums, has_aux: as for :func:`jax.value_and_grad`.
@@ -305,12 +264,10 @@ def value_and_grad(
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxga
-        >>> def loss(w, batch):
-        ...     return jaxga.token_cross_entropy(batch["x"] @ w, batch["y"], batch["mask"])
-        >>> w = jnp.zeros((3, 4))
-        >>> batch = {"x": jnp.ones((8, 5, 3)), "y": jnp.zeros((8, 5), jnp.int32),
-        ...          "mask": jnp.ones((8, 5))}
-        >>> value, g = jax.jit(jaxga.value_and_grad(loss, num_microbatches=4))(w, batch)
+        >>> loss = lambda w, b: jaxga.token_cross_entropy(b["x"] @ w, b["y"])
+        >>> batch = {"x": jnp.ones((8, 5, 3)), "y": jnp.zeros((8, 5), jnp.int32)}
+        >>> vg = jax.jit(jaxga.value_and_grad(loss, num_microbatches=4))
+        >>> value, g = vg(jnp.zeros((3, 4)), batch)
         >>> round(float(value), 4), g.shape
         (1.3863, (3, 4))
     """

@@ -187,9 +187,9 @@ def describe(x: Any) -> str:
     return f"{x!r} of type {type(x).__name__}"
 
 
-def parse_output(out: Any, options: Options) -> tuple[Mean, Any, Any]:
-    """``fun``'s output as ``(mean, aux, new_state)``, each checked."""
-    state = aux = None
+def parse_output(out: Any, options: Options, old_state: tuple) -> tuple[Mean, Any, tuple]:
+    """``fun``'s output as ``(mean, aux, new_state)``, checked; the state like ``old_state``."""
+    aux, state = None, ()
     if options.state_argnums:
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(
@@ -228,7 +228,8 @@ def parse_output(out: Any, options: Options) -> tuple[Mean, Any, Any]:
             f"`fun` returned a jaxga.Mean whose count has {describe(jnp.asarray(count))}; "
             f"expected a scalar number of items (or total weight)."
         )
-    return mean, aux, state
+    state = (state,) if options.single_state else state
+    return mean, aux, like(state, old_state, "returned a new_state")
 
 
 def like(new: Any, old: Any, what: str) -> Any:

@@ -1,7 +1,5 @@
 """Jitted train steps: micro-batches, exact accumulation, the optimiser, donation and metrics."""
 
-from __future__ import annotations
-
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +9,6 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from flax.training import train_state
-from jax.sharding import Mesh
 
 from jaxga import _checks, modules, sharding
 from jaxga.accumulation import Accumulated, accumulate
@@ -23,12 +20,11 @@ from jaxga.state import model_io, unaliased
 __all__ = ["make_train_step", "nnx_loss", "nnx_train_step"]
 
 Metrics = dict[str, jax.Array]
+_SPLIT = "`graphdef, params, rest = nnx.split(model, nnx.Param, ...)`"
 
 
 def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
-    """Turns ``loss(model, batch, rng)`` on a Flax NNX model into :func:`make_train_step`'s form.
-
-    For ``graphdef, params, model_state = nnx.split(model, nnx.Param, ...)``.
+    """Turns ``loss(model, batch, rng)`` on a split Flax NNX model into :func:`make_train_step`'s.
 
     Example:
         >>> import jax.numpy as jnp, jaxga
@@ -40,8 +36,7 @@ def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
     """
     if not isinstance(graphdef, nnx.graphlib.GraphDef):
         raise TypeError(
-            f"`graphdef` must be the GraphDef of `graphdef, params, rest = nnx.split(model, "
-            f"nnx.Param, ...)`; got {type(graphdef).__name__}."
+            f"`graphdef` must be the GraphDef of {_SPLIT}; got {type(graphdef).__name__}."
         )
     _checks.check_arity(loss, "loss", 3, "`loss(model, batch, rng)`")
 
@@ -51,12 +46,10 @@ def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
             model = modules.put_together(part, params, model_state)
         except ValueError as e:
             raise ValueError(
-                "`nnx_loss` could not rebuild the model from the state's params and "
-                "model_state: split it as `graphdef, params, rest = nnx.split(model, "
-                f"nnx.Param, ...)` and pass `model_state=rest` ({e})."
+                f"`nnx_loss` could not rebuild the model from `params` and `model_state`: split "
+                f"it as {_SPLIT} and pass `model_state=rest` ({e})."
             ) from None
-        value = loss(model, batch, rng)
-        return value, modules.new_rest(model, part, nnx.Param)
+        return loss(model, batch, rng), modules.new_rest(model, part, nnx.Param)
 
     return functional
 
@@ -68,17 +61,16 @@ def _find(tree: Any, kind: type) -> Any:
 
 
 def _update(acc: Accumulated, update: Callable[[Any, Any], Any], state: Any) -> Any:
-    """``update(state, grads)``, or ``state`` as it was for a call that counted no items
-    (which a MultiSteps takes itself, as one of its group's, with zero gradients)."""
+    """``update(state, grads)``; for a call that counted no items ``state`` as it was, or
+    (a MultiSteps) ``update`` with zero gradients."""
     counted = acc.mean.count > 0
     hint = "was it built for these parameters (`nnx.Optimizer(model, tx)`, `TrainState.create`)?"
     try:
         shapes = jax.eval_shape(update, state, acc.grads)
     except (TypeError, ValueError) as e:
         raise ValueError(f"The optimiser's update fails on these parameters: {hint} ({e})") from e
-    for (path, before), after in zip(
-        jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(shapes), strict=True
-    ):
+    paths = jax.tree_util.tree_flatten_with_path(state)[0]
+    for (path, before), after in zip(paths, jax.tree.leaves(shapes), strict=True):
         if jnp.shape(before) != after.shape:
             raise ValueError(
                 f"The optimiser's update changes the shape of {jax.tree_util.keystr(path)} "
@@ -99,11 +91,8 @@ def _update(acc: Accumulated, update: Callable[[Any, Any], Any], state: Any) -> 
 
 
 def _metrics(acc: Accumulated, old_opt_state: Any, opt_state: Any) -> Metrics:
-    found = [
-        value
-        for path, value in optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate")
-        if any(getattr(key, "name", None) == "hyperparams" for key in path)
-    ]
+    rates = optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate")
+    found = [v for path, v in rates if any(getattr(k, "name", None) == "hyperparams" for k in path)]
     applied = acc.mean.count > 0
     if (ours := _find(opt_state, MultiStepsState)) is not None:
         applied = ours.applied
@@ -120,80 +109,49 @@ def _metrics(acc: Accumulated, old_opt_state: Any, opt_state: Any) -> Metrics:
 
 def _weight(tx: Any, acc: Accumulated) -> dict[str, jax.Array]:
     """``weight=`` the call's item count, for a MultiSteps in ``tx``."""
-    extra_args = isinstance(tx, optax.GradientTransformationExtraArgs)
-    return {"weight": acc.mean.count} if extra_args else {}
+    return (
+        {"weight": acc.mean.count} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
+    )
 
 
-def _check_state(state: Any) -> None:
-    if not isinstance(state, train_state.TrainState):
-        hint = (
-            "; for a Flax NNX model and nnx.Optimizer use jaxga.nnx_train_step"
-            if modules.is_graph_node(state) or isinstance(state, nnx.State)
-            else ""
-        )
-        raise TypeError(
-            f"`state` must be a flax.training.train_state.TrainState (jaxga.TrainState is one, "
-            f"with model_state and rng); got {type(state).__name__}{hint}."
-        )
-
-
-def _check_loss_alone(value: Any, signature: str) -> None:
-    if isinstance(value, tuple | list):
-        raise TypeError(
-            f"{signature} must give the loss alone (a float scalar or a jaxga.Mean); got a "
-            f"{type(value).__name__} of length {len(value)}. The train step returns no aux "
-            f"output: compute other metrics in an evaluation step of your own."
-        )
-
-
-def _checked_loss(loss: Callable[..., Any]) -> Callable[..., Any]:
-    signature = "`loss(params, batch, model_state, rng)`"
+def _loss_alone(loss: Callable[..., Any], signature: str, pair: bool) -> Callable[..., Any]:
+    """``loss`` checked to give the loss alone (``pair``: with a new model state)."""
 
     @functools.wraps(loss)
-    def checked(params, batch, model_state, rng):
-        out = loss(params, batch, model_state, rng)
-        if isinstance(out, Mean) or not (isinstance(out, tuple) and len(out) == 2):
+    def checked(*args):
+        out = loss(*args)
+        if pair and (isinstance(out, Mean) or not (isinstance(out, tuple) and len(out) == 2)):
             got = type(out).__name__ if isinstance(out, Mean | tuple) else None
             raise TypeError(
-                f"{signature} must return a pair (loss, new_model_state) — return "
-                f"`model_state` unchanged if the model has none; got "
-                f"{got or f'an array of shape {jnp.shape(out)}'}."
+                f"{signature} must return a pair (loss, new_model_state), `model_state` if "
+                f"unchanged; got {got or f'an array of shape {jnp.shape(out)}'}."
             )
-        _check_loss_alone(out[0], f"The first element of {signature}")
-        if jax.tree.structure(out[1]) != jax.tree.structure(model_state):
+        if isinstance(value := out[0] if pair else out, tuple | list):
             raise TypeError(
-                f"{signature} returned a new_model_state with tree structure "
-                f"{jax.tree.structure(out[1])}; it must keep the structure of the model_state "
-                f"it was given, {jax.tree.structure(model_state)} (TrainState.create's "
-                f"`model_state`)."
+                f"{signature} must give the loss alone (a float scalar or a jaxga.Mean); got a "
+                f"{type(value).__name__} of length {len(value)}: the step returns no aux."
             )
-        return out
+        return out  # the engine checks the new model state (state_argnums)
 
     return checked
 
 
 def _traced(tree: Any) -> bool:
-    """Whether an enclosing transformation traces ``tree`` (its step counter, or first leaf)."""
-    leaf = getattr(tree, "step", None)
-    return isinstance(
-        leaf if leaf is not None else next(iter(jax.tree.leaves(tree)), None), jax.core.Tracer
-    )
+    """Whether an enclosing transformation traces ``tree`` (a TrainState's step is its first)."""
+    return isinstance(next(iter(jax.tree.leaves(tree)), None), jax.core.Tracer)
 
 
 def _as_step(fn: Callable, jitted: Any, place: Callable[[Any], Any], donate: bool) -> Callable:
-    """``jitted`` with the state placed first and a clear error for a donated state; under an
-    enclosing ``jit``, ``fn`` inlined (XLA options belong to the outermost ``jit``)."""
+    """``jitted`` on the placed state, naming a donated one; ``fn`` inlined under a ``jit``."""
 
     @functools.wraps(jitted)
     def step(state: Any, batch: Any) -> Any:
         if _traced(state):
             return fn(state, batch)
-        leaf = getattr(state, "step", None)
-        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        if isinstance(leaf := getattr(state, "step", None), jax.Array) and leaf.is_deleted():
             raise ValueError(
-                "The train step was given a state that an earlier call deleted: it donates "
-                "its state's buffers (donate=True), so pass the state it returned, not the "
-                "one you gave it (or build it with donate=False)."
+                "The train step was given a state that an earlier call deleted: it donates its "
+                "buffers (donate=True), so pass the state it returned (or use donate=False)."
             )
         state = place(state)
         return jitted(unaliased(state) if donate else state, batch)
@@ -203,20 +161,28 @@ def _as_step(fn: Callable, jitted: Any, place: Callable[[Any], Any], donate: boo
     return step
 
 
+def _check_state(state: Any) -> None:
+    if not isinstance(state, train_state.TrainState):
+        nnx_model = modules.is_graph_node(state) or isinstance(state, nnx.State)
+        hint = "; for a Flax NNX model use jaxga.nnx_train_step" if nnx_model else ""
+        raise TypeError(
+            "`state` must be a flax.training.train_state.TrainState (jaxga.TrainState is one); "
+            f"got {type(state).__name__}{hint}."
+        )
+
+
 def _check_step_options(loss, num_microbatches, mesh, axis_name, strategy, donate) -> None:
     if callable(getattr(num_microbatches, "update", None)):
         raise TypeError(
-            "make_train_step takes no optimiser: it runs the state's own (`state.tx`, as in "
-            "Flax's TrainState); build the step as make_train_step(loss, num_microbatches) "
-            "and the state with jaxga.TrainState.create(params, tx)."
+            f"make_train_step takes no optimiser: it runs `state.tx` (TrainState.create(params, "
+            f"tx)); got `num_microbatches`={num_microbatches!r}."
         )
     _checks.positive_int(num_microbatches, "num_microbatches")
-    signature = "`loss(params, batch, model_state, rng) -> (loss, new_model_state)`"
-    _checks.check_arity(loss, "loss", 4, signature)
+    _checks.check_arity(loss, "loss", 4, "`loss(params, batch, model_state, rng)`")
+    sharding.check_strategy(strategy)
     if mesh is not None:
         sharding.check_mesh(mesh, axis_name, concrete=True)
-    sharding.check_strategy(strategy)
-    if mesh is None and not (isinstance(strategy, str) and strategy == "data_parallel"):
+    elif not (isinstance(strategy, str) and strategy == "data_parallel"):
         raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
     _checks.check_bool(donate, "donate")
 
@@ -225,7 +191,7 @@ def make_train_step(
     loss: Callable[..., Any],
     num_microbatches: int = 1,
     *,
-    mesh: Mesh | None = None,
+    mesh: jax.sharding.Mesh | None = None,
     axis_name: str = "data",
     strategy: Any = "data_parallel",
     accumulator_dtype: Any = None,
@@ -233,27 +199,22 @@ def make_train_step(
 ) -> Callable[[Any, Any], tuple[Any, Metrics]]:
     """Builds one jitted train step ``(state, batch) -> (state, metrics)``.
 
-    It accumulates over ``num_microbatches`` micro-batches (:func:`jaxga.accumulate`) and
-    runs ``state.tx`` with ``weight=`` the call's item count. ``state`` is a Flax
-    ``TrainState``: a :class:`TrainState`, or a subclass whose dict fields (``batch_stats``)
-    are the model state and whose ``rng`` or ``key`` field holds the key.
+    It accumulates over micro-batches (:func:`jaxga.accumulate`), then runs ``state.tx``
+    (``weight=`` the item count). ``state``: a :class:`TrainState`, or a Flax ``TrainState``
+    subclass with dict fields (``batch_stats``) and an ``rng`` or ``key`` field.
 
     Args:
-        loss: ``loss(params, batch, model_state, rng) -> (loss, new_model_state)``; the
+        loss: ``loss(params, batch, model_state, rng) -> (loss, new_model_state)``, the
             loss a :class:`jaxga.Mean` or a scalar mean over its micro-batch.
-        num_microbatches: micro-batches per call.
-        mesh: shard the batch over ``mesh``'s ``axis_name``; gradients are reduced once
-            per call, after the loop.
-        axis_name: the mesh axis of the batch.
+        mesh, axis_name: shard the batch over this mesh axis; gradients are reduced once.
         strategy: the state's layout on the mesh: ``"data_parallel"``, ``"zero1"``,
-            ``"fsdp"``, ``"zero3"`` or a tree of parameter specs
-            (:func:`jaxga.sharding.state_specs`).
+            ``"fsdp"``, ``"zero3"`` or a tree of specs (:func:`jaxga.sharding.state_specs`).
         accumulator_dtype: dtype of the gradient sums; ``None``: at least float32.
         donate: donate the state's buffers to the step.
 
     Returns:
-        The jitted step; ``metrics`` holds ``loss``, ``count``, ``grad_norm``,
-        ``learning_rate`` (NaN without ``optax.inject_hyperparams``) and ``applied``.
+        The step; ``metrics``: ``loss``, ``count``, ``grad_norm``, ``learning_rate`` (NaN
+        without ``optax.inject_hyperparams``), ``applied``.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, jaxga
@@ -275,7 +236,7 @@ def make_train_step(
         axis_name=axis_name if mesh is not None else None,
         accumulator_dtype=accumulator_dtype,
     )
-    checked = _checked_loss(loss)
+    checked = _loss_alone(loss, "`loss(params, batch, model_state, rng)`", pair=True)
 
     def step(state: Any, batch: Any) -> tuple[Any, Metrics]:
         _check_state(state)
@@ -287,10 +248,11 @@ def make_train_step(
             args = (state, batch, model_state, rng)
             on = (accumulated, checked, mesh, axis_name, strategy, num_microbatches)
             acc, state, specs, view = sharding.accumulate_on_mesh(*on, *args)
+        weight = _weight(state.tx, acc)
 
         def update(params_and_opt_state, grads):
             params, opt_state = params_and_opt_state
-            updates, opt_state = state.tx.update(grads, opt_state, view, **_weight(state.tx, acc))
+            updates, opt_state = state.tx.update(grads, opt_state, view, **weight)
             if mesh is not None:
                 updates = sharding.place(mesh, updates, specs.params)
             return optax.apply_updates(params, updates), opt_state
@@ -302,33 +264,27 @@ def make_train_step(
             new = sharding.place(mesh, new, specs)
         return new, _metrics(acc, state.opt_state, opt_state)
 
-    jitted = jax.jit(
-        step, donate_argnums=(0,) if donate else (), compiler_options=compiler_options()
-    )
+    jitted = jax.jit(step, donate_argnums=0 if donate else (), compiler_options=compiler_options())
     return _as_step(step, jitted, sharding.placer(mesh, strategy, axis_name), donate)
 
 
 def _check_optimizer(optimizer: Any, model: Any, grads: Any) -> None:
     if not isinstance(optimizer, nnx.Optimizer):
-        raise TypeError(
-            f"`optimizer` must be an nnx.Optimizer(model, tx, wrt=nnx.Param); got "
-            f"{type(optimizer).__name__}."
-        )
+        raise TypeError(f"`optimizer` must be an nnx.Optimizer; got {type(optimizer).__name__}.")
     if not modules.is_graph_node(model):
         raise TypeError(
-            f"`model` must be the Flax NNX module the optimizer updates (an nnx.State is "
-            f"not: nnx.merge rebuilds the module); got {type(model).__name__}."
+            f"`model` must be the NNX module `optimizer` updates; got {type(model).__name__}."
         )
     if isinstance(optimizer, nnx.ModelAndOptimizer) and optimizer.model is not model:
         raise ValueError(
-            "`optimizer` is an nnx.ModelAndOptimizer of another model than `model`: pass "
-            "the model it holds, `step(optimizer.model, optimizer, batch)`."
+            "`optimizer` is an nnx.ModelAndOptimizer of another model than `model`: call "
+            "`step(optimizer.model, optimizer, batch)`."
         )
-    expected = nnx.as_pure(nnx.state(model, optimizer.wrt))
-    if grads is not None and jax.tree.structure(nnx.as_pure(grads)) != jax.tree.structure(expected):
+    expected = jax.tree.structure(nnx.as_pure(nnx.state(model, optimizer.wrt)))
+    if grads is not None and jax.tree.structure(nnx.as_pure(grads)) != expected:
         raise ValueError(
             f"`optimizer` was built with wrt={optimizer.wrt!r}, but the step differentiates "
-            f"the model's nnx.Param state; build it as nnx.Optimizer(model, tx, wrt=nnx.Param)."
+            f"nnx.Param: build it as nnx.Optimizer(model, tx, wrt=nnx.Param)."
         )
 
 
@@ -339,10 +295,8 @@ def _nnx_step(grad_fn: Callable, graphdef: Any, state: Any, batch: Any) -> tuple
 
     def update(state, grads):
         model, optimizer = nnx.merge(graphdef, state)
-        if isinstance(optimizer, nnx.ModelAndOptimizer):  # which holds the model
-            optimizer.update(grads, **_weight(optimizer.tx, acc))
-        else:
-            optimizer.update(model, grads, **_weight(optimizer.tx, acc))
+        model_arg = () if isinstance(optimizer, nnx.ModelAndOptimizer) else (model,)  # or held
+        optimizer.update(*model_arg, grads, **_weight(optimizer.tx, acc))
         return nnx.state((model, optimizer))
 
     opt_state = nnx.as_pure(optimizer.opt_state)
@@ -358,18 +312,11 @@ def nnx_train_step(
     accumulator_dtype: Any = None,
     donate: bool = True,
 ) -> Callable[[Any, Any, Any], Metrics]:
-    """Builds one compiled train step ``(model, optimizer, batch) -> metrics`` for Flax NNX.
-
-    The NNX counterpart of :func:`make_train_step`; model and optimizer are updated in place.
+    """Builds a Flax NNX train step ``(model, optimizer, batch) -> metrics``, updating in place.
 
     Args:
         loss: ``loss(model, batch) -> loss``, a :class:`jaxga.Mean` or a scalar mean.
-        num_microbatches: micro-batches per call.
-        accumulator_dtype: dtype of the gradient sums; ``None``: at least float32.
-        donate: donate the model's and optimiser's buffers.
-
-    Returns:
-        The step, returning :func:`make_train_step`'s metrics.
+        num_microbatches, accumulator_dtype, donate: as for :func:`make_train_step`.
 
     Example:
         >>> import jax.numpy as jnp, optax, jaxga
@@ -385,22 +332,15 @@ def nnx_train_step(
     _checks.positive_int(num_microbatches, "num_microbatches")
     _checks.check_arity(loss, "loss", 2, "`loss(model, batch) -> loss`")
     _checks.check_bool(donate, "donate")
-
-    @functools.wraps(loss)
-    def checked(model, batch):
-        value = loss(model, batch)
-        _check_loss_alone(value, "`loss(model, batch)`")
-        return value
-
+    checked = _loss_alone(loss, "`loss(model, batch)`", pair=False)
     grad_fn = accumulate(
         checked, num_microbatches=num_microbatches, accumulator_dtype=accumulator_dtype
     )
-
     pure = functools.partial(_nnx_step, grad_fn)
     jitted = jax.jit(
         pure,
         static_argnums=0,
-        donate_argnums=(1,) if donate else (),
+        donate_argnums=1 if donate else (),
         compiler_options=compiler_options(),
     )
 
