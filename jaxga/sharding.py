@@ -12,7 +12,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, collectives
 from jaxga.accumulation import Accumulated
-from jaxga.collectives import varying
 from jaxga.microbatch import IndivisibleBatchError
 
 STRATEGIES = ("data_parallel", "zero1", "fsdp", "zero3")
@@ -61,8 +60,7 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
         if not shape or shape[0] % shards:
             raise ValueError(
                 f"shard_batch: batch{jax.tree_util.keystr(path)} has shape {shape}; its leading "
-                f"axis (this process's rows) must be divisible by the {shards} shard(s) of mesh "
-                f"axis {axis_name!r} on this process's devices."
+                f"axis must be divisible by the {shards} local shard(s) of axis {axis_name!r}."
             )
         return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
@@ -80,8 +78,8 @@ def put(tree: Any, sharding: Any) -> Any:
 
     def one(x, where):
         if isinstance(x, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
-        if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):  # its data travels
+            return x.update(sharding=where)
+        if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):  # its data, across processes
             data = jax.device_put(jax.random.key_data(x), where)
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         return jax.device_put(x, where)
@@ -101,32 +99,6 @@ def fsdp_specs(tree: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
     """:func:`fsdp_spec` for every leaf of ``tree`` over ``mesh``'s ``axis_name``."""
     check_mesh(mesh, axis_name)
     return jax.tree.map(lambda x: fsdp_spec(jnp.shape(x), mesh.shape[axis_name], axis_name), tree)
-
-
-def _check_param_specs(specs: Any, params: Any, size: int, axis_name: Any) -> Any:
-    got, want = jax.tree.structure(specs, is_leaf=_is_spec), jax.tree.structure(params)
-    if got != want:
-        raise ValueError(
-            f"`strategy`, a tree of PartitionSpecs, must have the structure of the parameters, "
-            f"{want}; got {got}."
-        )
-
-    def check(path, spec, x):
-        where, shape = f"The spec for params{jax.tree_util.keystr(path)}", jnp.shape(x)
-        if not _is_spec(spec) or len(spec) > len(shape) or set(spec) - {None, axis_name}:
-            raise ValueError(
-                f"{where} must be a PartitionSpec of at most {len(shape)} entries (its shape is "
-                f"{shape}), each None or the data axis {axis_name!r}; got {spec!r}."
-            )
-        for dim, entry in enumerate(spec):
-            if entry is not None and shape[dim] % size:
-                raise ValueError(
-                    f"{where}, {spec}, splits its axis {dim} of size {shape[dim]} over the "
-                    f"{size} devices of {axis_name!r}, which do not divide it."
-                )
-
-    jax.tree_util.tree_map_with_path(check, specs, params, is_leaf=_is_spec)
-    return specs
 
 
 def state_specs(
@@ -160,12 +132,33 @@ def state_specs(
     if isinstance(strategy, str):
         params = shard(state.params) if strategy in ("fsdp", "zero3") else specs.params
         return specs.replace(params=params, opt_state=shard(state.opt_state))
-    params = _check_param_specs(strategy, state.params, mesh.shape[axis_name], axis_name)
+    got, want = jax.tree.structure(strategy, is_leaf=_is_spec), jax.tree.structure(state.params)
+    if got != want:
+        raise ValueError(
+            f"`strategy`, a tree of PartitionSpecs, must have the params' tree {want}; got {got}."
+        )
+    size = mesh.shape[axis_name]
+
+    def check(path, spec, x):
+        where, shape = f"The spec for params{jax.tree_util.keystr(path)}", jnp.shape(x)
+        if not _is_spec(spec) or len(spec) > len(shape) or set(spec) - {None, axis_name}:
+            raise ValueError(
+                f"{where} must be a PartitionSpec of at most {len(shape)} entries (its shape is "
+                f"{shape}), each None or the data axis {axis_name!r}; got {spec!r}."
+            )
+        for dim, entry in enumerate(spec):
+            if entry is not None and shape[dim] % size:
+                raise ValueError(
+                    f"{where}, {spec}, splits its axis {dim} of size {shape[dim]} over the "
+                    f"{size} devices of {axis_name!r}, which do not divide it."
+                )
+
+    jax.tree_util.tree_map_with_path(check, strategy, state.params, is_leaf=_is_spec)
     follow = lambda _, spec: spec  # optimiser state shaped like the parameters
     opt_state = optax.tree_map_params(
-        state.tx, follow, state.opt_state, params, transform_non_params=shard, is_leaf=_is_spec
+        state.tx, follow, state.opt_state, strategy, transform_non_params=shard, is_leaf=_is_spec
     )
-    return specs.replace(params=params, opt_state=opt_state)
+    return specs.replace(params=strategy, opt_state=opt_state)
 
 
 def state_shardings(
@@ -178,18 +171,12 @@ def state_shardings(
 
 def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
     """``tree`` constrained to ``specs`` on ``mesh`` (resharded on a mesh of explicit axes)."""
-    explicit = AxisType.Explicit in mesh.axis_types
-
-    def put_one(x, spec):
-        where = NamedSharding(mesh, spec)
-        return jax.reshard(x, where) if explicit else jax.lax.with_sharding_constraint(x, where)
-
-    return jax.tree.map(put_one, tree, specs)
+    move = jax.reshard if AxisType.Explicit in mesh.axis_types else jax.lax.with_sharding_constraint
+    return jax.tree.map(lambda x, spec: move(x, NamedSharding(mesh, spec)), tree, specs)
 
 
 def placer(mesh: Mesh | None, strategy: Any, axis_name: Any) -> Callable[[Any], Any]:
-    """Puts a state (arrays or shape structs) where the step on ``mesh`` keeps it, unless its
-    step counter and first parameter are there already."""
+    """Puts a state where the step on ``mesh`` keeps it, unless its step and first parameter are."""
 
     def there(x: Any, spec: P) -> bool:
         now = getattr(x, "sharding", None)  # None: a host array or a bare shape struct
@@ -197,29 +184,15 @@ def placer(mesh: Mesh | None, strategy: Any, axis_name: Any) -> Callable[[Any], 
         return on_mesh and now.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
 
     def place_state(state: Any) -> Any:
-        if mesh is None:
-            return state
         first = jax.tree.leaves(state.params)[:1]
         specs = jax.tree.leaves(strategy, is_leaf=_is_spec)[:1]  # a tree of specs
-        if strategy in ("fsdp", "zero3"):
-            specs = fsdp_specs(first, mesh, axis_name)
-        elif isinstance(strategy, str):
-            specs = [P() for _ in first]
+        if isinstance(strategy, str):
+            specs = fsdp_specs(first, mesh, axis_name) if strategy in ("fsdp", "zero3") else [P()]
         if all(map(there, [state.step, *first], [P(), *specs])):
             return state
         return put(state, state_shardings(state, mesh, strategy, axis_name=axis_name))
 
-    return place_state
-
-
-def _on_sharded(fn: Callable, tree: Any, specs: Any) -> Any:
-    """``fn(x, dim)`` for each leaf ``x`` of ``tree`` whose spec splits its axis ``dim``."""
-
-    def one(x, spec):
-        dim = next((i for i, entry in enumerate(spec) if entry is not None), None)
-        return x if dim is None else fn(x, dim)
-
-    return jax.tree.map(one, tree, specs)
+    return place_state if mesh is not None else lambda state: state
 
 
 def accumulate_on_mesh(
@@ -233,10 +206,7 @@ def accumulate_on_mesh(
     batch: Any,
     *rest: Any,
 ) -> tuple[Any, Any, Any, Any]:
-    """The train step's micro-batch loop on ``mesh``: ``(accumulated, state, specs, view)``.
-
-    ``state`` placed by its ``specs``; ``view``: the parameters the optimiser sees.
-    """
+    """The step's loop on ``mesh``: (accumulated, placed state, its specs, optimiser's view)."""
     size, devices = _checks.leading_size(batch, "batch", "batch"), mesh.shape[axis_name]
     if size is None:
         raise ValueError(f"`batch` has no array leaves to split over the devices; got {batch!r}.")
@@ -244,8 +214,12 @@ def accumulate_on_mesh(
         raise IndivisibleBatchError.of(size, num_microbatches, devices, axis_name)
     specs = state_specs(state, mesh, strategy, axis_name=axis_name)
     state = place(mesh, state, specs)
-    zero1 = strategy == "zero1"  # the gradients sharded like the optimiser state
-    grad_specs = fsdp_specs(state.params, mesh, axis_name) if zero1 else specs.params
+    grad_specs = fsdp_specs(state.params, mesh, axis_name) if strategy == "zero1" else specs.params
+
+    def on_sharded(fn, tree, specs):  # fn(x, dim) on the leaves whose spec splits axis dim
+        dim = lambda spec: next((i for i, entry in enumerate(spec) if entry is not None), None)
+        return jax.tree.map(lambda x, s: x if dim(s) is None else fn(x, dim(s)), tree, specs)
+
     batch = place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))
     gather = lambda x, dim: jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)
     scatter = lambda g, dim: jax.lax.psum_scatter(g, axis_name, scatter_dimension=dim, tiled=True)
@@ -253,18 +227,18 @@ def accumulate_on_mesh(
     def loss_on_shards(shards, batch, *rest):  # ZeRO-3: gathered in every micro-batch
         # tied to the micro-batch, so that XLA does not hoist the gather out of the loop
         shards, batch = jax.lax.optimization_barrier((shards, batch))
-        return loss(_on_sharded(gather, shards, specs.params), batch, *rest)
+        return loss(on_sharded(gather, shards, specs.params), batch, *rest)
 
     def local(params, batch, *rest):
         if strategy == "zero3":
             return accumulated(loss_on_shards)(params, batch, *rest)
-        full = _on_sharded(gather, params, specs.params)
+        full = on_sharded(gather, params, specs.params)
         # local sums through the loop for the gradients scattered after it
-        full = _on_sharded(lambda x, _: varying(x, axis_name), full, grad_specs)
+        full = on_sharded(lambda x, _: collectives.varying(x, axis_name), full, grad_specs)
         acc = accumulated(loss)(full, batch, *rest)
-        return acc._replace(grads=_on_sharded(scatter, acc.grads, grad_specs))
+        return acc._replace(grads=on_sharded(scatter, acc.grads, grad_specs))
 
     in_specs = (specs.params, P(axis_name), *(P() for _ in rest))
-    out_specs = Accumulated(mean=P(), grads=grad_specs, aux=P(), state=P())
+    out_specs = Accumulated(mean=P(), grads=grad_specs, aux=P(), state=P())  # ZeRO-1: opt_state's
     run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     return run(state.params, batch, *rest), state, specs, place(mesh, state.params, grad_specs)

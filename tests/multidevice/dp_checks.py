@@ -145,6 +145,13 @@ def test_shard_batch_places_rows_on_devices():
     for shard in SHARDED["inputs"].addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), BATCH["inputs"][shard.index])
         assert shard.data.shape == (LOCAL, SEQ)
+    shards = jax.local_device_count()
+    message = (
+        f"shard_batch: batch['x'] has shape ({shards + 1}, 2); its leading axis must be "
+        f"divisible by the {shards} local shard(s) of axis 'data'."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        shard_batch({"x": np.ones((shards + 1, 2))}, MESH)
 
 
 def test_mean_loss_with_skewed_lengths_matches_full_batch(mean_step, mean_reference):
@@ -833,7 +840,12 @@ def test_bad_sharding_strategies_are_named():
             ValueError,
             r"`strategy` must be one of .data_parallel., .zero1., .fsdp., .zero3.",
         ),
-        ({"w1": P("data")}, ValueError, r"`strategy`, a tree of PartitionSpecs, must have"),
+        (
+            {"w1": P("data")},
+            ValueError,
+            r"^`strategy`, a tree of PartitionSpecs, must have the params. tree PyTreeDef\(.*\); "
+            r"got PyTreeDef\(",
+        ),
         (
             {"w1": P(None, "data"), "w2": P("data"), "b": P("data")},
             ValueError,
