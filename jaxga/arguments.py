@@ -1,7 +1,5 @@
 """A transformed function's arguments: which are differentiated, split, keys or state; checked."""
 
-from __future__ import annotations
-
 import dataclasses
 import itertools
 from typing import Any
@@ -54,31 +52,24 @@ def parse_options(fun, argnums, has_aux, num_microbatches, **named) -> Options:
         items = (argnums,)
     filters = {a.argnum: a.filter for a in items if isinstance(a, nnx.DiffState)}
     diff = tuple(a.argnum if isinstance(a, nnx.DiffState) else a for a in items)
-    rng = named["rng_argnums"]
-    pos = {
-        "argnums": as_positions("argnums", diff, shown=repr(argnums)),
-        "batch_argnums": as_positions("batch_argnums", named["batch_argnums"]),
-        "rng_argnums": () if rng is None else as_positions("rng_argnums", rng),
-        "state_argnums": as_positions("state_argnums", named["state_argnums"]),
-    }
+    pos = {"argnums": as_positions("argnums", diff, shown=repr(argnums))}
+    for name in ("batch_argnums", "rng_argnums", "state_argnums"):
+        if named[name] is not None or name != "rng_argnums":  # rng_argnums=None: found later
+            pos[name] = as_positions(name, named[name])
     if not pos["argnums"]:
         raise ValueError("`argnums` must name at least one argument to differentiate.")
     for (a, x), (b, y) in itertools.combinations(pos.items(), 2):
         if common := sorted(set(x) & set(y)):
             raise ValueError(
-                f"`{a}`={x} and `{b}`={y} both name positional argument(s) {common}; an "
-                f"argument is either differentiated, split into micro-batches, a PRNG key or "
-                f"threaded state, not two of these."
+                f"`{a}`={x} and `{b}`={y} both name argument(s) {common}; an argument is one "
+                f"of differentiated, split into micro-batches, a PRNG key or threaded state."
             )
     return Options(
+        **{"rng_argnums": None, **pos},
         num_microbatches=_checks.positive_int(num_microbatches, "num_microbatches"),
-        argnums=pos["argnums"],
         filters={i: filters.get(i, nnx.Param) for i in pos["argnums"]},
         single_argnum=single,
         has_aux=_checks.check_bool(has_aux, "has_aux"),
-        batch_argnums=pos["batch_argnums"],
-        rng_argnums=None if rng is None else pos["rng_argnums"],
-        state_argnums=pos["state_argnums"],
         single_state=isinstance(named["state_argnums"], int),
         axis_name=named["axis_name"],
         accumulator_dtype=_checks.float_dtype(named["accumulator_dtype"]),
@@ -88,11 +79,8 @@ def parse_options(fun, argnums, has_aux, num_microbatches, **named) -> Options:
 def is_key(x: Any, raw: bool = True) -> bool:
     """A typed PRNG key, or (``raw``) a ``jax.random.PRNGKey``'s ``uint32[2]``."""
     dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return False
-    return jnp.issubdtype(dtype, jax.dtypes.prng_key) or (
-        raw and dtype == jnp.uint32 and jnp.shape(x) == (2,)
-    )
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    return typed or (raw and dtype == jnp.uint32 and jnp.shape(x) == (2,))
 
 
 def rng_positions(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
@@ -102,9 +90,8 @@ def rng_positions(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
             for path, key in jax.tree_util.tree_flatten_with_path(args[i])[0]:
                 if not is_key(key):
                     raise TypeError(
-                        f"`rng_argnums` names args[{i}], but args[{i}]"
-                        f"{jax.tree_util.keystr(path)} is not a PRNG key ({describe(key)}); "
-                        f"expected keys from jax.random.key (or jax.random.PRNGKey)."
+                        f"`rng_argnums` names args[{i}], but args[{i}]{jax.tree_util.keystr(path)} "
+                        f"is not a PRNG key ({describe(key)}); expected jax.random.key's."
                     )
         return options.rng_argnums
     named = {*options.argnums, *options.batch_argnums, *options.state_argnums}
@@ -117,9 +104,8 @@ def rng_positions(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
             found.append(i)
         elif any(is_key(x) for x in leaves):
             raise TypeError(
-                f"args[{i}] holds a uint32[2] array, a raw PRNG key (jax.random.PRNGKey): pass "
-                f"rng_argnums={i} so that each micro-batch draws its own key from it, or "
-                f"rng_argnums=() to give every micro-batch this same array."
+                f"args[{i}] holds a uint32[2] array, a raw PRNG key: pass rng_argnums={i} for a "
+                f"key per micro-batch, or rng_argnums=() to give each this same array."
             )
     return tuple(found)
 
@@ -133,35 +119,29 @@ def check_call(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) 
                 f"`{name}`={positions} refers to positional argument {max(positions)}, but "
                 f"the function was called with {len(args)} positional argument(s).{hint}"
             )
-        if name != "argnums":
-            for i in positions:
-                if modules.holds_graph_node(args[i]):
-                    raise TypeError(
-                        f"`{name}` names args[{i}], a Flax NNX graph node; modules are "
-                        f"differentiated (`argnums`) or passed as they are, and their state "
-                        f"is threaded through the micro-batches without being named."
-                    )
-    for key, value in kwargs.items():
-        if modules.holds_graph_node(value):
-            raise TypeError(
-                f"Keyword argument {key!r} holds a Flax NNX graph node; pass modules positionally."
-            )
+        for i in positions if name != "argnums" else ():
+            if modules.holds_graph_node(args[i]):
+                raise TypeError(
+                    f"`{name}` names args[{i}], a Flax NNX graph node; modules are "
+                    f"differentiated (`argnums`) or passed as they are (state threaded)."
+                )
+    if named := [key for key, value in kwargs.items() if modules.holds_graph_node(value)]:
+        raise TypeError(
+            f"Keyword argument {named[0]!r} holds a Flax NNX graph node; pass it by position."
+        )
     for i in options.batch_argnums:
-        if not jax.tree.leaves(args[i]):
+        if _checks.leading_size(args[i], f"args[{i}]", "batch") is None:
             raise ValueError(
                 f"`batch_argnums` names args[{i}], which has no array leaves (got {args[i]!r}): "
-                f"nothing would be split. Pass the batch there, or set `batch_argnums`."
+                f"pass the batch there, or set `batch_argnums`."
             )
-        _checks.leading_size(args[i], f"args[{i}]", "batch")
+    batch_leaves = jax.tree.leaves([args[i] for i in options.batch_argnums])
     if options.axis_name is not None:
         collectives.check_axis_bound(options.axis_name)
-    elif axes := set().union(
-        *map(collectives.varying_axes, jax.tree.leaves([args[i] for i in options.batch_argnums]))
-    ):
+    elif axes := sorted(set().union(*map(collectives.varying_axes, batch_leaves)), key=str):
         raise ValueError(
-            f"The batch varies over mesh axes {sorted(axes, key=str)} (this is inside "
-            f"shard_map), but `axis_name` is None: pass axis_name={sorted(axes, key=str)[0]!r} "
-            f"so that the sums are reduced across devices once, after the micro-batch loop."
+            f"The batch varies over mesh axes {axes} (inside shard_map), but `axis_name` is "
+            f"None: pass axis_name={axes[0]!r}."
         )
 
 
@@ -170,9 +150,8 @@ def check_primals(primals: tuple[Any, ...], argnums: tuple[int, ...]) -> None:
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             if not is_inexact(leaf):
                 raise TypeError(
-                    f"`argnums` differentiates args[{i}], whose leaf args[{i}]"
-                    f"{jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}; only "
-                    f"floating leaves can be differentiated. Pass others in another argument."
+                    f"`argnums` differentiates args[{i}]{jax.tree_util.keystr(path)} of dtype "
+                    f"{jnp.result_type(leaf)}; expected floats (pass others in another argument)."
                 )
 
 
@@ -187,23 +166,19 @@ def describe(x: Any) -> str:
     return f"{x!r} of type {type(x).__name__}"
 
 
+def _pair(out: Any, option: str, pair: str) -> tuple[Any, Any]:
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"With {option}, `fun` must return {pair}; got {type(out).__name__}.")
+    return out
+
+
 def parse_output(out: Any, options: Options, old_state: tuple) -> tuple[Mean, Any, tuple]:
     """``fun``'s output as ``(mean, aux, new_state)``, checked; the state like ``old_state``."""
     aux, state = None, ()
     if options.state_argnums:
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(
-                f"With `state_argnums`, `fun` must return a pair (output, new_state); got "
-                f"{type(out).__name__}."
-            )
-        out, state = out
+        out, state = _pair(out, "`state_argnums`", "(output, new_state)")
     if options.has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(
-                f"With has_aux=True, `fun` must return a pair (value, aux); got "
-                f"{type(out).__name__}."
-            )
-        out, aux = out
+        out, aux = _pair(out, "has_aux=True", "(value, aux)")
     elif isinstance(out, tuple | list):
         raise TypeError(
             f"`fun` returned a {type(out).__name__} of length {len(out)}, but has_aux=False; "
@@ -211,18 +186,16 @@ def parse_output(out: Any, options: Options, old_state: tuple) -> tuple[Mean, An
         )
     if modules.holds_graph_node((out, aux)):
         raise TypeError(
-            "`fun` returned a Flax NNX graph node (a module) in its value or aux; return "
-            "arrays: jaxga writes the state of module arguments back into them itself."
+            "`fun` returned a Flax NNX graph node (a module) in its value or aux; expected "
+            "arrays (jaxga writes module arguments' state back itself)."
         )
     total = out.total if isinstance(out, Mean) else out
     if not (is_inexact(total) and jnp.shape(total) == ()):
         what = "Mean.total has" if isinstance(out, Mean) else "it returned"
         raise TypeError(
-            f"`fun` must return a float scalar or a jaxga.Mean of float scalars; "
-            f"{what} {describe(total)}."
+            f"`fun` must return a float scalar (or a Mean of them); {what} {describe(total)}."
         )
-    mean = as_mean(out)
-    count = mean.count
+    count = (mean := as_mean(out)).count
     if jnp.shape(count) != () or not jnp.issubdtype(jnp.result_type(count), jnp.number):
         raise TypeError(
             f"`fun` returned a jaxga.Mean whose count has {describe(jnp.asarray(count))}; "
@@ -234,11 +207,8 @@ def parse_output(out: Any, options: Options, old_state: tuple) -> tuple[Mean, An
 
 def like(new: Any, old: Any, what: str) -> Any:
     """``new`` cast to the dtypes of ``old``, so that it can be carried by the scan."""
-    if jax.tree.structure(new) != jax.tree.structure(old):
-        raise TypeError(
-            f"`fun` {what} with tree structure {jax.tree.structure(new)}; it must keep the "
-            f"structure it was given, {jax.tree.structure(old)}."
-        )
+    if (got := jax.tree.structure(new)) != (given := jax.tree.structure(old)):
+        raise TypeError(f"`fun` {what} with tree structure {got}; expected the one given, {given}.")
 
     def cast(path, n, o):
         n, dtype = jnp.asarray(n), jnp.result_type(o)

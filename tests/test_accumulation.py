@@ -485,7 +485,9 @@ def test_batch_without_arrays_is_rejected(batch):
 
 def test_integer_parameters_are_rejected():
     params = {"w": jnp.ones(3), "step": jnp.int32(0)}
-    with pytest.raises(TypeError, match=r"args\[0\]\['step'\] has dtype int32"):
+    with pytest.raises(
+        TypeError, match=r"differentiates args\[0\]\['step'\] of dtype int32; expected floats"
+    ):
         jaxga.grad(lambda p, x: jnp.mean(p["w"] * x), num_microbatches=2)(params, jnp.ones((4, 3)))
 
 

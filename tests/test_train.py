@@ -336,10 +336,15 @@ def test_bad_calls_name_what_was_wrong():
     with pytest.raises(TypeError, match=r"must return a pair \(loss, new_model_state\).*Mean"):
         bare(state, batch)
     with_aux = lambda p, b, s, r: ((jaxga.Mean.of(b["x"] * p), {"acc": 1.0}), s)
-    with pytest.raises(TypeError, match=r"`loss\(params, batch, model_state, rng\)` must give the loss alone.* no aux"):
+    with pytest.raises(
+        TypeError,
+        match=r"`loss\(params, batch, model_state, rng\)` must give the loss alone.* no aux",
+    ):
         jaxga.make_train_step(with_aux, 2)(state, batch)
     aux_as_state = lambda p, b, s, r: (jaxga.Mean.of(b["x"] * p), {"acc": 1.0})
-    with pytest.raises(TypeError, match=r"returned a new_state with tree structure .*\{'acc': \*\}"):
+    with pytest.raises(
+        TypeError, match=r"returned a new_state with tree structure .*\{'acc': \*\}"
+    ):
         jaxga.make_train_step(aux_as_state, 2)(state, batch)
     model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)

@@ -179,7 +179,9 @@ def test_nnx_step_names_a_state_given_as_the_model_and_an_optimizer_of_another_m
     model, other = nnx.Linear(3, 1, rngs=nnx.Rngs(0)), nnx.Linear(5, 2, rngs=nnx.Rngs(0))
     step = jaxga.nnx_train_step(lambda m, b: jnp.mean(m(b) ** 2), 2)
     optimizer = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
-    with pytest.raises(TypeError, match=r"`model` must be the NNX module `optimizer` updates; got State"):
+    with pytest.raises(
+        TypeError, match=r"`model` must be the NNX module `optimizer` updates; got State"
+    ):
         step(nnx.state(model), optimizer, jnp.ones((4, 3)))
     with pytest.raises(ValueError, match=r"was it built for these parameters"):
         step(model, nnx.Optimizer(other, optax.adam(0.1), wrt=nnx.Param), jnp.ones((4, 3)))
