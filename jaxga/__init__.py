@@ -2,12 +2,7 @@
 
 from jaxga import collectives as collectives
 from jaxga import sharding
-from jaxga.accumulation import (
-    Accumulated,
-    accumulate,
-    grad,
-    value_and_grad,
-)
+from jaxga.accumulation import Accumulated, accumulate, grad, value_and_grad
 from jaxga.compiler import compiler_options
 from jaxga.loss import Mean, as_mean, token_cross_entropy
 from jaxga.memory import MemoryReport, memory_report

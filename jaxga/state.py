@@ -1,7 +1,5 @@
 """The train state: Flax's ``TrainState`` with model state and a key, checked and read."""
 
-from __future__ import annotations
-
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -17,8 +15,6 @@ from jaxga import _checks, modules
 
 __all__ = ["TrainState"]
 
-_FLAX_FIELDS = frozenset(f.name for f in dataclasses.fields(train_state.TrainState))
-
 
 class TrainState(train_state.TrainState):
     """Flax's ``TrainState`` plus the model's non-differentiated state and a PRNG key.
@@ -26,13 +22,13 @@ class TrainState(train_state.TrainState):
     Attributes:
         model_state: state the model updates but does not differentiate (Linen
             ``{"batch_stats": ...}``, an NNX model's non-``Param`` state); ``{}`` if none.
-        rng: a typed PRNG key; step ``s``, micro-batch ``i`` draws
-            ``fold_in(fold_in(rng, s), i)``.
+        rng: a typed PRNG key; step ``s``, micro-batch ``i`` draws ``fold_in(fold_in(rng, s), i)``.
 
     Example:
         >>> import jax.numpy as jnp, optax, jaxga
-        >>> jaxga.TrainState.create(params={"w": jnp.zeros(3)}, tx=optax.sgd(0.1)).model_state
-        {}
+        >>> state = jaxga.TrainState.create(params=jnp.zeros(3), tx=optax.sgd(0.1), rng=1)
+        >>> int(state.step), state.rng.shape, state.model_state
+        (0, (), {})
     """
 
     model_state: Any = None
@@ -48,27 +44,16 @@ class TrainState(train_state.TrainState):
         model_state: Any = None,
         rng: jax.Array | int = 0,
         **kwargs: Any,
-    ) -> TrainState:
-        """Returns the initial state, with copies of ``params``, ``model_state`` and ``rng``.
-
-        Example:
-            >>> import jax.numpy as jnp, optax, jaxga
-            >>> state = jaxga.TrainState.create(params=jnp.zeros(3), tx=optax.sgd(0.1), rng=1)
-            >>> int(state.step), state.rng.shape
-            (0, ())
-        """
+    ) -> "TrainState":
+        """Returns the initial state, with copies of ``params``, ``model_state`` and ``rng``."""
         _checks.check_optimizer(tx, "tx")
         check_arrays(params, "params")
         model_state = {} if model_state is None else model_state
         check_arrays(model_state, "model_state", empty_ok=True)
         params, model_state = jax.tree.map(copy, (params, model_state))
+        rng = copy(as_key(rng))
         state = super().create(
-            apply_fn=apply_fn,
-            params=params,
-            tx=tx,
-            model_state=model_state,
-            rng=copy(as_key(rng)),
-            **kwargs,
+            apply_fn=apply_fn, params=params, tx=tx, model_state=model_state, rng=rng, **kwargs
         )
         return unaliased(state.replace(step=jnp.zeros((), jnp.int32)))
 
@@ -87,7 +72,7 @@ def check_arrays(tree: Any, name: str, empty_ok: bool = False) -> None:
         if not (hasattr(x, "dtype") or isinstance(x, int | float | complex)):
             raise TypeError(
                 f"{name}{jax.tree_util.keystr(path)} is {x!r} of type {type(x).__name__}; "
-                f"`{name}` must be a pytree of arrays."
+                f"expected an array."
             )
     if not leaves and not empty_ok:
         raise ValueError(f"`{name}` must be a pytree holding the parameter arrays; got {tree!r}.")
@@ -137,18 +122,15 @@ def model_io(state: Any) -> tuple[Any, jax.Array | None, Callable[[Any, Any], An
         model_state, key = state.model_state, state.rng
         setter = lambda s, m: s.replace(model_state=m)
     else:  # a subclass: its added dict fields (batch_stats) and its key field
-        added = [
-            f.name
-            for f in dataclasses.fields(state)
-            if f.name not in _FLAX_FIELDS and f.metadata.get("pytree_node", True)
-        ]
+        flax = {f.name for f in dataclasses.fields(train_state.TrainState)}
+        nodes = [f.name for f in dataclasses.fields(state) if f.metadata.get("pytree_node", True)]
+        added = [n for n in nodes if n not in flax]
         dtype = lambda n: getattr(getattr(state, n), "dtype", np.float32)
         is_key = lambda n: n in ("rng", "key") or jnp.issubdtype(dtype(n), jax.dtypes.prng_key)
         keys = [n for n in added if is_key(n)]
         if len(keys) > 1:
             raise ValueError(
-                f"`state` ({type(state).__name__}) has several PRNG-key fields, {keys}; the "
-                f"train step draws its keys from one: keep one, or hold the others elsewhere."
+                f"`state` ({type(state).__name__}) has PRNG-key fields {keys}; expected one."
             )
         fields = [n for n in added if n not in keys and isinstance(getattr(state, n), Mapping)]
         model_state = {n: getattr(state, n) for n in fields}
