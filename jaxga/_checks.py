@@ -1,7 +1,5 @@
 """Argument checks shared by jaxga's modules: each raises an error naming the argument."""
 
-from __future__ import annotations
-
 import contextlib
 import inspect
 import numbers

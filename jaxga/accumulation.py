@@ -13,8 +13,6 @@ from jaxga import _checks, arguments, collectives, modules
 from jaxga.loss import Mean
 from jaxga.microbatch import IndivisibleBatchError, merge_microbatches, split_microbatches
 
-__all__ = ["Accumulated", "accumulate", "grad", "value_and_grad"]
-
 ArgNums = int | nnx.DiffState | Sequence[int | nnx.DiffState]
 Positions = int | Sequence[int]
 

@@ -1,7 +1,5 @@
 """What runs inside ``shard_map`` over a named mesh axis: varying casts and reductions."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import jax

@@ -2,8 +2,6 @@
 
 import jax
 
-__all__ = ["compiler_options"]
-
 # GPU only: a scan's stacked outputs are left uninitialised instead of zero-filled.
 _GPU_OPTIONS = {"xla_gpu_enable_dus_accumulator_zero_init_elimination": True}
 _PROBE = jax.jit(lambda: 0, compiler_options=_GPU_OPTIONS)  # compiled once, at the first GPU call

@@ -7,8 +7,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["Mean", "as_mean", "token_cross_entropy"]
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

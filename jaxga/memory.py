@@ -10,8 +10,6 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-__all__ = ["MemoryReport", "dot_flops", "memory_report"]
-
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:

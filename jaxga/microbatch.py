@@ -1,15 +1,11 @@
 """Splitting a batch into micro-batches and merging per-micro-batch outputs back."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxga import _checks
-
-__all__ = ["IndivisibleBatchError", "merge_microbatches", "split_microbatches"]
 
 
 class IndivisibleBatchError(ValueError):

@@ -9,8 +9,6 @@ import optax
 
 from jaxga import _checks, collectives
 
-__all__ = ["MultiSteps", "MultiStepsState", "skip_not_finite"]
-
 
 class MultiStepsState(NamedTuple):
     """State of :class:`MultiSteps`: optax's fields, a weighted mean and its weights.

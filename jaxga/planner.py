@@ -1,7 +1,5 @@
 """Picks the micro-batch count and remat policy that fit a memory budget, before running."""
 
-from __future__ import annotations
-
 import dataclasses
 import re
 import statistics
@@ -18,8 +16,6 @@ from jaxga.arguments import as_positions
 from jaxga.memory import MemoryReport, format_bytes, memory_report
 from jaxga.microbatch import IndivisibleBatchError
 from jaxga.remat import REMAT
-
-__all__ = ["Candidate", "InfeasibleBudgetError", "Plan", "parse_bytes", "plan"]
 
 _UNITS = {"": 1, "b": 1} | {
     f"{u}{i}b": base**n for n, u in enumerate("kmgt", 1) for i, base in (("", 1000), ("i", 1024))

@@ -9,16 +9,6 @@ import jax.numpy as jnp
 
 from jaxga._checks import check_arity, leading_size, positive_int
 
-__all__ = [
-    "REMAT",
-    "Remat",
-    "checkpoint_policy",
-    "remat_options",
-    "remat_scan",
-    "resolve_segments",
-    "stack_length",
-]
-
 Policy = str | Sequence[str] | Callable[..., Any] | None
 _STACK = "jax.tree.map(lambda *p: jnp.stack(p), *layers)"
 

@@ -13,8 +13,6 @@ from flax.training import train_state
 
 from jaxga import _checks, modules
 
-__all__ = ["TrainState"]
-
 
 class TrainState(train_state.TrainState):
     """Flax's ``TrainState`` plus the model's non-differentiated state and a PRNG key.

@@ -17,8 +17,6 @@ from jaxga.loss import Mean
 from jaxga.multistep import MultiStepsState
 from jaxga.state import model_io, unaliased
 
-__all__ = ["make_train_step", "nnx_loss", "nnx_train_step"]
-
 Metrics = dict[str, jax.Array]
 _SPLIT = "`graphdef, params, rest = nnx.split(model, nnx.Param, ...)`"
 
