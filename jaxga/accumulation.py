@@ -58,15 +58,17 @@ def _reduce_state(state: Any, before: Any, axis_name: Any) -> Any:
     return jax.tree.map(reduce, state, before)
 
 
-def _finish_aux(aux: Any, whole: Any, k: int) -> Any:
-    """``aux`` as the whole batch (of shapes ``whole``) gives it, where that is known."""
+def _finish_aux(aux: Any, whole: Any, k: int, rows: int) -> Any:
+    """``aux`` as the whole batch (of shapes ``whole``, ``rows`` a micro-batch) gives it,
+    where that is known: per-example leaves merged, ``Mean``s summed, the rest stacked."""
 
     def finish(x, like):
         if isinstance(x, Mean):
             return Mean(jnp.sum(x.total, 0), jnp.sum(x.count, 0))
-        if k == 1 or jnp.shape(x)[1:] == like.shape:  # the same per micro-batch: keep all k
-            return x[0] if k == 1 else x
-        return merge_microbatches(x)
+        if k == 1:
+            return x[0]
+        per_example = jnp.shape(x)[1:2] == (rows,) and like.shape == (k * rows, *x.shape[2:])
+        return merge_microbatches(x) if per_example else x
 
     return jax.tree.map(finish, aux, whole, is_leaf=lambda x: isinstance(x, Mean))
 
@@ -160,14 +162,16 @@ def _accumulate(
     if options.has_aux:
         batches = tuple(args[i] for i in options.batch_argnums)
         whole = jax.eval_shape(loss_on, primals, batches, 0, state0)[1][1]
-        aux = _finish_aux(aux, whole, options.num_microbatches)
+        aux = _finish_aux(aux, whole, k, local // k)
     if axis is not None:
         sums = collectives.psum_invariant((grads, total, count), (primals, 0.0, 0.0), axis)
         grads, total, count = sums
         state = _reduce_state(state, state0, axis)
         restore = lambda x, r: r if arguments.is_key(x, raw=False) else x  # the caller's NNX keys
         state = (state[0], jax.tree.map(restore, state[1], rest))
-    if not isinstance(count, jax.core.Tracer) and not bool(count >= 0):  # under jit: NaN
+    if not isinstance(count, jax.core.Tracer) and not bool(
+        jnp.isfinite(count) & (count >= 0)
+    ):  # under jit: NaN
         raise ValueError(
             f"The loss's jaxga.Mean counts summed to {float(count)} items; expected a finite, "
             f"non-negative number of items or total weight."

@@ -29,7 +29,8 @@ class Options:
 
 def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:
     """``value`` as a tuple of argument positions; raises naming ``name``."""
-    expected = f"`{name}` must be a non-negative int or a tuple of them; got {shown or value!r}."
+    got = repr(value) if shown is None else shown
+    expected = f"`{name}` must be a non-negative int or a tuple of them; got {got}."
     try:
         values = (value,) if isinstance(value, int) else tuple(value)
     except TypeError:
@@ -37,7 +38,7 @@ def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         raise TypeError(expected)
     if len(set(values)) != len(values):
-        raise ValueError(f"`{name}` must not repeat a position; got {shown or value!r}.")
+        raise ValueError(f"`{name}` must not repeat a position; got {got}.")
     return values
 
 

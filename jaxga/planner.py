@@ -178,6 +178,11 @@ def _search(build, args, batch_size, order, budget, wanted, strict) -> tuple[lis
             raise
         found.append(Candidate(k, batch_size // k, r, report, report.peak_bytes <= budget))
         steps.append(step)
+    if not found:
+        raise ValueError(
+            f"`build` raised IndivisibleBatchError for every candidate: no micro-batch count "
+            f"divides the batch of {batch_size} over the step's devices; pass a batch they divide."
+        )
     if not any(c.fits for c in found):
         s = min(found, key=lambda c: c.report.peak_bytes)
         peak = s.report.peak_bytes

@@ -195,3 +195,34 @@ def test_an_equinox_module_passed_along_is_not_taken_apart():
     chex.assert_trees_all_close(
         vg(1.5, model, x), jax.value_and_grad(loss)(1.5, model, x), rtol=2e-5
     )
+
+
+def test_a_flattened_per_token_aux_keeps_its_micro_batch_axis():
+    """Only leaves with one row per example are merged back; a (B*T,) leaf is not one."""
+    x = jax.random.normal(jax.random.key(0), (8, 3, 2))
+
+    def loss(w, x):
+        return jnp.mean(x * w), (x * w).reshape(-1)
+
+    (_, aux), _ = jaxga.value_and_grad(loss, num_microbatches=4, has_aux=True)(2.0, x)
+    parts = jaxga.split_microbatches(x, 4)
+    chex.assert_trees_all_close(aux, jnp.stack([loss(2.0, parts[i])[1] for i in range(4)]))
+
+
+def test_an_infinite_count_is_named_and_argnums_quoted_once():
+    with pytest.raises(ValueError, match=r"counts summed to inf items"):
+        jaxga.grad(lambda w, x: jaxga.Mean(jnp.sum(w * x), jnp.inf), num_microbatches=2)(
+            1.0, jnp.ones(4)
+        )
+    with pytest.raises(TypeError, match=r"got '0'\.$"):
+        jaxga.grad(lambda w, x: jnp.mean(w * x), argnums="0", num_microbatches=2)
+
+
+def test_plan_names_a_batch_no_candidate_divides():
+    def build(k, remat):
+        raise jaxga.microbatch.IndivisibleBatchError.of(4, k, 8, "data")
+
+    with pytest.raises(
+        ValueError, match=r"IndivisibleBatchError for every candidate: .* the batch of 4"
+    ):
+        jaxga.plan(build, jnp.ones(3), jnp.ones((4, 3)), budget="1MiB", remat=(None,))
