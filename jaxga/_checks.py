@@ -28,7 +28,6 @@ def leading_size(tree: Any, name: str, axis: str) -> int | None:
 
 
 def positive_int(value: Any, name: str, expected: str = "a positive int") -> int:
-    """``value`` if it is a positive int; raises naming ``name`` otherwise."""
     is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if not is_int or value < 1:
         raise (ValueError if is_int else TypeError)(
@@ -38,7 +37,6 @@ def positive_int(value: Any, name: str, expected: str = "a positive int") -> int
 
 
 def float_dtype(value: Any, name: str = "accumulator_dtype") -> jnp.dtype | None:
-    """``value`` as a floating dtype (``None`` stays ``None``); raises naming ``name``."""
     if value is None:
         return None
     with contextlib.suppress(TypeError):  # not a dtype at all
@@ -68,7 +66,6 @@ def check_arity(fn: Any, name: str, nargs: int, signature: str) -> Any:
 
 
 def check_optimizer(tx: Any, name: str) -> None:
-    """Raises unless ``tx`` is an optax transformation (has ``init`` and ``update``)."""
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
         raise TypeError(
             f"`{name}` must be an optax GradientTransformation (with `init` and `update`), "
@@ -77,7 +74,6 @@ def check_optimizer(tx: Any, name: str) -> None:
 
 
 def check_bool(value: Any, name: str) -> bool:
-    """``value`` if it is a bool; raises naming ``name``."""
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be a bool; got {value!r}.")
     return value

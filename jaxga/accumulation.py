@@ -34,19 +34,16 @@ class Accumulated(NamedTuple):
 
 
 def _fold_keys(tree: Any, index: jax.Array, raw: bool = True) -> Any:
-    return jax.tree.map(
-        lambda x: jax.random.fold_in(x, index) if arguments.is_key(x, raw) else x, tree
-    )
+    fold = lambda x: jax.random.fold_in(x, index) if arguments.is_key(x, raw) else x
+    return jax.tree.map(fold, tree)
 
 
 def _reduce_state(state: Any, before: Any, axis_name: Any) -> Any:
     """Replicated threaded state made the same again: floats averaged, the rest maxed."""
+    axes = collectives.axes(axis_name)
 
     def reduce(x, old):
-        over = tuple(
-            a for a in collectives.axes(axis_name) if a not in collectives.varying_axes(old)
-        )
-        if not over:
+        if not (over := tuple(a for a in axes if a not in collectives.varying_axes(old))):
             return x
         if jnp.issubdtype(x.dtype, jnp.floating):
             return old + jax.lax.pmean(x - old, over)
@@ -59,8 +56,7 @@ def _reduce_state(state: Any, before: Any, axis_name: Any) -> Any:
 
 
 def _finish_aux(aux: Any, whole: Any, k: int, rows: int) -> Any:
-    """``aux`` as the whole batch (of shapes ``whole``, ``rows`` a micro-batch) gives it,
-    where that is known: per-example leaves merged, ``Mean``s summed, the rest stacked."""
+    """``aux`` as the batch (shapes ``whole``) gives it: per-example rows merged, Means summed."""
 
     def finish(x, like):
         if isinstance(x, Mean):
@@ -78,10 +74,8 @@ def _micro_loss(fun, options, args, kwargs, parts, rng_pos, device, sum_dtype) -
     diff_pos, batch_pos, state_pos = options.argnums, options.batch_argnums, options.state_argnums
 
     def loss_on(diff, batch, index, state):
-        full = list(args)
-        for group, values in ((diff_pos, diff), (batch_pos, batch), (state_pos, state[0])):
-            for i, v in zip(group, values):
-                full[i] = v
+        given = dict(zip((*diff_pos, *batch_pos, *state_pos), (*diff, *batch, *state[0])))
+        full = [given.get(i, arg) for i, arg in enumerate(args)]
         for i in rng_pos:
             full[i] = _fold_keys(args[i], device * options.num_microbatches + index)
         for i, p in parts.items():
@@ -121,12 +115,11 @@ def _unroll(loss_on: Callable, primals: Any, micro: Any, state: Any, k: int) -> 
     if jax.default_backend() != "cpu":
         return 1
     first = jax.tree.map(lambda x: x[0], micro)
-    jaxpr = jax.make_jaxpr(loss_on)(primals, first, 0, state)
-    return k if _has_conv(jaxpr.jaxpr) else 1
+    return k if _has_conv(jax.make_jaxpr(loss_on)(primals, first, 0, state)) else 1
 
 
 def _has_conv(jaxpr: Any) -> bool:
-    subs = [getattr(j, "jaxpr", j) for e in jaxpr.eqns for j in jex_core.jaxprs_in_params(e.params)]
+    subs = [j for e in jaxpr.eqns for j in jex_core.jaxprs_in_params(e.params)]
     names = {e.primitive.name for e in jaxpr.eqns}
     return "conv_general_dilated" in names or any(map(_has_conv, subs))
 
@@ -136,31 +129,27 @@ def _accumulate(
 ) -> Accumulated:
     arguments.check_call(options, args, kwargs)
     axis, filters = options.axis_name, options.filters
-    parts = {
-        i: modules.take_apart(arg, f"args[{i}]", filters.get(i))
-        for i, arg in enumerate(args)
-        if modules.holds_module(arg)
-    }
+    modular = [i for i, arg in enumerate(args) if modules.holds_module(arg)]
+    parts = {i: modules.take_apart(args[i], f"args[{i}]", filters.get(i)) for i in modular}
     modules.check_unshared(parts)
     primals = tuple(modules.diff_of(parts[i]) if i in parts else args[i] for i in options.argnums)
     arguments.check_primals(primals, options.argnums)
-    k, batch_pos = options.num_microbatches, options.batch_argnums
-    local = next((jnp.shape(x)[0] for x in jax.tree.leaves([args[i] for i in batch_pos])), 0)
+    k, batches = options.num_microbatches, tuple(args[i] for i in options.batch_argnums)
+    local = next((jnp.shape(x)[0] for x in jax.tree.leaves(batches)), 0)
     if axis is not None and local % k:  # name the global batch
         devices = jax.lax.axis_size(axis)
         raise IndivisibleBatchError.of(local * devices, k, devices, axis)
-    micro = tuple(split_microbatches(args[i], k, name=f"args[{i}]") for i in batch_pos)
+    micro = tuple(split_microbatches(args[i], k, name=f"args[{i}]") for i in options.batch_argnums)
     device = 0 if axis is None else jax.lax.axis_index(axis)
     leaves = jax.tree.leaves(primals)
     sum_dtype = jnp.result_type(options.accumulator_dtype or jnp.float32, jnp.float32, *leaves)
-    rest = {i: modules.rest_of(p) for i, p in parts.items()}
+    rest = modules.rest_of(parts)
     user = jax.tree.map(jnp.asarray, tuple(args[i] for i in options.state_argnums))
     state0 = (user, rest if axis is None else _fold_keys(rest, device, raw=False))
     rng_pos = arguments.rng_positions(options, args)
     loss_on = _micro_loss(fun, options, args, kwargs, parts, rng_pos, device, sum_dtype)
     grads, total, count, state, aux = _scan(loss_on, options, primals, micro, state0, sum_dtype)
     if options.has_aux:
-        batches = tuple(args[i] for i in options.batch_argnums)
         whole = jax.eval_shape(loss_on, primals, batches, 0, state0)[1][1]
         aux = _finish_aux(aux, whole, k, local // k)
     if axis is not None:
@@ -169,16 +158,13 @@ def _accumulate(
         state = _reduce_state(state, state0, axis)
         restore = lambda x, r: r if arguments.is_key(x, raw=False) else x  # the caller's NNX keys
         state = (state[0], jax.tree.map(restore, state[1], rest))
-    if not isinstance(count, jax.core.Tracer) and not bool(
-        jnp.isfinite(count) & (count >= 0)
-    ):  # under jit: NaN
-        raise ValueError(
+    if not isinstance(count, jax.core.Tracer) and not (jnp.isfinite(count) and count >= 0):
+        raise ValueError(  # under jit: NaN
             f"The loss's jaxga.Mean counts summed to {float(count)} items; expected a finite, "
             f"non-negative number of items or total weight."
         )
     grads = jax.tree.map(lambda g, p: (g / count).astype(jnp.result_type(p)), grads, primals)
-    for i, new in state[1].items():
-        modules.write_back(parts[i], new)
+    modules.write_back(parts, state[1])
     user = state[0][0] if options.single_state else state[0] or None
     return Accumulated(Mean(total, count), grads[0] if options.single_argnum else grads, aux, user)
 
@@ -205,8 +191,7 @@ def accumulate(
         batch_argnums: position(s) of the argument(s) split along their leading axis.
         rng_argnums: position(s) of PRNG keys; micro-batch ``i`` gets ``fold_in(key, i)``.
             ``None``: every other argument holding typed keys; ``()``: none.
-        state_argnums: position(s) of state threaded through the micro-batches (Linen
-            ``batch_stats``).
+        state_argnums: position(s) of state threaded through the micro-batches (``batch_stats``).
         axis_name: the ``shard_map`` axis the batch is split over; sums are reduced once.
         accumulator_dtype: dtype of the gradient sums; ``None``: at least float32.
 
@@ -250,15 +235,13 @@ def value_and_grad(
 ) -> Callable[..., Any]:
     """Like :func:`jax.value_and_grad`, accumulated over micro-batches in one ``lax.scan``.
 
-    Gradients and a :class:`jaxga.Mean` loss's totals and counts are summed, then divided
-    once. NNX and Equinox modules are taken as ``nnx.value_and_grad`` and
-    ``eqx.filter_value_and_grad`` take them. ``aux`` comes back as the whole batch gives it
-    (per-example leaves in order, ``Mean``s summed), other leaves stacked per micro-batch.
+    Gradients and a :class:`jaxga.Mean` loss's totals and counts are summed, then divided once.
+    Modules are taken as ``nnx.value_and_grad`` and ``eqx.filter_value_and_grad`` take them.
+    ``aux``: per-example leaves and ``Mean``s as the whole batch gives them, others stacked.
 
     Args:
         fun, argnums, has_aux: as for :func:`jax.value_and_grad`.
-        num_microbatches: how many micro-batches to split the batch into.
-        **options: the other options of :func:`accumulate`.
+        num_microbatches, **options: as for :func:`accumulate`.
 
     Returns:
         A function returning ``(value, grads)``, or ``((value, aux), grads)`` with

@@ -1,8 +1,7 @@
 """A transformed function's arguments: which are differentiated, split, keys or state; checked."""
 
-import dataclasses
 import itertools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +11,7 @@ from jaxga import _checks, collectives, modules
 from jaxga.loss import Mean, as_mean
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
+class Options(NamedTuple):
     num_microbatches: int
     argnums: tuple[int, ...]
     filters: dict[int, Any]  # the NNX filter of each differentiated argument
@@ -98,9 +96,7 @@ def rng_positions(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
     named = {*options.argnums, *options.batch_argnums, *options.state_argnums}
     found = []
     for i, arg in enumerate(args):
-        if i in named or modules.holds_graph_node(arg):
-            continue
-        leaves = jax.tree.leaves(arg)
+        leaves = [] if i in named or modules.holds_graph_node(arg) else jax.tree.leaves(arg)
         if any(is_key(x, raw=False) for x in leaves):
             found.append(i)
         elif any(is_key(x) for x in leaves):
@@ -192,10 +188,8 @@ def parse_output(out: Any, options: Options, old_state: tuple) -> tuple[Mean, An
         )
     total = out.total if isinstance(out, Mean) else out
     if not (is_inexact(total) and jnp.shape(total) == ()):
-        what = "Mean.total has" if isinstance(out, Mean) else "it returned"
-        raise TypeError(
-            f"`fun` must return a float scalar (or a Mean of them); {what} {describe(total)}."
-        )
+        got = f"{'Mean.total has' if isinstance(out, Mean) else 'it returned'} {describe(total)}"
+        raise TypeError(f"`fun` must return a float scalar (or a Mean of them); {got}.")
     count = (mean := as_mean(out)).count
     if jnp.shape(count) != () or not jnp.issubdtype(jnp.result_type(count), jnp.number):
         raise TypeError(
@@ -213,9 +207,8 @@ def like(new: Any, old: Any, what: str) -> Any:
 
     def cast(path, n, o):
         n, dtype = jnp.asarray(n), jnp.result_type(o)
-        same_kind = n.dtype == dtype or (
-            jnp.issubdtype(dtype, jnp.number) and jnp.can_cast(n.dtype, dtype, casting="same_kind")
-        )
+        numeric = jnp.issubdtype(dtype, jnp.number)
+        same_kind = n.dtype == dtype or (numeric and jnp.can_cast(n.dtype, dtype, "same_kind"))
         if n.shape != jnp.shape(o) or not same_kind:
             raise TypeError(
                 f"`fun` {what} whose leaf {jax.tree_util.keystr(path)} has {describe(n)}; it was "

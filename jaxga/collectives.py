@@ -30,16 +30,13 @@ def check_axis_bound(axis_name: Any) -> None:
         jax.lax.axis_index(axis_name)
     except NameError:
         raise ValueError(
-            f"`axis_name`={axis_name!r} is not bound; call the function inside "
-            f"jax.shard_map (or jax.pmap) over a mesh axis named {axis_name!r}, or pass "
-            f"axis_name=None on a single device."
+            f"`axis_name`={axis_name!r} is not bound; call it inside jax.shard_map (or jax.pmap) "
+            f"over a mesh axis named {axis_name!r}, or pass axis_name=None on a single device."
         ) from None
 
 
 def varying(tree: Any, axis_name: Any) -> Any:
     """Marks every leaf of ``tree`` as varying over ``axis_name`` (no-op when ``None``).
-
-    Its gradient then stays local to each device until :func:`psum_invariant`.
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxga

@@ -19,12 +19,10 @@ def is_equinox(x: Any) -> bool:
 
 
 def holds_graph_node(tree: Any) -> bool:
-    """Whether any leaf of ``tree`` is a Flax NNX graph node."""
     return any(map(is_graph_node, jax.tree.leaves(tree, is_leaf=is_graph_node)))
 
 
 def holds_module(tree: Any) -> bool:
-    """Whether any leaf of ``tree`` is a Flax NNX graph node or an Equinox module."""
     return any(map(_is_module, jax.tree.leaves(tree, is_leaf=_is_module)))
 
 
@@ -65,12 +63,10 @@ def take_apart(arg: Any, where: str, wrt: Any) -> Any:
 
 
 def diff_of(parts: Any) -> Any:
-    """The differentiated state of ``parts``: modules' ``diff``, other leaves as they are."""
     return jax.tree.map(lambda x: x.diff if is_part(x) else x, parts)
 
 
 def rest_of(parts: Any) -> Any:
-    """The threaded (non-differentiated) NNX state of ``parts``."""
     return jax.tree.map(lambda x: x.rest if is_part(x) else None, parts)
 
 
@@ -99,12 +95,11 @@ def write_back(parts: Any, rest: Any) -> None:
 def check_unshared(parts: dict[int, Any]) -> None:
     """Raises if two modules among the arguments share a Variable (or are one module)."""
     owner: dict[int, str] = {}
-    for i, tree in parts.items():
-        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            where = f"args[{i}]{jax.tree_util.keystr(path)}"
-            for _, v in nnx.iter_graph(x.module) if _holds_nnx(x) else ():
-                if isinstance(v, nnx.Variable) and owner.setdefault(id(v), where) != where:
-                    raise ValueError(
-                        f"{owner[id(v)]} and {where} share state (one Flax NNX module or "
-                        f"Variable): pass it once, or one nnx.Module, List or Dict holding both."
-                    )
+    for path, x in jax.tree_util.tree_flatten_with_path(parts)[0]:  # parts[i]: args[i]
+        where = f"args{jax.tree_util.keystr(path)}"
+        for _, v in nnx.iter_graph(x.module) if _holds_nnx(x) else ():
+            if isinstance(v, nnx.Variable) and owner.setdefault(id(v), where) != where:
+                raise ValueError(
+                    f"{owner[id(v)]} and {where} share state (one Flax NNX module or "
+                    f"Variable): pass it once, or one nnx.Module, List or Dict holding both."
+                )

@@ -177,8 +177,7 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     """Accumulates gradients over ``every_k`` calls, then applies ``inner`` to their mean.
 
     The call completing a group returns ``inner``'s updates of its weighted mean gradient
-    Σwᵢgᵢ / Σwᵢ, the others zeros. Weigh every call of a group (``weight=w``, finite, ≥ 0) or
-    none: eagerly others raise; under ``jit`` a bad weight skips its call, no weight weighs 1.
+    Σwᵢgᵢ / Σwᵢ, the others zeros. Weigh every call of a group (``weight=w``, finite, ≥ 0) or none.
 
     Args:
         every_k: calls per group: a positive int, or a function of ``gradient_step``.
