@@ -22,6 +22,7 @@ script asks XLA for deterministic reductions (``--xla_gpu_deterministic_ops``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -232,8 +233,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=400, help="train until this step")
     p.add_argument("--batch-size", type=int, default=32, help="global batch (documents)")
-    p.add_argument("--microbatches", default="4", help="micro-batches per step, or 'auto'")
-    p.add_argument("--memory-budget", default=None, help="with --microbatches auto, e.g. 512MiB")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+    p.add_argument(
+        "--plan",
+        metavar="BUDGET",
+        default=None,
+        help="choose micro-batches, remat, --strategy and --offload with jaxga.plan for a "
+        "per-device memory budget, e.g. 2GiB ('device': the device's memory less 10%%)",
+    )
     p.add_argument("--remat", choices=tuple(REMAT), default=Config.remat)
     p.add_argument(
         "--dtype",
@@ -263,6 +270,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="data_parallel",
         help="with --devices: the state replicated, or sharded (see docs/distributed.md)",
     )
+    p.add_argument("--offload", action="store_true", help="keep the optimiser state in host memory")
     return p.parse_args(argv)
 
 
@@ -283,18 +291,13 @@ def check_args(args: argparse.Namespace) -> None:
             )
     if args.devices > jax.device_count():
         raise UsageError(f"--devices {args.devices}: this machine has {jax.device_count()}")
-    if args.microbatches != "auto":
-        try:
-            args.microbatches = int(args.microbatches)
-        except ValueError:
-            raise UsageError(
-                f"--microbatches must be a positive int or 'auto'; got {args.microbatches!r}"
-            ) from None
-        if args.microbatches < 1 or args.batch_size % (args.devices * args.microbatches):
-            raise UsageError(
-                f"--batch-size {args.batch_size} is not divisible by --devices {args.devices} × "
-                f"--microbatches {args.microbatches}"
-            )
+    if args.plan is None and (
+        args.microbatches < 1 or args.batch_size % (args.devices * args.microbatches)
+    ):
+        raise UsageError(
+            f"--batch-size {args.batch_size} is not divisible by --devices {args.devices} × "
+            f"--microbatches {args.microbatches}"
+        )
     if args.dim % args.heads:
         raise UsageError(f"--dim {args.dim} is not divisible by --heads {args.heads}")
     if not 0 <= args.dropout < 1:
@@ -326,12 +329,21 @@ def restore(
     return manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(abstract))
 
 
-def make_step(args: argparse.Namespace, graphdef: nnx.GraphDef, num_microbatches: int):
-    """The jaxga train step, on a mesh of ``--devices`` with ``--strategy`` if more than one."""
+def make_step(
+    args: argparse.Namespace,
+    graphdef: nnx.GraphDef,
+    num_microbatches: int,
+    strategy: str = "data_parallel",
+    offload: bool = False,
+):
+    """The jaxga train step, on a mesh of ``--devices`` with ``strategy`` if more than one."""
     mesh = jax.make_mesh((args.devices,), ("data",)) if args.devices > 1 else None
-    strategy = args.strategy if mesh is not None else "data_parallel"
     return jaxga.make_train_step(
-        jaxga.nnx_loss(graphdef, loss), num_microbatches, mesh=mesh, strategy=strategy
+        jaxga.nnx_loss(graphdef, loss),
+        num_microbatches,
+        mesh=mesh,
+        strategy=strategy if mesh is not None else "data_parallel",
+        offload=offload,
     )
 
 
@@ -360,9 +372,9 @@ def train(args: argparse.Namespace) -> dict:
     state = jaxga.TrainState.create(params=params, tx=tx, model_state=rest, rng=args.seed + 1)
     example = batch_at(0, tokens, lengths, args.batch_size, args.seed)
 
-    if args.microbatches == "auto":
-        args.microbatches, args.remat, graphdef = plan_microbatches(args, cfg, tx, state, example)
-    step_fn = make_step(args, graphdef, args.microbatches)
+    if args.plan is not None:
+        graphdef = plan_step(args, cfg, state, example)
+    step_fn = make_step(args, graphdef, args.microbatches, args.strategy, args.offload)
     report = jaxga.memory_report(step_fn, state, example)  # per device on a mesh
 
     manager = checkpointer(args.checkpoint_dir)
@@ -393,6 +405,7 @@ def train(args: argparse.Namespace) -> dict:
         f"{args.microbatches} micro-batches × {args.batch_size // args.microbatches}, "
         f"remat {args.remat}, {args.dtype} matmuls, steps {start}→{args.steps}"
         + (f", {args.devices} devices ({args.strategy})" if args.devices > 1 else "")
+        + (", optimiser state in host memory" if args.offload else "")
     )
     tokens_per_step = args.batch_size * args.seq_len
     peak = peak_flops(args.dtype)
@@ -428,6 +441,7 @@ def train(args: argparse.Namespace) -> dict:
         f"peak {report.peak_bytes / 2**20:.1f} MiB "
         f"(arguments {report.argument_bytes / 2**20:.1f} MiB, "
         f"temporaries {report.temp_bytes / 2**20:.1f} MiB)"
+        + (f", host {report.host_bytes / 2**20:.1f} MiB" if args.offload else "")
     )
     if metrics:
         print(f"step {args.steps}: loss {losses[-1]:.4f} over {int(metrics['count'])} tokens")
@@ -445,59 +459,58 @@ def train(args: argparse.Namespace) -> dict:
     return {"losses": losses, "params": state.params, "metrics": metrics, "report": report}
 
 
-def plan_microbatches(
-    args: argparse.Namespace,
-    cfg: Config,
-    tx: optax.GradientTransformation,
-    state: jaxga.TrainState,
-    example: dict,
-) -> tuple[int, str, nnx.GraphDef]:
-    """Chooses micro-batches and remat with ``jaxga.plan``; prints the plan.
+def plan_step(
+    args: argparse.Namespace, cfg: Config, state: jaxga.TrainState, example: dict
+) -> nnx.GraphDef:
+    """Chooses the step with ``jaxga.plan`` for the budget ``--plan``; prints the plan.
 
     Every candidate train step is compiled ahead of time for the shapes of ``state`` and
-    ``example``, nothing allocated: the first, in order of fewest micro-batches then least
-    recomputation, whose compiled peak fits ``--memory-budget`` (default: the device's
-    memory less 10%; a CPU reports none, so there it must be given). The remat policy is
-    a static part of the model (``Config.remat``), so a candidate's model is built anew,
-    abstractly, with ``nnx.eval_shape``. Returns the micro-batches, remat and graphdef.
+    ``example``, nothing allocated: the first, in order of fewest micro-batches, then least
+    communication (``--strategy``, with ``--devices``), recomputation (remat) and host
+    traffic (``--offload``), whose compiled peak per device fits. The remat policy is a
+    static part of the model (``Config.remat``), so a candidate's model is built anew,
+    abstractly, with ``nnx.eval_shape``. Sets the chosen options on ``args``; returns the
+    chosen model's graphdef.
     """
-    budget = args.memory_budget
-    if budget is None:
-        stats = jax.local_devices()[0].memory_stats() or {}
-        if "bytes_limit" not in stats:
-            raise UsageError(
-                f"--microbatches auto on {jax.default_backend()} needs --memory-budget "
-                f"(e.g. 512MiB): the device reports no memory limit"
-            )
-    else:
-        try:
-            budget = jaxga.parse_bytes(budget, name="memory_budget")
-        except ValueError:
-            raise UsageError(
-                f"--memory-budget {budget!r} is not a size; expected e.g. 512MiB, 1.5GiB or 2GB"
-            ) from None
+    budget = None if args.plan == "device" else args.plan
+    if budget is None and "bytes_limit" not in (jax.local_devices()[0].memory_stats() or {}):
+        raise UsageError(
+            f"--plan device: the {jax.default_backend()} device reports no memory limit; "
+            f"give a budget such as 2GiB"
+        )
+    try:
+        budget = budget if budget is None else jaxga.parse_bytes(budget, name="plan")
+    except ValueError:
+        raise UsageError(
+            f"--plan {args.plan!r} is not a size; expected e.g. 512MiB, 1.5GiB, 2GB or 'device'"
+        ) from None
 
     def graphdef_for(remat: str) -> nnx.GraphDef:
         candidate = dataclasses.replace(cfg, remat=remat)
         model = nnx.eval_shape(lambda: Transformer(candidate, nnx.Rngs(0)))
         return nnx.split(model, nnx.Param, ...)[0]
 
-    def build(num_microbatches: int, remat: str):
-        return make_step(args, graphdef_for(remat), num_microbatches)
+    def build(num_microbatches: int, remat: str, **choice):
+        return make_step(args, graphdef_for(remat), num_microbatches, **choice)
 
+    strategy = jaxga.sharding.STRATEGIES if args.devices > 1 else None
     try:
-        plan = jaxga.plan(build, state, example, budget=budget)
+        plan = jaxga.plan(
+            build, state, example, budget=budget, strategy=strategy, offload=(False, True)
+        )
     except jaxga.planner.InfeasibleBudgetError as e:
         message = str(e)
-        raise UsageError(
-            f"--memory-budget {args.memory_budget}: {message[0].lower()}{message[1:]}"
-        ) from None
+        raise UsageError(f"--plan {args.plan}: {message[0].lower()}{message[1:]}") from None
     print(plan)
-    return plan.num_microbatches, plan.remat, graphdef_for(plan.remat)
+    args.microbatches, args.remat, args.offload = plan.num_microbatches, plan.remat, plan.offload
+    args.strategy = plan.strategy or args.strategy
+    return graphdef_for(plan.remat)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with contextlib.suppress(RuntimeError):  # JAX has started (a test): it keeps its devices
+        jax.config.update("jax_num_cpu_devices", max(args.devices, 1))  # a mesh on a CPU too
     try:
         train(args)
     except UsageError as e:

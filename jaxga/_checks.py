@@ -51,13 +51,13 @@ def sum_dtype(dtype: jnp.dtype | None, leaf_dtype: Any) -> jnp.dtype:
     return jnp.promote_types(jnp.float32, leaf_dtype) if dtype is None else jnp.dtype(dtype)
 
 
-def check_arity(fn: Any, name: str, nargs: int, signature: str) -> Any:
-    """``fn`` if it can be called with ``nargs`` positional arguments; raises naming it."""
+def check_arity(fn: Any, name: str, nargs: int, signature: str, keywords: Any = ()) -> Any:
+    """``fn`` if it takes ``nargs`` positional arguments (and ``keywords``); raises naming it."""
     expected = f"`{name}` must be callable as {signature}"
     if not callable(fn):
         raise TypeError(f"{expected}; got {fn!r} of type {type(fn).__name__}.")
     try:
-        inspect.signature(fn).bind(*range(nargs))
+        inspect.signature(fn).bind(*range(nargs), **dict.fromkeys(keywords))
     except ValueError:  # no signature (some builtins): the call will tell
         pass
     except TypeError:

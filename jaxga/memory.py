@@ -1,6 +1,5 @@
 """Compiled memory and FLOPs of a function, without running it."""
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -15,13 +14,14 @@ from jax.extend import core as jex_core
 class MemoryReport:
     """What XLA's compiled program for one call needs, in bytes, and how much it computes.
 
+    Bytes are a device's (each device's, on a mesh); arrays in host memory count apart.
+
     Attributes:
         temp_bytes: scratch memory, mostly the activations kept for the backward pass.
         alias_bytes: outputs that reuse a donated input's buffer.
         peak_bytes: ``argument_bytes + output_bytes + temp_bytes - alias_bytes``.
-        flops: XLA's cost-analysis FLOPs (loop bodies once), or ``None``.
+        host_bytes: the same sum for the arguments, outputs and scratch in host memory.
         dot_flops, dot_flops_exact: see :func:`dot_flops`.
-        measured_peak_bytes: the device's peak in one real run (``measure=True``), or ``None``.
 
     Example:
         >>> import jax.numpy as jnp, jaxga
@@ -34,28 +34,10 @@ class MemoryReport:
     temp_bytes: int
     alias_bytes: int
     peak_bytes: int
-    flops: float | None
+    host_bytes: int
     dot_flops: int
     dot_flops_exact: bool
-    measured_peak_bytes: int | None
     backend: str
-
-    def __str__(self) -> str:
-        rows = [
-            ("arguments", format_bytes(self.argument_bytes), ""),
-            ("outputs", format_bytes(self.output_bytes), ""),
-            ("temporaries", format_bytes(self.temp_bytes), "activations and scratch"),
-            ("aliased", format_bytes(self.alias_bytes), "outputs in donated inputs"),
-            ("peak", format_bytes(self.peak_bytes), "arguments + outputs + temporaries - aliased"),
-        ]
-        if self.measured_peak_bytes is not None:
-            rows.append(("measured peak", format_bytes(self.measured_peak_bytes), "one real run"))
-        loops = "every scan iteration" + ("" if self.dot_flops_exact else "; while loops once")
-        rows.append(("matmul FLOPs", f"{self.dot_flops:.3e}", f"from the jaxpr: {loops}"))
-        if self.flops is not None:
-            rows.append(("XLA FLOPs", f"{self.flops:.3e}", "cost analysis: loop bodies once"))
-        lines = [f"  {name:<14} {value:>12}  {note}".rstrip() for name, value, note in rows]
-        return "\n".join([f"MemoryReport ({self.backend})", *lines])
 
 
 def format_bytes(n: int) -> str:
@@ -108,15 +90,32 @@ def dot_flops(jaxpr: Any) -> tuple[int, bool]:
     return total, exact
 
 
-def memory_report(
-    fn: Callable[..., Any], *args: Any, measure: bool = False, **kwargs: Any
-) -> MemoryReport:
+def _sizes(compiled: Any, stats: Any) -> tuple[list[int], list[int]]:
+    """Device and host bytes of ``compiled``'s arguments, outputs, scratch and aliased outputs
+    (host from the arguments' and outputs' memory kinds where XLA counts it with the device's)."""
+    kinds = ("argument", "output", "temp", "alias")
+    device = [int(getattr(stats, f"{kind}_size_in_bytes")) for kind in kinds]
+    host = [int(getattr(stats, f"host_{kind}_size_in_bytes", 0)) for kind in kinds]
+    if any(host):
+        return device, host
+    compiled = getattr(compiled, "compiled", compiled)  # nnx.jit's holds jax's
+    on_host = lambda s: getattr(s, "memory_kind", None) in ("pinned_host", "unpinned_host")
+    size = lambda x, s: math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+    args = zip(jax.tree.leaves(compiled.args_info), jax.tree.leaves(compiled.input_shardings))
+    inputs = [(x, s) for x, s in args if on_host(s)]
+    outputs = [(x, x.sharding) for x in jax.tree.leaves(compiled.out_info) if on_host(x.sharding)]
+    donated = sum(size(x, s) for x, s in inputs if x.donated)  # XLA aliases them to outputs
+    host = [sum(size(x, s) for x, s in inputs), sum(size(x, s) for x, s in outputs), 0]
+    host.append(min(donated, host[1]))
+    return [d - h for d, h in zip(device, host, strict=True)], host
+
+
+def memory_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
     """Compiles ``fn`` for ``args`` and reports its memory and FLOPs, without running it.
 
     Args:
         fn: a ``jax.jit`` or ``nnx.jit`` function, or a plain function (then jitted).
         *args: its arguments (and ``**kwargs``), arrays or ``jax.ShapeDtypeStruct``.
-        measure: also run ``fn`` once and record the device's peak (GPU, TPU; needs arrays).
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxga
@@ -130,29 +129,13 @@ def memory_report(
         raise TypeError(
             f"`fn` must be a jitted or plain function; got {fn!r} of type {type(fn).__name__}."
         )
-    leaves = jax.tree.leaves((args, kwargs))
-    if measure and any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-        raise TypeError("`measure=True` runs `fn`: it needs arrays, not jax.ShapeDtypeStruct.")
     jitted = fn if hasattr(fn, "trace") and hasattr(fn, "lower") else jax.jit(fn)
     traced = jitted.trace(*args, **kwargs)
     compiled = traced.lower().compile()
     stats = compiled.memory_analysis()
     if stats is None:
         raise ValueError(f"The {jax.default_backend()} backend gives no memory analysis of `fn`.")
-    flops = None
-    with contextlib.suppress(Exception):  # backends without a cost model raise
-        flops = compiled.cost_analysis().get("flops")
-    flops = float(flops) if flops is not None and flops >= 0 else None
     count, exact = dot_flops(getattr(traced, "traced", traced).jaxpr)  # nnx.jit: flax's Traced
-    measured = None
-    before = (jax.devices()[0].memory_stats() if measure else None) or {}
-    if "peak_bytes_in_use" in before:  # a GPU or TPU: run once
-        jax.block_until_ready(jitted(*args, **kwargs))
-        device_peak = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
-        if device_peak > before["peak_bytes_in_use"]:  # else a larger earlier peak hides it
-            arrays = sum(x.nbytes for x in leaves if isinstance(x, jax.Array))
-            measured = device_peak - before["bytes_in_use"] + arrays
-    sizes = [int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes)]
-    sizes += [int(stats.temp_size_in_bytes), int(stats.alias_size_in_bytes)]
-    peak = sum(sizes[:3]) - sizes[3]
-    return MemoryReport(*sizes, peak, flops, count, exact, measured, jax.default_backend())
+    sizes, host = _sizes(compiled, stats)
+    peak, host_peak = (sum(x[:3]) - x[3] for x in (sizes, host))
+    return MemoryReport(*sizes, peak, host_peak, count, exact, jax.default_backend())

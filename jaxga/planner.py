@@ -11,15 +11,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxga._checks import check_arity, leading_size, positive_int
+from jaxga._checks import check_arity, check_bool, leading_size, positive_int
 from jaxga.arguments import as_positions
 from jaxga.memory import MemoryReport, format_bytes, memory_report
 from jaxga.microbatch import IndivisibleBatchError
 from jaxga.remat import REMAT
+from jaxga.sharding import check_strategy
 
 _UNITS = {"": 1, "b": 1} | {
     f"{u}{i}b": base**n for n, u in enumerate("kmgt", 1) for i, base in (("", 1000), ("i", 1024))
 }
+_SEARCHED = ("strategy", "offload")  # plan's axes given to build as keywords
 _SIZE = re.compile(r"\s*(\d+\.?\d*|\.\d+)(e[+-]?\d{1,4})?\s*([a-z]*)\s*", re.IGNORECASE)
 
 
@@ -50,14 +52,22 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One compiled configuration of a plan: what ``build`` was given, and its report."""
+    """One configuration :func:`plan` considered: what ``build`` was given, and the verdict."""
 
     num_microbatches: int  # k, micro-batches per step
     microbatch_size: int  # examples per micro-batch
     remat: Any  # the remat value handed to build
-    report: MemoryReport  # the compiled step's
+    report: MemoryReport | None  # the compiled step's; None if build raised IndivisibleBatchError
     fits: bool  # report.peak_bytes <= budget
+    reason: str = ""  # why it was not chosen; "" if chosen
+    strategy: Any = None  # handed to build if plan searched strategies
+    offload: bool | None = None  # handed to build if plan searched offload
     seconds: float | None = None  # median seconds per step, if timed by time_top
+
+    def __str__(self) -> str:
+        named = [f", {n} {getattr(self, n)!r}" for n in _SEARCHED if getattr(self, n) is not None]
+        k, size, remat = self.num_microbatches, self.microbatch_size, self.remat
+        return f"{k} micro-batch(es) of {size}, remat {remat!r}{''.join(named)}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,31 +85,38 @@ class Plan(Candidate):
 
     budget: int  # bytes
     batch_size: int
-    candidates: tuple[Candidate, ...]  # the compiled ones, in search order
-    num_skipped: int = 0  # not compiled, as the search stopped at the first that fits
+    candidates: tuple[Candidate, ...]  # those built, in search order
+    num_skipped: int = 0  # not built, as the search stopped at the first that fits
     step: Callable[..., Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
-        timed = any(c.seconds is not None for c in self.candidates)
-        rows = [["micro-batches", "size", "remat", "peak", "temporaries", "matmul FLOPs", "fits"]]
-        rows[0] += ["ms/step"] * timed + [""]
-        for c in self.candidates:
-            r = c.report
-            cells = [c.num_microbatches, c.microbatch_size, c.remat, format_bytes(r.peak_bytes)]
-            cells += [format_bytes(r.temp_bytes), f"{r.dot_flops:.3e}", "yes" if c.fits else "no"]
+        named = [n for n in _SEARCHED if getattr(self, n) is not None]
+        host = any(c.report and c.report.host_bytes for c in self.candidates)
+        timed = self.seconds is not None
+        rows = [["micro-batches", "size", "remat", *named, "peak", *["host"] * host]]
+        rows[0] += ["temporaries", "matmul FLOPs", *["ms/step"] * timed, "verdict"]
+        for c, r in ((c, c.report) for c in self.candidates):
+            cells = [
+                c.num_microbatches,
+                c.microbatch_size,
+                c.remat,
+                *(getattr(c, n) for n in named),
+            ]
+            sizes = [] if r is None else [r.peak_bytes, *[r.host_bytes] * host, r.temp_bytes]
+            cells += [*map(format_bytes, sizes), f"{r.dot_flops:.3e}"] if r else ["-"] * (3 + host)
             cells += ["" if c.seconds is None else f"{1e3 * c.seconds:.1f}"] * timed
-            chosen = (c.num_microbatches, c.remat) == (self.num_microbatches, self.remat)
-            rows.append([*map(str, cells), "<- chosen" * chosen])
+            rows.append([*map(str, cells), c.reason or "<- chosen"])
         widths = [max(map(len, column)) for column in zip(*rows)]
-        align = ["<" if i in (2, 6, len(widths) - 1) else ">" for i in range(len(widths))]  # text
+        text = {2, *range(3, 3 + len(named)), len(widths) - 1}  # left-aligned columns
+        align = ["<" if i in text else ">" for i in range(len(widths))]
         peak, budget = format_bytes(self.report.peak_bytes), format_bytes(self.budget)
         lines = [
-            f"jaxga.plan: {self.num_microbatches} micro-batch(es) of {self.microbatch_size}, remat "
-            f"{self.remat!r}: compiled peak {peak} within the budget of {budget}",
+            f"jaxga.plan: {Candidate.__str__(self)}: compiled peak {peak} per device within the "
+            f"budget of {budget}",
             *("  ".join(f"{x:{a}{w}}" for x, a, w in zip(r, align, widths)).rstrip() for r in rows),
         ]
         if self.num_skipped:
-            lines.append(f"({self.num_skipped} more not compiled; exhaustive=True compiles all)")
+            lines.append(f"({self.num_skipped} more not built; exhaustive=True builds all)")
         return "\n".join(lines)
 
 
@@ -118,6 +135,19 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
     sharding = x.sharding if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 else None
     weak = getattr(x, "weak_type", type(x) in (int, float, complex))  # Python scalars
     return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding, weak_type=weak)
+
+
+def _budget(budget: Any, margin: Any, device: Any) -> int:
+    """``budget`` in bytes; ``None``: ``device``'s memory limit less the fraction ``margin``."""
+    if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin < 1:
+        raise ValueError(f"`margin` must be a fraction of device memory in [0, 1); got {margin!r}.")
+    if budget is None:
+        device = device if device is not None else jax.local_devices()[0]
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            raise ValueError(f"`budget`=None, but {device} has no memory limit; pass e.g. '8GiB'.")
+        budget = int(stats["bytes_limit"] * (1.0 - margin))
+    return parse_bytes(budget)
 
 
 def _batch(args, batch_argnums, num_microbatches) -> tuple[int, list[int]]:
@@ -147,53 +177,71 @@ def _batch(args, batch_argnums, num_microbatches) -> tuple[int, list[int]]:
 
 def _seconds(step: Callable[..., Any], args: tuple[Any, ...], repeats: int) -> float:
     """Median seconds of a call on fresh zeros (fresh, as ``step`` may donate them)."""
-    compiled = (step if hasattr(step, "lower") else jax.jit(step)).lower(*args).compile()
     zeros, times = lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), []
-    for _ in range(repeats + 1):  # the first call warms up
+    for _ in range(repeats + 1):  # the first call compiles
         inputs = jax.block_until_ready(jax.tree.map(zeros, args))
         start = time.perf_counter()
-        jax.block_until_ready(compiled(*inputs))
+        jax.block_until_ready(step(*inputs))
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
 
 def _search(build, args, batch_size, order, budget, wanted, strict) -> tuple[list, list, int]:
-    """Compiles the candidates in order until ``wanted`` fit, or raises if none does."""
-    found, steps, passed_over = [], [], 0  # passed_over: what a mesh could not split
-    for k, r in order:
+    """Builds and compiles the candidates in order until ``wanted`` fit, or raises; also
+    returns how many were left. A count that the devices do not divide is tried once."""
+    found, steps = [], []
+    for i, (k, r, choice) in enumerate(order):
         if sum(c.fits for c in found) >= wanted:
-            break
+            return found, steps, len(order) - i
+        if any(c.num_microbatches == k and c.report is None for c in found):
+            continue
+        step, report, reason = None, None, ""
         try:
-            step = build(k, r)
+            step = build(k, r, **choice)
             if not callable(step):
                 got = type(step).__name__
                 raise TypeError(f"`build` must return a step; build({k}, {r!r}) returned {got}.")
             report = memory_report(step, *args)
+        except IndivisibleBatchError as e:
+            if strict:  # a count the user asked for
+                raise
+            reason = str(e)  # k micro-batches a device do not divide its rows
         except Exception as e:
-            if isinstance(e, IndivisibleBatchError) and not strict:
-                passed_over += 1  # k micro-batches a device do not divide its rows
-                continue
-            if hasattr(e, "add_note"):  # Python 3.11 on
-                e.add_note(f"(while jaxga.plan compiled num_microbatches={k}, remat={r!r})")
+            e.add_note(f"(while jaxga.plan built num_microbatches={k}, remat={r!r}, {choice})")
             raise
-        found.append(Candidate(k, batch_size // k, r, report, report.peak_bytes <= budget))
-        steps.append(step)
-    if not found:
+        fits = report is not None and report.peak_bytes <= budget
+        reason = reason or ("" if fits else "over the budget")
+        found.append(Candidate(k, batch_size // k, r, report, fits, reason, **choice))
+        steps.append(step if fits else None)  # its compiled programs freed
+    if not (compiled := [c for c in found if c.report is not None]):
         raise ValueError(
             f"`build` raised IndivisibleBatchError for every candidate: no micro-batch count "
             f"divides the batch of {batch_size} over the step's devices; pass a batch they divide."
         )
     if not any(c.fits for c in found):
-        s = min(found, key=lambda c: c.report.peak_bytes)
-        peak = s.report.peak_bytes
+        smallest = min(compiled, key=lambda c: c.report.peak_bytes)
+        peak = smallest.report.peak_bytes
         raise InfeasibleBudgetError(
             f"No configuration fits the memory budget of {format_bytes(budget)} ({budget} bytes); "
-            f"the smallest peak, {format_bytes(peak)} ({peak} bytes), has {s.num_microbatches} "
-            f"micro-batch(es) of {s.microbatch_size} and remat {s.remat!r}. Raise `budget`, or "
-            f"allow more micro-batches or more rematerialisation.",
+            f"the smallest peak, {format_bytes(peak)} ({peak} bytes), has {smallest}. Raise "
+            f"`budget`, or allow more micro-batches, rematerialisation, sharding or offload.",
             tuple(found),
         )
-    return found, steps, passed_over
+    return found, steps, 0
+
+
+def _choices(strategy: Any, offload: Any) -> list[list[dict[str, Any]]]:
+    """The keywords for ``build`` of each strategy, and of each offload (``[{}]``: none)."""
+    axes = {"strategy": strategy, "offload": offload}
+    axes = {
+        n: (v,) if isinstance(v, str | bool) else tuple(v) for n, v in axes.items() if v is not None
+    }
+    for name, values in axes.items():
+        if not values:
+            raise ValueError(f"`{name}` must hold at least one value; got {values!r}.")
+        for value in values:
+            check_bool(value, "offload") if name == "offload" else check_strategy(value)
+    return [[{n: v} for v in axes[n]] if n in axes else [{}] for n in ("strategy", "offload")]
 
 
 def plan(
@@ -202,6 +250,8 @@ def plan(
     budget: int | str | None = None,
     num_microbatches: int | Sequence[int] | None = None,
     remat: Sequence[Any] = tuple(REMAT),
+    strategy: Sequence[Any] | None = None,
+    offload: Sequence[bool] | None = None,
     batch_argnums: int | Sequence[int] | None = None,
     margin: float = 0.1,
     exhaustive: bool = False,
@@ -211,16 +261,20 @@ def plan(
 ) -> Plan:
     """Returns the first configuration, least sequential work first, that fits a memory budget.
 
-    Each candidate ``(num_microbatches, remat)``, fewest micro-batches first, then in the
-    order of ``remat``, is built and compiled for the shapes of ``args`` (nothing runs).
+    Candidates, fewest micro-batches first, then in the order of ``strategy``, ``remat`` and
+    ``offload``, are built and compiled for the shapes of ``args`` (nothing runs); the
+    budget bounds each device's compiled peak (:attr:`MemoryReport.peak_bytes`).
 
     Args:
-        build: ``build(num_microbatches, remat) -> step``, a (``jax.jit``-ed) train step.
+        build: ``build(num_microbatches, remat) -> step``, a (``jax.jit``-ed) train step;
+            also given ``strategy=`` and ``offload=`` when those are searched.
         *args: the step's arguments, arrays or :class:`jax.ShapeDtypeStruct`.
         budget: bytes, e.g. ``"512MiB"`` (see :func:`parse_bytes`); default: ``device``'s
             (the first local one's) ``memory_stats()["bytes_limit"]`` less the fraction ``margin``.
         num_microbatches: the candidate counts, divisors of the batch size; default: all.
         remat: the candidate remat values, least recomputation first; ``(None,)`` for none.
+        strategy: if given, the candidate layouts on a mesh, e.g. ``jaxga.sharding.STRATEGIES``.
+        offload: if given, the candidate ``offload`` values, e.g. ``(False, True)``.
         batch_argnums: the position(s) of the batch in ``args``; default: the last.
         exhaustive: compile every candidate instead of stopping at the first that fits.
         time_top: if positive, choose the fastest of the first ``time_top`` that fit, each
@@ -237,7 +291,10 @@ def plan(
         >>> p.num_microbatches > 1, p.report.peak_bytes <= p.budget
         (True, True)
     """
-    check_arity(build, "build", 2, "build(num_microbatches, remat) -> step")
+    layouts, offloads = _choices(strategy, offload)
+    keywords = [*layouts[0], *offloads[0]]
+    signature = "".join(f", {n}=..." for n in keywords)
+    check_arity(build, "build", 2, f"build(num_microbatches, remat{signature}) -> step", keywords)
     if not args:
         raise ValueError("plan needs the step's arguments (arrays or jax.ShapeDtypeStruct).")
     if isinstance(time_top, bool) or not isinstance(time_top, int) or time_top < 0:
@@ -246,25 +303,19 @@ def plan(
     remat = (remat,) if isinstance(remat, str) else tuple(remat)
     if not remat:
         raise ValueError("`remat` must hold at least one value; use (None,) for no choice.")
-    if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin < 1:
-        raise ValueError(f"`margin` must be a fraction of device memory in [0, 1); got {margin!r}.")
-    if budget is None:
-        device = device if device is not None else jax.local_devices()[0]
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-        if not stats or "bytes_limit" not in stats:
-            raise ValueError(f"`budget`=None, but {device} has no memory limit; pass e.g. '8GiB'.")
-        budget = int(stats["bytes_limit"] * (1.0 - margin))
-    budget = parse_bytes(budget)
+    budget = _budget(budget, margin, device)
     args = jax.tree.map(_abstract, args)
     batch_size, counts = _batch(args, batch_argnums, num_microbatches)
-    order = [(k, r) for k in counts for r in remat]
+    order = [(k, r, s | o) for k in counts for s in layouts for r in remat for o in offloads]
     wanted = len(order) if exhaustive else max(time_top, 1)
     strict = num_microbatches is not None  # a count the user asked for must compile
-    found, steps, passed_over = _search(build, args, batch_size, order, budget, wanted, strict)
+    found, steps, skipped = _search(build, args, batch_size, order, budget, wanted, strict)
     fitting = [i for i, c in enumerate(found) if c.fits]
     for i in fitting[:time_top]:
         found[i] = dataclasses.replace(found[i], seconds=_seconds(steps[i], args, repeats))
     best = min(fitting[: max(time_top, 1)], key=lambda i: (found[i].seconds or 0, i))
-    chosen = vars(found[best]) | {"budget": budget, "batch_size": batch_size, "step": steps[best]}
-    skipped = len(order) - len(found) - passed_over
-    return Plan(**chosen, candidates=tuple(found), num_skipped=skipped)
+    why = "fits; slower than the choice" if time_top else "fits; an earlier one was chosen"
+    found = [dataclasses.replace(c, reason=why) if c.fits else c for c in found]
+    found[best] = dataclasses.replace(found[best], reason="")
+    chosen = vars(found[best]) | {"budget": budget, "batch_size": batch_size}
+    return Plan(**chosen, step=steps[best], candidates=tuple(found), num_skipped=skipped)

@@ -87,6 +87,36 @@ def put(tree: Any, sharding: Any) -> Any:
     return jax.tree.map(one, tree, sharding)
 
 
+def offload(state: Any, memory_kind: str = "pinned_host") -> Any:
+    """Moves the optimiser state in ``state`` to ``memory_kind`` (``"device"`` brings it back).
+
+    What sits under a key or field ``opt_state`` moves (of a MultiSteps, its inner optimiser's
+    state), keeping its layout: arrays, tracers in ``jax.jit`` and shape structs.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jaxga
+        >>> state = jaxga.TrainState.create(params=jnp.zeros(3), tx=optax.adam(0.1))
+        >>> jaxga.sharding.offload(state).opt_state[0].mu.sharding.memory_kind
+        'pinned_host'
+    """
+    space = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Device}[memory_kind]
+    name = lambda path: {getattr(key, "name", getattr(key, "key", None)) for key in path}
+    paths = [name(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    part = "inner_opt_state" if any("inner_opt_state" in p for p in paths) else "opt_state"
+
+    def move(path: Any, x: Any) -> Any:
+        if not {"opt_state", part} <= name(path):
+            return x
+        if isinstance(x, jax.core.Tracer):
+            return jax.device_put(x, space)
+        where = getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x.update(sharding=where.with_memory_kind(memory_kind))
+        return x if where.memory_kind == memory_kind else jax.device_put(x, space)
+
+    return jax.tree_util.tree_map_with_path(move, state)
+
+
 def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:
     """The spec splitting the largest axis of ``shape`` that ``size`` devices divide, or ``P()``."""
     size = _checks.positive_int(size, "size")
@@ -175,8 +205,8 @@ def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
     return jax.tree.map(lambda x, spec: move(x, NamedSharding(mesh, spec)), tree, specs)
 
 
-def placer(mesh: Mesh | None, strategy: Any, axis_name: Any) -> Callable[[Any], Any]:
-    """Puts a state where the step on ``mesh`` keeps it, unless its step and first parameter are."""
+def placer(mesh: Mesh | None, strategy: Any, axis_name: Any, offload_: bool) -> Callable:
+    """Puts a state where the step keeps it: laid out on ``mesh``, optimiser state offloaded."""
 
     def there(x: Any, spec: P) -> bool:
         now = getattr(x, "sharding", None)  # None: a host array or a bare shape struct
@@ -184,15 +214,19 @@ def placer(mesh: Mesh | None, strategy: Any, axis_name: Any) -> Callable[[Any], 
         return on_mesh and now.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
 
     def place_state(state: Any) -> Any:
-        first = jax.tree.leaves(state.params)[:1]
-        specs = jax.tree.leaves(strategy, is_leaf=_is_spec)[:1]  # a tree of specs
-        if isinstance(strategy, str):
-            specs = fsdp_specs(first, mesh, axis_name) if strategy in ("fsdp", "zero3") else [P()]
-        if all(map(there, [state.step, *first], [P(), *specs])):
-            return state
-        return put(state, state_shardings(state, mesh, strategy, axis_name=axis_name))
+        if mesh is not None:
+            first = jax.tree.leaves(state.params)[:1]
+            specs = jax.tree.leaves(strategy, is_leaf=_is_spec)[:1]  # a tree of specs
+            if isinstance(strategy, str):
+                sharded = strategy in ("fsdp", "zero3")
+                specs = fsdp_specs(first, mesh, axis_name) if sharded else [P()]
+            if not all(map(there, [state.step, *first], [P(), *specs])):
+                state = put(state, state_shardings(state, mesh, strategy, axis_name=axis_name))
+        elif offload_ and not getattr(x := jax.tree.leaves(state)[0], "committed", True):
+            state = jax.device_put(state, x.sharding)  # committed, as the step returns it
+        return offload(state) if offload_ else state
 
-    return place_state if mesh is not None else lambda state: state
+    return place_state
 
 
 def accumulate_on_mesh(

@@ -48,8 +48,7 @@ class TrainState(train_state.TrainState):
         check_arrays(params, "params")
         model_state = {} if model_state is None else model_state
         check_arrays(model_state, "model_state", empty_ok=True)
-        params, model_state = jax.tree.map(copy, (params, model_state))
-        rng = copy(as_key(rng))
+        params, model_state, rng = jax.tree.map(copy, (params, model_state, as_key(rng)))
         state = super().create(
             apply_fn=apply_fn, params=params, tx=tx, model_state=model_state, rng=rng, **kwargs
         )

@@ -107,9 +107,8 @@ def _metrics(acc: Accumulated, old_opt_state: Any, opt_state: Any) -> Metrics:
 
 def _weight(tx: Any, acc: Accumulated) -> dict[str, jax.Array]:
     """``weight=`` the call's item count, for a MultiSteps in ``tx``."""
-    return (
-        {"weight": acc.mean.count} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
-    )
+    weighted = isinstance(tx, optax.GradientTransformationExtraArgs)
+    return {"weight": acc.mean.count} if weighted else {}
 
 
 def _loss_alone(loss: Callable[..., Any], signature: str, pair: bool) -> Callable[..., Any]:
@@ -139,8 +138,9 @@ def _traced(tree: Any) -> bool:
     return isinstance(next(iter(jax.tree.leaves(tree)), None), jax.core.Tracer)
 
 
-def _as_step(fn: Callable, jitted: Any, place: Callable[[Any], Any], donate: bool) -> Callable:
-    """``jitted`` on the placed state, naming a donated one; ``fn`` inlined under a ``jit``."""
+def _as_step(fn: Callable, place: Callable[[Any], Any], donate: bool) -> Callable:
+    """``fn`` jitted, on the placed state, naming a donated one; inlined under a ``jit``."""
+    jitted = jax.jit(fn, donate_argnums=0 if donate else (), compiler_options=compiler_options())
 
     @functools.wraps(jitted)
     def step(state: Any, batch: Any) -> Any:
@@ -159,6 +159,19 @@ def _as_step(fn: Callable, jitted: Any, place: Callable[[Any], Any], donate: boo
     return step
 
 
+def _offloaded(fn: Callable, offload: bool) -> Callable:
+    """``fn(..., state, batch) -> (state, metrics)`` with its optimiser state in host memory."""
+    if not offload:
+        return fn
+
+    def step(*args: Any) -> tuple[Any, Metrics]:
+        *static, state, batch = args
+        new, metrics = fn(*static, sharding.offload(state, "device"), batch)
+        return sharding.offload(new), metrics
+
+    return functools.wraps(fn)(step)
+
+
 def _check_state(state: Any) -> None:
     if not isinstance(state, train_state.TrainState):
         nnx_model = modules.is_graph_node(state) or isinstance(state, nnx.State)
@@ -169,7 +182,7 @@ def _check_state(state: Any) -> None:
         )
 
 
-def _check_step_options(loss, num_microbatches, mesh, axis_name, strategy, donate) -> None:
+def _check_step_options(loss, num_microbatches, mesh, axis_name, strategy, *flags) -> None:
     if callable(getattr(num_microbatches, "update", None)):
         raise TypeError(
             f"make_train_step takes no optimiser: it runs `state.tx` (TrainState.create(params, "
@@ -182,7 +195,8 @@ def _check_step_options(loss, num_microbatches, mesh, axis_name, strategy, donat
         sharding.check_mesh(mesh, axis_name, concrete=True)
     elif not (isinstance(strategy, str) and strategy == "data_parallel"):
         raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
-    _checks.check_bool(donate, "donate")
+    for flag, name in zip(flags, ("donate", "offload"), strict=True):
+        _checks.check_bool(flag, name)
 
 
 def make_train_step(
@@ -194,6 +208,7 @@ def make_train_step(
     strategy: Any = "data_parallel",
     accumulator_dtype: Any = None,
     donate: bool = True,
+    offload: bool = False,
 ) -> Callable[[Any, Any], tuple[Any, Metrics]]:
     """Builds one jitted train step ``(state, batch) -> (state, metrics)``.
 
@@ -209,6 +224,8 @@ def make_train_step(
             ``"fsdp"``, ``"zero3"`` or a tree of specs (:func:`jaxga.sharding.state_specs`).
         accumulator_dtype: dtype of the gradient sums; ``None``: at least float32.
         donate: donate the state's buffers to the step.
+        offload: keep the optimiser state (a MultiSteps' inner one) in pinned host memory
+            between steps (:func:`jaxga.sharding.offload`), on the device only for the update.
 
     Returns:
         The step; ``metrics``: ``loss``, ``count``, ``grad_norm``, ``learning_rate`` (NaN
@@ -224,7 +241,7 @@ def make_train_step(
         >>> float(metrics["loss"]), int(metrics["count"]), int(state.step)
         (1.0, 8, 1)
     """
-    _check_step_options(loss, num_microbatches, mesh, axis_name, strategy, donate)
+    _check_step_options(loss, num_microbatches, mesh, axis_name, strategy, donate, offload)
     accumulated = functools.partial(
         accumulate,
         num_microbatches=num_microbatches,
@@ -246,24 +263,22 @@ def make_train_step(
             args = (state, batch, model_state, rng)
             on = (accumulated, checked, mesh, axis_name, strategy, num_microbatches)
             acc, state, specs, view = sharding.accumulate_on_mesh(*on, *args)
-        weight = _weight(state.tx, acc)
 
         def update(params_and_opt_state, grads):
             params, opt_state = params_and_opt_state
-            updates, opt_state = state.tx.update(grads, opt_state, view, **weight)
-            if mesh is not None:
-                updates = sharding.place(mesh, updates, specs.params)
+            updates, opt_state = state.tx.update(grads, opt_state, view, **_weight(state.tx, acc))
+            updates = updates if mesh is None else sharding.place(mesh, updates, specs.params)
             return optax.apply_updates(params, updates), opt_state
 
         params, opt_state = _update(acc, update, (state.params, state.opt_state))
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         new = set_model_state(new, acc.state)
-        if mesh is not None:
-            new = sharding.place(mesh, new, specs)
+        new = new if mesh is None else sharding.place(mesh, new, specs)
         return new, _metrics(acc, state.opt_state, opt_state)
 
-    jitted = jax.jit(step, donate_argnums=0 if donate else (), compiler_options=compiler_options())
-    return _as_step(step, jitted, sharding.placer(mesh, strategy, axis_name), donate)
+    return _as_step(
+        _offloaded(step, offload), sharding.placer(mesh, strategy, axis_name, offload), donate
+    )
 
 
 def _check_optimizer(optimizer: Any, model: Any, grads: Any) -> None:
@@ -299,8 +314,7 @@ def _nnx_step(grad_fn: Callable, graphdef: Any, state: Any, batch: Any) -> tuple
 
     opt_state = nnx.as_pure(optimizer.opt_state)
     state = _update(acc, update, nnx.state((model, optimizer)))
-    new_opt_state = nnx.as_pure(nnx.merge(graphdef, state)[1].opt_state)
-    return state, _metrics(acc, opt_state, new_opt_state)
+    return state, _metrics(acc, opt_state, nnx.as_pure(nnx.merge(graphdef, state)[1].opt_state))
 
 
 def nnx_train_step(
@@ -309,12 +323,13 @@ def nnx_train_step(
     *,
     accumulator_dtype: Any = None,
     donate: bool = True,
+    offload: bool = False,
 ) -> Callable[[Any, Any, Any], Metrics]:
     """Builds a Flax NNX train step ``(model, optimizer, batch) -> metrics``, updating in place.
 
     Args:
         loss: ``loss(model, batch) -> loss``, a :class:`jaxga.Mean` or a scalar mean.
-        num_microbatches, accumulator_dtype, donate: as for :func:`make_train_step`.
+        num_microbatches, accumulator_dtype, donate, offload: as for :func:`make_train_step`.
 
     Example:
         >>> import jax.numpy as jnp, optax, jaxga
@@ -330,21 +345,21 @@ def nnx_train_step(
     _checks.positive_int(num_microbatches, "num_microbatches")
     _checks.check_arity(loss, "loss", 2, "`loss(model, batch) -> loss`")
     _checks.check_bool(donate, "donate")
+    _checks.check_bool(offload, "offload")
     checked = _loss_alone(loss, "`loss(model, batch)`", pair=False)
     grad_fn = accumulate(
         checked, num_microbatches=num_microbatches, accumulator_dtype=accumulator_dtype
     )
-    pure = functools.partial(_nnx_step, grad_fn)
+    pure = _offloaded(functools.partial(_nnx_step, grad_fn), offload)
+    donated = 1 if donate else ()
     jitted = jax.jit(
-        pure,
-        static_argnums=0,
-        donate_argnums=1 if donate else (),
-        compiler_options=compiler_options(),
+        pure, static_argnums=0, donate_argnums=donated, compiler_options=compiler_options()
     )
 
     def split(model: Any, optimizer: Any) -> tuple[Any, Any]:
         _check_optimizer(optimizer, model, None)
         graphdef, state = nnx.split((model, optimizer))
+        state = sharding.offload(state) if offload else state
         return graphdef, unaliased(state) if donate else state
 
     def step(model: Any, optimizer: Any, batch: Any) -> Metrics:

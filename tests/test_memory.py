@@ -125,7 +125,6 @@ def test_dot_flops_count_every_scan_iteration():
     unrolled = xla_flops(matmul_chain, list(ws), x)
     assert report.dot_flops == unrolled
     assert report.dot_flops_exact
-    assert report.flops is None or report.flops < unrolled
 
 
 def test_dot_flops_count_rematerialised_recomputation():
@@ -156,23 +155,6 @@ def test_while_loop_is_flagged_and_cond_counts_its_costliest_branch():
 def test_doctest_style_dot_flops_accepts_open_and_closed_jaxprs():
     closed = jax.make_jaxpr(lambda a: a @ a)(jnp.ones((3, 3)))
     assert dot_flops(closed) == dot_flops(closed.jaxpr) == (54, True)
-
-
-def test_str_is_a_readable_table():
-    text = str(jaxga.memory_report(jax.grad(lambda w, x: jnp.sum(x @ w)), jnp.ones((16, 8)), A))
-    for word in ("arguments", "outputs", "temporaries", "peak", "matmul FLOPs", "KiB"):
-        assert word in text
-    assert "loop bodies once" in text or "XLA FLOPs" not in text
-
-
-def test_measure_on_cpu_gives_none_and_needs_arrays():
-    fn = lambda x: x * 2
-    if jax.devices()[0].memory_stats() is None:
-        assert jaxga.memory_report(fn, jnp.ones(4), measure=True).measured_peak_bytes is None
-    with pytest.raises(
-        TypeError, match=r"^`measure=True` runs `fn`: it needs arrays, not jax.ShapeDtypeStruct\.$"
-    ):
-        jaxga.memory_report(fn, jax.ShapeDtypeStruct((4,), jnp.float32), measure=True)
 
 
 @pytest.mark.parametrize("fn, got", [(3, "3 of type int"), ("step", "'step' of type str")])

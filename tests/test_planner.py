@@ -338,8 +338,8 @@ TINY_LM = ["--batch-size", "4", "--seq-len", "16", "--dim", "16", "--heads", "2"
 TINY_LM += ["--layers", "2", "--sample", "0", "--quiet", "--steps", "1"]
 
 
-def test_train_lm_plans_its_microbatches(tmp_path, capsys):
-    # The peak of the example's step with the full batch and no remat, built here.
+def example_peak(mesh=None):
+    """The peak of the example's step with the full batch, no remat and no offload."""
     cfg = train_lm.Config(seq_len=16, dim=16, heads=2, layers=2, remat="none")
     model = nnx.eval_shape(lambda: train_lm.Transformer(cfg, nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -347,17 +347,25 @@ def test_train_lm_plans_its_microbatches(tmp_path, capsys):
     state = jax.eval_shape(
         lambda p, r: jaxga.TrainState.create(params=p, tx=tx, model_state=r), params, rest
     )
-    tokens = jax.ShapeDtypeStruct((4, 16), jnp.int32)
-    batch = {"inputs": tokens, "labels": tokens, "mask": jax.ShapeDtypeStruct((4, 16), jnp.float32)}
-    step = jaxga.make_train_step(jaxga.nnx_loss(graphdef, train_lm.loss), 1)
-    budget = jaxga.memory_report(step, state, batch).peak_bytes - 1  # one byte short
+    tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
+    batch = {"inputs": tokens, "labels": tokens, "mask": jax.ShapeDtypeStruct((8, 16), jnp.float32)}
+    step = jaxga.make_train_step(jaxga.nnx_loss(graphdef, train_lm.loss), 1, mesh=mesh)
+    return jaxga.memory_report(step, state, batch).peak_bytes
 
-    run = [*TINY_LM, "--dtype", "float32", "--microbatches", "auto", "--memory-budget", str(budget)]
-    result = train_lm.train(train_lm.parse_args([*run, "--checkpoint-dir", str(tmp_path)]))
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_train_lm_plans_its_step(tmp_path, capsys, devices):
+    """--plan BUDGET: one byte short of the full batch's peak, the example trains with the
+    plan's choice, which fits; on 8 devices the strategy is searched too."""
+    mesh = jax.make_mesh((8,), ("data",)) if devices > 1 else None
+    budget = example_peak(mesh) - 1
+    run = [*TINY_LM, "--batch-size", "8", "--dtype", "float32", "--devices", str(devices)]
+    run += ["--plan", str(budget), "--checkpoint-dir", str(tmp_path)]
+    result = train_lm.train(train_lm.parse_args(run))
     out = capsys.readouterr().out
     assert "<- chosen" in out and f"budget of {format_bytes(budget)}" in out
-    assert "1 micro-batch(es) of 4, remat 'none'" not in out
-    assert "batch 4 = 1 micro-batches × 4, remat none" not in out
+    assert out.count("over the budget") >= 1  # the full batch, no remat, no offload
+    assert ("strategy" in out) == (devices > 1) and "offload" in out
     assert result["report"].peak_bytes <= budget  # the step train_lm built, compiled anew
 
 
@@ -366,25 +374,24 @@ def test_train_lm_reports_an_impossible_budget_in_one_line(tmp_path, capsys, mon
         raise InfeasibleBudgetError("No configuration fits the memory budget of 1 KiB.", ())
 
     monkeypatch.setattr(jaxga, "plan", no_fit)
-    run = [*TINY_LM, "--microbatches", "auto", "--checkpoint-dir", str(tmp_path / "c")]
-    assert train_lm.main([*run, "--memory-budget", "1KiB"]) == 2
+    run = [*TINY_LM, "--plan", "1KiB", "--checkpoint-dir", str(tmp_path / "c")]
+    assert train_lm.main(run) == 2
     err = capsys.readouterr().err.strip()
-    expected = "--memory-budget 1KiB: no configuration fits the memory budget of 1 KiB."
+    expected = "--plan 1KiB: no configuration fits the memory budget of 1 KiB."
     assert err == f"train_lm.py: error: {expected}"
 
 
 @pytest.mark.parametrize(
     "budget, message",
     [
-        (None, "--microbatches auto on cpu needs --memory-budget"),
-        ("lots", "--memory-budget 'lots' is not a size"),
+        ("device", "--plan device: the cpu device reports no memory limit"),
+        ("lots", "--plan 'lots' is not a size"),
     ],
 )
-def test_train_lm_auto_bad_budget(tmp_path, capsys, budget, message):
-    if budget is None and (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit"):
-        pytest.skip("this device reports its memory limit: it is the default budget")
-    run = [*TINY_LM, "--microbatches", "auto", "--checkpoint-dir", str(tmp_path / "c")]
-    run += [] if budget is None else ["--memory-budget", budget]
+def test_train_lm_plan_bad_budget(tmp_path, capsys, budget, message):
+    if budget == "device" and (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit"):
+        pytest.skip("this device reports its memory limit: it is the budget")
+    run = [*TINY_LM, "--plan", budget, "--checkpoint-dir", str(tmp_path / "c")]
     assert train_lm.main(run) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("train_lm.py: error:") and message in err and "\n" not in err

@@ -1,0 +1,258 @@
+"""Optimiser state in host memory (`offload=True`), host bytes counted apart, and plan's
+search over micro-batches × strategy × remat × offload on 8 CPU devices."""
+
+import functools
+import itertools
+import logging
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+import jaxga
+from jaxga.remat import remat_options
+
+MESH = jax.make_mesh((8,), ("data",))
+LAYOUTS = [(None, "data_parallel")] + [(MESH, s) for s in jaxga.sharding.STRATEGIES]
+STRATEGY_IDS = [f"8-devices-{s}" for s in jaxga.sharding.STRATEGIES]
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(0.05),
+    "jaxga.MultiSteps": lambda: jaxga.MultiSteps(optax.adam(0.05), 2),
+    "optax.MultiSteps": lambda: optax.MultiSteps(optax.adam(0.05), 2),
+}
+
+
+def loss(params, batch, model_state, rng):
+    h = jnp.tanh(batch["x"] @ params["a"]) @ params["b"]
+    return jaxga.Mean.of(jnp.square(h - batch["y"])), model_state
+
+
+def make_params():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {"a": jax.random.normal(k1, (8, 32)), "b": jax.random.normal(k2, (32, 2))}
+
+
+def make_batch(step):
+    x = jax.random.normal(jax.random.key(step + 1), (32, 8))
+    return {"x": x, "y": jnp.sin(x[:, :2])}
+
+
+def host_arrays(tree):
+    """numpy copies: arrays in host memory cannot meet device arrays in one jnp op."""
+    return jax.tree.map(np.asarray, tree)
+
+
+def kinds(tree):
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(p): x.sharding.memory_kind for p, x in leaves}
+
+
+def train(tx, mesh, strategy, offload, steps=3, state=None, start=0):
+    step = jaxga.make_train_step(loss, 2, mesh=mesh, strategy=strategy, offload=offload)
+    state = state or jaxga.TrainState.create(params=make_params(), tx=tx)
+    for i in range(start, steps):
+        state, _ = step(state, make_batch(i))
+    return state
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("mesh, strategy", LAYOUTS, ids=["one-device", *STRATEGY_IDS])
+def test_offload_is_bit_exact_and_keeps_the_inner_state_on_the_host(name, mesh, strategy):
+    reference = train(OPTIMIZERS[name](), mesh, strategy, offload=False)
+    state = train(OPTIMIZERS[name](), mesh, strategy, offload=True)
+    chex.assert_trees_all_equal(
+        host_arrays((state.params, state.opt_state)),
+        host_arrays((reference.params, reference.opt_state)),
+    )
+    assert set(kinds(state.params).values()) == {"device"}
+    for path, kind in kinds(state.opt_state).items():  # a MultiSteps' accumulator stays
+        on_host = "inner_opt_state" in path or "MultiSteps" not in name
+        assert kind == ("pinned_host" if on_host else "device"), (path, kind)
+    if mesh is not None:  # each device holds its shard, as without offload
+        specs = lambda tree: [x.sharding.spec for x in jax.tree.leaves(tree)]
+        assert specs(state.opt_state) == specs(reference.opt_state)
+
+
+def test_offload_compiles_the_step_once(caplog):
+    step = jaxga.make_train_step(loss, 2, offload=True)
+    state = jaxga.TrainState.create(params=make_params(), tx=optax.adam(0.1))
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        for i in range(3):
+            state, _ = step(state, make_batch(i))
+    compiled = [r for r in caplog.records if "Finished XLA compilation of jit(step)" in r.message]
+    assert len(compiled) == 1, [r.message for r in compiled]
+
+
+def test_nnx_train_step_offload_is_bit_exact():
+    def run(offload):
+        model = nnx.Linear(8, 2, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, jaxga.MultiSteps(optax.adam(0.1), 2), wrt=nnx.Param)
+        lossfn = lambda m, b: jaxga.Mean.of(jnp.square(m(b["x"]) - b["y"]))
+        step = jaxga.nnx_train_step(lossfn, 4, offload=offload)
+        for i in range(3):
+            step(model, optimizer, make_batch(i))
+        return nnx.state((model, optimizer))
+
+    state = run(offload=True)
+    chex.assert_trees_all_equal(host_arrays(state), host_arrays(run(offload=False)))
+    for path, kind in kinds(state).items():
+        assert kind == ("pinned_host" if "inner_opt_state" in path else "device"), path
+
+
+def test_checkpoint_of_an_offloaded_state_restores_and_goes_on(tmp_path):
+    """Saved after 2 steps, restored into host memory, 2 more steps: as 4 without a stop."""
+    tx = optax.adam(0.05)
+    state = train(tx, MESH, "zero1", offload=True, steps=2)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", state)
+        checkpointer.wait_until_finished()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        restored = checkpointer.restore(tmp_path / "ckpt", abstract)
+    assert kinds(restored.opt_state) == kinds(state.opt_state)
+    assert set(kinds(restored.opt_state).values()) == {"pinned_host"}
+    resumed = train(tx, MESH, "zero1", offload=True, steps=4, state=restored, start=2)
+    straight = train(tx, MESH, "zero1", offload=False, steps=4)
+    chex.assert_trees_all_equal(host_arrays(resumed.params), host_arrays(straight.params))
+    chex.assert_trees_all_equal(host_arrays(resumed.opt_state), host_arrays(straight.opt_state))
+
+
+@pytest.mark.parametrize("mesh, strategy, shards", [(None, "data_parallel", 1), (MESH, "zero1", 8)])
+def test_memory_report_counts_the_offloaded_state_as_host_bytes(mesh, strategy, shards):
+    state = jaxga.TrainState.create(params=make_params(), tx=optax.adam(0.1))
+    adam = sum(x.nbytes for x in jax.tree.leaves(state.opt_state[0]))  # count, mu, nu
+    reports = {
+        offload: jaxga.memory_report(
+            jaxga.make_train_step(loss, 2, mesh=mesh, strategy=strategy, offload=offload),
+            state,
+            make_batch(0),
+        )
+        for offload in (False, True)
+    }
+    # the count is one scalar on every device; mu and nu are split over `shards` devices
+    expected = 4 + (adam - 4) // shards
+    assert reports[False].host_bytes == 0
+    assert reports[True].host_bytes == expected
+    assert reports[False].peak_bytes - reports[True].peak_bytes == expected
+
+
+def test_offload_arguments_are_checked():
+    with pytest.raises(TypeError, match=r"`offload` must be a bool; got 'yes'"):
+        jaxga.make_train_step(loss, 2, offload="yes")
+    with pytest.raises(TypeError, match=r"`offload` must be a bool; got 1"):
+        jaxga.nnx_train_step(lambda m, b: 0.0, 2, offload=1)
+
+
+# --------------------------------------------------------------------------- plan
+
+DIM, LAYERS = 64, 4
+STRATEGIES = jaxga.sharding.STRATEGIES
+REMATS = ("none", "full")
+
+
+@functools.cache
+def build(k, remat, strategy="data_parallel", offload=False):
+    def scanned(params, batch, model_state, rng):
+        layer = lambda w, x: jnp.tanh(x @ w)
+        y = jaxga.remat_scan(layer, params["w"], batch["x"], **remat_options(remat))
+        return jaxga.Mean.of(jnp.square(y - batch["y"])), model_state
+
+    return jaxga.make_train_step(scanned, k, mesh=MESH, strategy=strategy, offload=offload)
+
+
+STATE = jax.eval_shape(
+    lambda: jaxga.TrainState.create(params={"w": jnp.zeros((LAYERS, DIM, DIM))}, tx=optax.adam(1))
+)
+BATCH = {"x": jax.ShapeDtypeStruct((128, DIM), jnp.float32)}
+BATCH["y"] = BATCH["x"]
+ORDER = list(itertools.product((1, 2, 4, 8, 16), STRATEGIES, REMATS, (False, True)))
+
+
+@pytest.fixture(scope="module")
+def peaks():
+    """Every candidate's compiled peak per device, by an exhaustive loop in the documented
+    order: fewest micro-batches, then least communication, recomputation, host traffic."""
+    return {
+        (k, s, r, o): jaxga.memory_report(build(k, r, s, o), STATE, BATCH).peak_bytes
+        for k, s, r, o in ORDER
+    }
+
+
+def search(budget, time_top=0):
+    return jaxga.plan(
+        build,
+        STATE,
+        BATCH,
+        budget=budget,
+        num_microbatches=(1, 2, 4, 8, 16),
+        remat=REMATS,
+        strategy=STRATEGIES,
+        offload=(False, True),
+        time_top=time_top,
+        repeats=1,
+    )
+
+
+def test_plan_picks_the_first_fit_of_an_exhaustive_search(peaks):
+    values = sorted(set(peaks.values()))
+    for budget in values[:: max(1, len(values) // 6)]:
+        first = next(c for c in ORDER if peaks[c] <= budget)
+        p = search(budget)
+        assert (p.num_microbatches, p.strategy, p.remat, p.offload) == first, budget
+        assert p.report.peak_bytes == peaks[first] <= budget
+        rejected = p.candidates[:-1]
+        assert [(c.num_microbatches, c.strategy, c.remat, c.offload) for c in rejected] == ORDER[
+            : len(rejected)
+        ]
+        for c in rejected:
+            assert c.reason == "over the budget" and c.report.peak_bytes > budget, c
+        assert p.num_skipped == len(ORDER) - len(p.candidates)
+        assert "verdict" in str(p) and (not rejected or "over the budget" in str(p))
+
+
+def test_plan_offload_lowers_the_device_peak_by_the_host_bytes(peaks):
+    for k, s, r in itertools.product((1, 4), STRATEGIES, REMATS):
+        saved = peaks[k, s, r, False] - peaks[k, s, r, True]
+        host = jaxga.memory_report(build(k, r, s, True), STATE, BATCH).host_bytes
+        assert saved == host > 0, (k, s, r)
+
+
+def test_plan_time_top_picks_the_measured_fastest_that_fits(peaks):
+    budget = sorted(peaks.values())[len(peaks) // 2]
+    p = search(budget, time_top=3)
+    timed = [c for c in p.candidates if c.seconds is not None]
+    assert len(timed) == 3 and all(c.fits for c in timed)
+    assert p.seconds == min(c.seconds for c in timed)
+    assert all(c.reason == "fits; slower than the choice" for c in timed if c.seconds > p.seconds)
+
+
+def test_plan_says_why_a_count_the_devices_do_not_divide_was_rejected():
+    with pytest.raises(jaxga.planner.InfeasibleBudgetError) as info:
+        jaxga.plan(build, STATE, BATCH, budget=1, remat=("none",), strategy="zero1")
+    indivisible = [c for c in info.value.candidates if c.report is None]
+    # 128 rows, 16 per device: 32, 64 and 128 micro-batches are each tried once
+    assert [c.num_microbatches for c in indivisible] == [32, 64, 128]
+    assert "not divisible by num_microbatches=32 × 8 devices" in indivisible[0].reason
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"strategy": ("zero2",)}, ValueError, r"`strategy` must be one of 'data_parallel'"),
+        ({"strategy": ()}, ValueError, r"`strategy` must hold at least one value; got \(\)"),
+        ({"offload": (0,)}, TypeError, r"`offload` must be a bool; got 0"),
+    ],
+)
+def test_plan_checks_its_search_axes(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        jaxga.plan(build, STATE, BATCH, budget="1GiB", **kwargs)
+
+
+def test_plan_needs_a_build_that_takes_the_searched_keywords():
+    expected = r"`build` must be callable as build\(num_microbatches, remat, strategy=\.\.\., "
+    with pytest.raises(TypeError, match=expected + r"offload=\.\.\.\) -> step; it takes \(k, r\)"):
+        jaxga.plan(lambda k, r: None, STATE, BATCH, budget="1GiB", strategy="fsdp", offload=True)
