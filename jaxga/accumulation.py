@@ -124,9 +124,7 @@ def _has_conv(jaxpr: Any) -> bool:
     return "conv_general_dilated" in names or any(map(_has_conv, subs))
 
 
-def _accumulate(
-    fun: Callable, options: arguments.Options, args: tuple, kwargs: dict
-) -> Accumulated:
+def _accumulate(fun, options: arguments.Options, args: tuple, kwargs: dict) -> Accumulated:
     arguments.check_call(options, args, kwargs)
     axis, filters = options.axis_name, options.filters
     modular = [i for i, arg in enumerate(args) if modules.holds_module(arg)]
@@ -205,16 +203,13 @@ def accumulate(
         >>> float(acc.mean.value), float(acc.mean.count), float(acc.grads)
         (3.0, 4.0, 1.5)
     """
-    options = arguments.parse_options(
-        fun,
-        argnums,
-        has_aux,
-        num_microbatches,
-        batch_argnums=batch_argnums,
-        rng_argnums=rng_argnums,
-        state_argnums=state_argnums,
+    options = arguments.Options(
+        **arguments.parse_positions(fun, argnums, batch_argnums, rng_argnums, state_argnums),
+        num_microbatches=_checks.positive_int(num_microbatches, "num_microbatches"),
+        has_aux=_checks.check_bool(has_aux, "has_aux"),
+        single_state=isinstance(state_argnums, int),
         axis_name=axis_name,
-        accumulator_dtype=accumulator_dtype,
+        accumulator_dtype=_checks.float_dtype(accumulator_dtype),
     )
 
     @functools.wraps(fun)

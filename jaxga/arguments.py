@@ -40,8 +40,8 @@ def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:
     return values
 
 
-def parse_options(fun, argnums, has_aux, num_microbatches, **named) -> Options:
-    """The checked options of :func:`jaxga.accumulate`."""
+def parse_positions(fun, argnums, *named) -> dict[str, Any]:
+    """Checks ``fun``; the :class:`Options` fields of ``argnums``, ``named`` (batch, rng, state)."""
     if not callable(fun):
         raise TypeError(f"`fun` must be a function; got {fun!r} of type {type(fun).__name__}.")
     single = isinstance(argnums, int | nnx.DiffState)
@@ -52,9 +52,9 @@ def parse_options(fun, argnums, has_aux, num_microbatches, **named) -> Options:
     filters = {a.argnum: a.filter for a in items if isinstance(a, nnx.DiffState)}
     diff = tuple(a.argnum if isinstance(a, nnx.DiffState) else a for a in items)
     pos = {"argnums": as_positions("argnums", diff, shown=repr(argnums))}
-    for name in ("batch_argnums", "rng_argnums", "state_argnums"):
-        if named[name] is not None or name != "rng_argnums":  # rng_argnums=None: found later
-            pos[name] = as_positions(name, named[name])
+    for name, value in zip(("batch_argnums", "rng_argnums", "state_argnums"), named):
+        if value is not None or name != "rng_argnums":  # rng_argnums=None: found later
+            pos[name] = as_positions(name, value)
     if not pos["argnums"]:
         raise ValueError("`argnums` must name at least one argument to differentiate.")
     for (a, x), (b, y) in itertools.combinations(pos.items(), 2):
@@ -63,16 +63,8 @@ def parse_options(fun, argnums, has_aux, num_microbatches, **named) -> Options:
                 f"`{a}`={x} and `{b}`={y} both name argument(s) {common}; an argument is one "
                 f"of differentiated, split into micro-batches, a PRNG key or threaded state."
             )
-    return Options(
-        **{"rng_argnums": None, **pos},
-        num_microbatches=_checks.positive_int(num_microbatches, "num_microbatches"),
-        filters={i: filters.get(i, nnx.Param) for i in pos["argnums"]},
-        single_argnum=single,
-        has_aux=_checks.check_bool(has_aux, "has_aux"),
-        single_state=isinstance(named["state_argnums"], int),
-        axis_name=named["axis_name"],
-        accumulator_dtype=_checks.float_dtype(named["accumulator_dtype"]),
-    )
+    filters = {i: filters.get(i, nnx.Param) for i in pos["argnums"]}
+    return {"rng_argnums": None, **pos, "filters": filters, "single_argnum": single}
 
 
 def is_key(x: Any, raw: bool = True) -> bool:

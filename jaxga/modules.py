@@ -18,14 +18,6 @@ def is_equinox(x: Any) -> bool:
     return isinstance(x, getattr(sys.modules.get("equinox"), "Module", ()))
 
 
-def holds_graph_node(tree: Any) -> bool:
-    return any(map(is_graph_node, jax.tree.leaves(tree, is_leaf=is_graph_node)))
-
-
-def holds_module(tree: Any) -> bool:
-    return any(map(_is_module, jax.tree.leaves(tree, is_leaf=_is_module)))
-
-
 @dataclasses.dataclass(frozen=True)
 class Part:
     """A module taken apart: a pytree leaf (not a node), so trees of parts map part by part."""
@@ -40,6 +32,10 @@ is_part = lambda x: isinstance(x, Part)
 _is_module = lambda x: is_graph_node(x) or is_equinox(x)
 _holds_nnx = lambda x: is_part(x) and x.rest is not None  # Equinox parts thread no state
 _filters = lambda wrt: () if wrt is None else (wrt, ...)  # nnx.split: (graphdef, [diff,] rest)
+holds_graph_node = lambda x: any(map(is_graph_node, jax.tree.leaves(x, is_leaf=is_graph_node)))
+holds_module = lambda x: any(map(_is_module, jax.tree.leaves(x, is_leaf=_is_module)))
+diff_of = lambda parts: jax.tree.map(lambda x: x.diff if is_part(x) else x, parts)
+rest_of = lambda parts: jax.tree.map(lambda x: x.rest if is_part(x) else None, parts)
 
 
 def take_apart(arg: Any, where: str, wrt: Any) -> Any:
@@ -60,14 +56,6 @@ def take_apart(arg: Any, where: str, wrt: Any) -> Any:
         return Part(x, graphdef, diff[0] if diff else None, rest)
 
     return jax.tree.map(part, arg, is_leaf=_is_module)
-
-
-def diff_of(parts: Any) -> Any:
-    return jax.tree.map(lambda x: x.diff if is_part(x) else x, parts)
-
-
-def rest_of(parts: Any) -> Any:
-    return jax.tree.map(lambda x: x.rest if is_part(x) else None, parts)
 
 
 def put_together(parts: Any, diff: Any, rest: Any) -> Any:

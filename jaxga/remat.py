@@ -22,13 +22,12 @@ class Remat(NamedTuple):
 
 
 _cp = jax.checkpoint_policies
+_offload = _cp.offload_dot_with_no_batch_dims("device", "pinned_host")
 REMAT: dict[str, Remat] = {
     "none": Remat(None, 1, "everything (no rematerialisation)"),
     "dots": Remat(_cp.dots_saveable, 1, "the outputs of matmuls and convolutions"),
     "dots_no_batch": Remat(_cp.dots_with_no_batch_dims_saveable, 1, "unbatched matmul outputs"),
-    "offload_dots": Remat(
-        _cp.offload_dot_with_no_batch_dims("device", "pinned_host"), 1, "as dots_no_batch, on host"
-    ),
+    "offload_dots": Remat(_offload, 1, "as dots_no_batch, on host"),
     "full": Remat(_cp.nothing_saveable, 1, "each layer's input"),
     "sqrt": Remat(_cp.nothing_saveable, "sqrt", "the inputs of √L segments of layers"),
 }
