@@ -15,30 +15,12 @@ from jaxga.train import make_train_step, nnx_loss, nnx_train_step
 
 __version__ = "0.1.0"
 
+# fmt: off
 __all__ = [
-    "Accumulated",
-    "Mean",
-    "MemoryReport",
-    "MultiSteps",
-    "MultiStepsState",
-    "Plan",
-    "TrainState",
-    "accumulate",
-    "as_mean",
-    "checkpoint_policy",
-    "compiler_options",
-    "grad",
-    "make_train_step",
-    "memory_report",
-    "merge_microbatches",
-    "nnx_loss",
-    "nnx_train_step",
-    "parse_bytes",
-    "plan",
-    "remat_scan",
-    "sharding",
-    "skip_not_finite",
-    "split_microbatches",
-    "token_cross_entropy",
-    "value_and_grad",
+    "Accumulated", "Mean", "MemoryReport", "MultiSteps", "MultiStepsState", "Plan",
+    "TrainState", "accumulate", "as_mean", "checkpoint_policy", "compiler_options", "grad",
+    "make_train_step", "memory_report", "merge_microbatches", "nnx_loss", "nnx_train_step",
+    "parse_bytes", "plan", "remat_scan", "sharding", "skip_not_finite", "split_microbatches",
+    "token_cross_entropy", "value_and_grad",
 ]
+# fmt: on

@@ -182,7 +182,7 @@ def _check_state(state: Any) -> None:
         )
 
 
-def _check_step_options(loss, num_microbatches, mesh, axis_name, strategy, *flags) -> None:
+def _check_step_options(loss, num_microbatches, mesh, axis_name, strategy, donate, offload):
     if callable(getattr(num_microbatches, "update", None)):
         raise TypeError(
             f"make_train_step takes no optimiser: it runs `state.tx` (TrainState.create(params, "
@@ -195,8 +195,8 @@ def _check_step_options(loss, num_microbatches, mesh, axis_name, strategy, *flag
         sharding.check_mesh(mesh, axis_name, concrete=True)
     elif not (isinstance(strategy, str) and strategy == "data_parallel"):
         raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
-    for flag, name in zip(flags, ("donate", "offload"), strict=True):
-        _checks.check_bool(flag, name)
+    _checks.check_bool(donate, "donate")
+    _checks.check_bool(offload, "offload")
 
 
 def make_train_step(
