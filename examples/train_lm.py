@@ -238,8 +238,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--plan",
         metavar="BUDGET",
         default=None,
-        help="choose micro-batches, remat, --strategy and --offload with jaxga.plan for a "
-        "per-device memory budget, e.g. 2GiB ('device': the device's memory less 10%%)",
+        help="choose --microbatches, --remat, --strategy and --offload (overriding them) with "
+        "jaxga.plan for a per-device memory budget, e.g. 2GiB ('device': 90%% of its memory)",
     )
     p.add_argument("--remat", choices=tuple(REMAT), default=Config.remat)
     p.add_argument(
@@ -374,6 +374,7 @@ def train(args: argparse.Namespace) -> dict:
 
     if args.plan is not None:
         graphdef = plan_step(args, cfg, state, example)
+        cfg = dataclasses.replace(cfg, remat=args.remat)  # the model trained, as saved
     step_fn = make_step(args, graphdef, args.microbatches, args.strategy, args.offload)
     report = jaxga.memory_report(step_fn, state, example)  # per device on a mesh
 

@@ -4,12 +4,13 @@ import dataclasses
 import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxga._checks import check_arity, check_bool, leading_size, positive_int
 from jaxga.arguments import as_positions
@@ -115,9 +116,8 @@ class Plan(Candidate):
             f"budget of {budget}",
             *("  ".join(f"{x:{a}{w}}" for x, a, w in zip(r, align, widths)).rstrip() for r in rows),
         ]
-        if self.num_skipped:
-            lines.append(f"({self.num_skipped} more not built; exhaustive=True builds all)")
-        return "\n".join(lines)
+        skipped = f"({self.num_skipped} more not built; exhaustive=True builds all)"
+        return "\n".join(lines + [skipped] * bool(self.num_skipped))
 
 
 class InfeasibleBudgetError(ValueError):
@@ -137,16 +137,14 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding, weak_type=weak)
 
 
-def _budget(budget: Any, margin: Any, device: Any) -> int:
-    """``budget`` in bytes; ``None``: ``device``'s memory limit less the fraction ``margin``."""
-    if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin < 1:
-        raise ValueError(f"`margin` must be a fraction of device memory in [0, 1); got {margin!r}.")
+def _budget(budget: Any) -> int:
+    """``budget`` in bytes; ``None``: 90 % of the first local device's memory limit."""
     if budget is None:
-        device = device if device is not None else jax.local_devices()[0]
+        device = jax.local_devices()[0]
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         if not stats or "bytes_limit" not in stats:
             raise ValueError(f"`budget`=None, but {device} has no memory limit; pass e.g. '8GiB'.")
-        budget = int(stats["bytes_limit"] * (1.0 - margin))
+        budget = int(stats["bytes_limit"] * 0.9)
     return parse_bytes(budget)
 
 
@@ -176,12 +174,13 @@ def _batch(args, batch_argnums, num_microbatches) -> tuple[int, list[int]]:
 
 
 def _seconds(step: Callable[..., Any], args: tuple[Any, ...], repeats: int) -> float:
-    """Median seconds of a call on fresh zeros (fresh, as ``step`` may donate them)."""
-    zeros, times = lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), []
-    for _ in range(repeats + 1):  # the first call compiles
-        inputs = jax.block_until_ready(jax.tree.map(zeros, args))
+    """Median seconds of a call on fresh zeros laid out as ``step`` takes them (it may donate)."""
+    compiled = (step if hasattr(step, "lower") else jax.jit(step)).lower(*args).compile()
+    zeros, times = lambda s, where: jnp.zeros(s.shape, s.dtype, device=where), []
+    for _ in range(repeats + 1):  # the first call warms up
+        inputs = jax.tree.map(zeros, args, compiled.input_shardings[0])
         start = time.perf_counter()
-        jax.block_until_ready(step(*inputs))
+        jax.block_until_ready(compiled(*jax.block_until_ready(inputs)))
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
@@ -230,18 +229,18 @@ def _search(build, args, batch_size, order, budget, wanted, strict) -> tuple[lis
     return found, steps, 0
 
 
-def _choices(strategy: Any, offload: Any) -> list[list[dict[str, Any]]]:
-    """The keywords for ``build`` of each strategy, and of each offload (``[{}]``: none)."""
-    axes = {"strategy": strategy, "offload": offload}
-    axes = {
-        n: (v,) if isinstance(v, str | bool) else tuple(v) for n, v in axes.items() if v is not None
-    }
+def _choices(remat: Any, strategy: Any, offload: Any) -> list[Any]:
+    """The remat values, and ``build``'s keywords for each strategy and offload (or ``[{}]``)."""
+    given = {"remat": remat, "strategy": strategy, "offload": offload}
+    many = lambda v: isinstance(v, Iterable) and not isinstance(v, str | Mapping | P)
+    axes = {n: tuple(v) if many(v) else (v,) for n, v in given.items() if v is not None}
     for name, values in axes.items():
         if not values:
             raise ValueError(f"`{name}` must hold at least one value; got {values!r}.")
-        for value in values:
+        for value in values if name != "remat" else ():
             check_bool(value, "offload") if name == "offload" else check_strategy(value)
-    return [[{n: v} for v in axes[n]] if n in axes else [{}] for n in ("strategy", "offload")]
+    keywords = [[{n: v} for v in axes[n]] if n in axes else [{}] for n in _SEARCHED]
+    return [axes.get("remat", (None,)), *keywords]
 
 
 def plan(
@@ -253,11 +252,9 @@ def plan(
     strategy: Sequence[Any] | None = None,
     offload: Sequence[bool] | None = None,
     batch_argnums: int | Sequence[int] | None = None,
-    margin: float = 0.1,
     exhaustive: bool = False,
     time_top: int = 0,
     repeats: int = 3,
-    device: Any = None,
 ) -> Plan:
     """Returns the first configuration, least sequential work first, that fits a memory budget.
 
@@ -269,8 +266,8 @@ def plan(
         build: ``build(num_microbatches, remat) -> step``, a (``jax.jit``-ed) train step;
             also given ``strategy=`` and ``offload=`` when those are searched.
         *args: the step's arguments, arrays or :class:`jax.ShapeDtypeStruct`.
-        budget: bytes, e.g. ``"512MiB"`` (see :func:`parse_bytes`); default: ``device``'s
-            (the first local one's) ``memory_stats()["bytes_limit"]`` less the fraction ``margin``.
+        budget: bytes, e.g. ``"512MiB"`` (see :func:`parse_bytes`); default: 90 % of the
+            first local device's ``memory_stats()["bytes_limit"]``.
         num_microbatches: the candidate counts, divisors of the batch size; default: all.
         remat: the candidate remat values, least recomputation first; ``(None,)`` for none.
         strategy: if given, the candidate layouts on a mesh, e.g. ``jaxga.sharding.STRATEGIES``.
@@ -291,7 +288,7 @@ def plan(
         >>> p.num_microbatches > 1, p.report.peak_bytes <= p.budget
         (True, True)
     """
-    layouts, offloads = _choices(strategy, offload)
+    remat, layouts, offloads = _choices(remat, strategy, offload)
     keywords = [*layouts[0], *offloads[0]]
     signature = "".join(f", {n}=..." for n in keywords)
     check_arity(build, "build", 2, f"build(num_microbatches, remat{signature}) -> step", keywords)
@@ -300,10 +297,7 @@ def plan(
     if isinstance(time_top, bool) or not isinstance(time_top, int) or time_top < 0:
         raise ValueError(f"`time_top` must be a non-negative int; got {time_top!r}.")
     positive_int(repeats, "repeats")
-    remat = (remat,) if isinstance(remat, str) else tuple(remat)
-    if not remat:
-        raise ValueError("`remat` must hold at least one value; use (None,) for no choice.")
-    budget = _budget(budget, margin, device)
+    budget = _budget(budget)
     args = jax.tree.map(_abstract, args)
     batch_size, counts = _batch(args, batch_argnums, num_microbatches)
     order = [(k, r, s | o) for k in counts for s in layouts for r in remat for o in offloads]
@@ -314,8 +308,8 @@ def plan(
     for i in fitting[:time_top]:
         found[i] = dataclasses.replace(found[i], seconds=_seconds(steps[i], args, repeats))
     best = min(fitting[: max(time_top, 1)], key=lambda i: (found[i].seconds or 0, i))
-    why = "fits; slower than the choice" if time_top else "fits; an earlier one was chosen"
-    found = [dataclasses.replace(c, reason=why) if c.fits else c for c in found]
+    why = lambda c: "fits; " + ("slower than" if c.seconds else "an earlier one is") + " the choice"
+    found = [dataclasses.replace(c, reason=why(c)) if c.fits else c for c in found]
     found[best] = dataclasses.replace(found[best], reason="")
     chosen = vars(found[best]) | {"budget": budget, "batch_size": batch_size}
     return Plan(**chosen, step=steps[best], candidates=tuple(found), num_skipped=skipped)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, collectives
@@ -15,6 +15,7 @@ from jaxga.accumulation import Accumulated
 from jaxga.microbatch import IndivisibleBatchError
 
 STRATEGIES = ("data_parallel", "zero1", "fsdp", "zero3")
+_SPACES = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Device}
 _is_spec = lambda x: isinstance(x, P)
 
 
@@ -90,8 +91,7 @@ def put(tree: Any, sharding: Any) -> Any:
 def offload(state: Any, memory_kind: str = "pinned_host") -> Any:
     """Moves the optimiser state in ``state`` to ``memory_kind`` (``"device"`` brings it back).
 
-    What sits under a key or field ``opt_state`` moves (of a MultiSteps, its inner optimiser's
-    state), keeping its layout: arrays, tracers in ``jax.jit`` and shape structs.
+    What is under ``opt_state`` (all if none) moves, not a MultiSteps' accumulator; layouts stay.
 
     Example:
         >>> import jax.numpy as jnp, optax, jaxga
@@ -99,20 +99,25 @@ def offload(state: Any, memory_kind: str = "pinned_host") -> Any:
         >>> jaxga.sharding.offload(state).opt_state[0].mu.sharding.memory_kind
         'pinned_host'
     """
-    space = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Device}[memory_kind]
-    name = lambda path: {getattr(key, "name", getattr(key, "key", None)) for key in path}
-    paths = [name(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    part = "inner_opt_state" if any("inner_opt_state" in p for p in paths) else "opt_state"
+    if memory_kind not in _SPACES:
+        raise ValueError(f"`memory_kind` must be 'pinned_host' or 'device'; got {memory_kind!r}.")
+    keys = lambda path: tuple(jax.tree_util.keystr(path, simple=True, separator="/").split("/"))
+    paths = [keys(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    scoped = any("opt_state" in p for p in paths)  # a train state's, an NNX optimiser's
+    groups = {p[:i] for p in paths for i, k in enumerate(p) if k == "inner_opt_state"}
+    accumulator = lambda p: any(p[: len(g)] == g and p[len(g)] != "inner_opt_state" for g in groups)
 
     def move(path: Any, x: Any) -> Any:
-        if not {"opt_state", part} <= name(path):
+        p = keys(path)
+        if (scoped and "opt_state" not in p) or accumulator(p):  # a MultiSteps' is used every call
             return x
         if isinstance(x, jax.core.Tracer):
-            return jax.device_put(x, space)
-        where = getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            return jax.device_put(x, _SPACES[memory_kind])
+        now = getattr(x, "sharding", None)  # None: a host array or a bare shape struct
+        where = (now or SingleDeviceSharding(jax.local_devices()[0])).with_memory_kind(memory_kind)
         if isinstance(x, jax.ShapeDtypeStruct):
-            return x.update(sharding=where.with_memory_kind(memory_kind))
-        return x if where.memory_kind == memory_kind else jax.device_put(x, space)
+            return x.update(sharding=where)
+        return x if now and now.memory_kind == memory_kind else jax.device_put(x, where)
 
     return jax.tree_util.tree_map_with_path(move, state)
 
@@ -205,7 +210,7 @@ def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
     return jax.tree.map(lambda x, spec: move(x, NamedSharding(mesh, spec)), tree, specs)
 
 
-def placer(mesh: Mesh | None, strategy: Any, axis_name: Any, offload_: bool) -> Callable:
+def placer(mesh: Mesh | None, strategy: Any, axis_name: Any, to_host: bool) -> Callable:
     """Puts a state where the step keeps it: laid out on ``mesh``, optimiser state offloaded."""
 
     def there(x: Any, spec: P) -> bool:
@@ -222,9 +227,9 @@ def placer(mesh: Mesh | None, strategy: Any, axis_name: Any, offload_: bool) -> 
                 specs = fsdp_specs(first, mesh, axis_name) if sharded else [P()]
             if not all(map(there, [state.step, *first], [P(), *specs])):
                 state = put(state, state_shardings(state, mesh, strategy, axis_name=axis_name))
-        elif offload_ and not getattr(x := jax.tree.leaves(state)[0], "committed", True):
+        elif to_host and not getattr(x := jax.tree.leaves(state)[0], "committed", True):
             state = jax.device_put(state, x.sharding)  # committed, as the step returns it
-        return offload(state) if offload_ else state
+        return offload(state) if to_host else state
 
     return place_state
 

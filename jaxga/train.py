@@ -66,6 +66,8 @@ def _update(acc: Accumulated, update: Callable[[Any, Any], Any], state: Any) -> 
     try:
         shapes = jax.eval_shape(update, state, acc.grads)
     except (TypeError, ValueError) as e:
+        if "memory_space" in str(e):  # a state offloaded by another step
+            hint = "its state is in host memory: pass offload=True, or move it to the device"
         raise ValueError(f"The optimiser's update fails on these parameters: {hint} ({e})") from e
     paths = jax.tree_util.tree_flatten_with_path(state)[0]
     for (path, before), after in zip(paths, jax.tree.leaves(shapes), strict=True):
@@ -359,7 +361,7 @@ def nnx_train_step(
     def split(model: Any, optimizer: Any) -> tuple[Any, Any]:
         _check_optimizer(optimizer, model, None)
         graphdef, state = nnx.split((model, optimizer))
-        state = sharding.offload(state) if offload else state
+        state = sharding.placer(None, "data_parallel", None, offload)(state)
         return graphdef, unaliased(state) if donate else state
 
     def step(model: Any, optimizer: Any, batch: Any) -> Metrics:

@@ -84,8 +84,47 @@ def test_offload_compiles_the_step_once(caplog):
     with jax.log_compiles(), caplog.at_level(logging.WARNING):
         for i in range(3):
             state, _ = step(state, make_batch(i))
-    compiled = [r for r in caplog.records if "Finished XLA compilation of jit(step)" in r.message]
+    compiled = [r for r in caplog.records if r.message.startswith("Compiling jit(step) ")]
     assert len(compiled) == 1, [r.message for r in compiled]
+
+
+def test_nnx_train_step_offload_compiles_once(caplog):
+    model = nnx.Linear(8, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+    lossfn = lambda m, b: jaxga.Mean.of(jnp.square(m(b["x"]) - b["y"]))
+    step = jaxga.nnx_train_step(lossfn, 4, offload=True)
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        for i in range(3):
+            step(model, optimizer, make_batch(i))
+    compiled = [r for r in caplog.records if r.message.startswith("Compiling jit(step) ")]
+    assert len(compiled) == 1, [r.message for r in compiled]
+
+
+def test_offload_moves_everything_but_a_multisteps_accumulator():
+    """Adam before a MultiSteps in a chain goes to the host too; a bare optimiser state (no
+    `opt_state` key) moves whole; back to the device with "device"."""
+    tx = optax.chain(optax.scale_by_adam(), jaxga.MultiSteps(optax.sgd(0.1, momentum=0.9), 2))
+    state = jaxga.sharding.offload(jaxga.TrainState.create(params=make_params(), tx=tx))
+    adam, multisteps = state.opt_state
+    assert set(kinds(adam).values()) == {"pinned_host"}
+    assert set(kinds(multisteps.inner_opt_state).values()) == {"pinned_host"}
+    assert set(kinds(multisteps.acc_grads).values()) == {"device"}
+    assert set(kinds(state.params).values()) == {"device"}
+    bare = jaxga.sharding.offload(optax.adam(0.1).init(make_params()))
+    assert set(kinds(bare).values()) == {"pinned_host"}
+    back = jaxga.sharding.offload(bare, "device")
+    assert set(kinds(back).values()) == {"device"}
+    chex.assert_trees_all_equal(host_arrays(back), host_arrays(bare))
+
+
+def test_a_step_without_offload_names_an_offloaded_state():
+    state = train(optax.adam(0.05), None, "data_parallel", offload=True, steps=1)
+    step = jaxga.make_train_step(loss, 2)
+    with pytest.raises(ValueError, match=r"its state is in host memory: pass offload=True"):
+        step(state, make_batch(1))
+    resumed, _ = step(jaxga.sharding.offload(state, "device"), make_batch(1))
+    expected = train(optax.adam(0.05), None, "data_parallel", offload=False, steps=2)
+    chex.assert_trees_all_equal(host_arrays(resumed.params), host_arrays(expected.params))
 
 
 def test_nnx_train_step_offload_is_bit_exact():
@@ -141,6 +180,10 @@ def test_memory_report_counts_the_offloaded_state_as_host_bytes(mesh, strategy, 
 
 
 def test_offload_arguments_are_checked():
+    with pytest.raises(
+        ValueError, match=r"`memory_kind` must be 'pinned_host' or 'device'; got 'host'"
+    ):
+        jaxga.sharding.offload({"opt_state": jnp.ones(2)}, "host")
     with pytest.raises(TypeError, match=r"`offload` must be a bool; got 'yes'"):
         jaxga.make_train_step(loss, 2, offload="yes")
     with pytest.raises(TypeError, match=r"`offload` must be a bool; got 1"):
@@ -182,7 +225,7 @@ def peaks():
     }
 
 
-def search(budget, time_top=0):
+def search(budget, time_top=0, exhaustive=False):
     return jaxga.plan(
         build,
         STATE,
@@ -194,6 +237,7 @@ def search(budget, time_top=0):
         offload=(False, True),
         time_top=time_top,
         repeats=1,
+        exhaustive=exhaustive,
     )
 
 
@@ -228,6 +272,9 @@ def test_plan_time_top_picks_the_measured_fastest_that_fits(peaks):
     assert len(timed) == 3 and all(c.fits for c in timed)
     assert p.seconds == min(c.seconds for c in timed)
     assert all(c.reason == "fits; slower than the choice" for c in timed if c.seconds > p.seconds)
+    exhaustive = search(budget, time_top=1, exhaustive=True)
+    untimed = [c for c in exhaustive.candidates if c.fits and c.seconds is None]
+    assert untimed and all(c.reason == "fits; an earlier one is the choice" for c in untimed)
 
 
 def test_plan_says_why_a_count_the_devices_do_not_divide_was_rejected():
@@ -250,6 +297,13 @@ def test_plan_says_why_a_count_the_devices_do_not_divide_was_rejected():
 def test_plan_checks_its_search_axes(kwargs, error, message):
     with pytest.raises(error, match=message):
         jaxga.plan(build, STATE, BATCH, budget="1GiB", **kwargs)
+
+
+def test_plan_takes_a_tree_of_specs_as_one_strategy():
+    specs = {"w": jax.sharding.PartitionSpec(None, None, "data")}
+    p = jaxga.plan(build.__wrapped__, STATE, BATCH, budget="1GiB", num_microbatches=1, remat="none",
+                   strategy=specs, offload=False)  # fmt: skip
+    assert p.strategy == specs and len(p.candidates) == 1
 
 
 def test_plan_needs_a_build_that_takes_the_searched_keywords():
