@@ -23,4 +23,3 @@ __all__ = [
     "parse_bytes", "plan", "remat_scan", "sharding", "skip_not_finite", "split_microbatches",
     "token_cross_entropy", "value_and_grad",
 ]
-# fmt: on

@@ -91,8 +91,7 @@ def dot_flops(jaxpr: Any) -> tuple[int, bool]:
 
 
 def _sizes(compiled: Any, stats: Any) -> tuple[list[int], list[int]]:
-    """Device and host bytes of ``compiled``'s arguments, outputs, scratch and aliased outputs
-    (host from the arguments' and outputs' memory kinds where XLA counts it with the device's)."""
+    """Device and host bytes of arguments, outputs, scratch and aliases (host: by memory kind)."""
     kinds = ("argument", "output", "temp", "alias")
     device = [int(getattr(stats, f"{kind}_size_in_bytes")) for kind in kinds]
     host = [int(getattr(stats, f"host_{kind}_size_in_bytes", 0)) for kind in kinds]

@@ -186,8 +186,7 @@ def _seconds(step: Callable[..., Any], args: tuple[Any, ...], repeats: int) -> f
 
 
 def _search(build, args, batch_size, order, budget, wanted, strict) -> tuple[list, list, int]:
-    """Builds and compiles the candidates in order until ``wanted`` fit, or raises; also
-    returns how many were left. A count that the devices do not divide is tried once."""
+    """Compiles the candidates in order until ``wanted`` fit (and says how many were left)."""
     found, steps = [], []
     for i, (k, r, choice) in enumerate(order):
         if sum(c.fits for c in found) >= wanted:

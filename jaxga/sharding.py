@@ -16,6 +16,7 @@ from jaxga.microbatch import IndivisibleBatchError
 
 STRATEGIES = ("data_parallel", "zero1", "fsdp", "zero3")
 _SPACES = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Device}
+_MOVED: dict[Any, list[bool]] = {}  # offload's leaves to move, by tree structure
 _is_spec = lambda x: isinstance(x, P)
 
 
@@ -88,6 +89,16 @@ def put(tree: Any, sharding: Any) -> Any:
     return jax.tree.map(one, tree, sharding)
 
 
+def _optimizer_leaves(state: Any) -> list[bool]:
+    """Which leaves :func:`offload` moves: not a MultiSteps' accumulator, used every call."""
+    keys = lambda path: tuple(jax.tree_util.keystr(path, simple=True, separator="/").split("/"))
+    paths = [keys(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    scoped = any("opt_state" in p for p in paths)  # a train state's, an NNX optimiser's
+    groups = {p[:i] for p in paths for i, k in enumerate(p) if k == "inner_opt_state"}
+    accumulator = lambda p: any(p[: len(g)] == g and p[len(g)] != "inner_opt_state" for g in groups)
+    return [("opt_state" in p or not scoped) and not accumulator(p) for p in paths]
+
+
 def offload(state: Any, memory_kind: str = "pinned_host") -> Any:
     """Moves the optimiser state in ``state`` to ``memory_kind`` (``"device"`` brings it back).
 
@@ -101,16 +112,10 @@ def offload(state: Any, memory_kind: str = "pinned_host") -> Any:
     """
     if memory_kind not in _SPACES:
         raise ValueError(f"`memory_kind` must be 'pinned_host' or 'device'; got {memory_kind!r}.")
-    keys = lambda path: tuple(jax.tree_util.keystr(path, simple=True, separator="/").split("/"))
-    paths = [keys(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    scoped = any("opt_state" in p for p in paths)  # a train state's, an NNX optimiser's
-    groups = {p[:i] for p in paths for i, k in enumerate(p) if k == "inner_opt_state"}
-    accumulator = lambda p: any(p[: len(g)] == g and p[len(g)] != "inner_opt_state" for g in groups)
+    leaves, treedef = jax.tree.flatten(state)
+    moved = _MOVED.get(treedef) or _MOVED.setdefault(treedef, _optimizer_leaves(state))
 
-    def move(path: Any, x: Any) -> Any:
-        p = keys(path)
-        if (scoped and "opt_state" not in p) or accumulator(p):  # a MultiSteps' is used every call
-            return x
+    def move(x: Any) -> Any:
         if isinstance(x, jax.core.Tracer):
             return jax.device_put(x, _SPACES[memory_kind])
         now = getattr(x, "sharding", None)  # None: a host array or a bare shape struct
@@ -119,7 +124,7 @@ def offload(state: Any, memory_kind: str = "pinned_host") -> Any:
             return x.update(sharding=where)
         return x if now and now.memory_kind == memory_kind else jax.device_put(x, where)
 
-    return jax.tree_util.tree_map_with_path(move, state)
+    return jax.tree.unflatten(treedef, [move(x) if m else x for x, m in zip(leaves, moved)])
 
 
 def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:

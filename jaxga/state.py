@@ -94,8 +94,7 @@ def as_key(rng: Any) -> jax.Array:
 
 
 def unaliased(tree: Any) -> Any:
-    """``tree`` with a copy of each array whose buffer it already holds: a call may not
-    donate one buffer twice (``optax.contrib.prodigy`` keeps the initial parameters)."""
+    """``tree`` with a copy of each array whose buffer it already holds (donated only once)."""
     seen: set[Any] = set()
 
     def once(x: Any) -> Any:

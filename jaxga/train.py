@@ -59,8 +59,7 @@ def _find(tree: Any, kind: type) -> Any:
 
 
 def _update(acc: Accumulated, update: Callable[[Any, Any], Any], state: Any) -> Any:
-    """``update(state, grads)``; for a call that counted no items ``state`` as it was, or
-    (a MultiSteps) ``update`` with zero gradients."""
+    """``update(state, grads)``; with no items counted ``state`` (a MultiSteps: zero grads)."""
     counted = acc.mean.count > 0
     hint = "was it built for these parameters (`nnx.Optimizer(model, tx)`, `TrainState.create`)?"
     try:
