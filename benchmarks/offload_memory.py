@@ -52,22 +52,14 @@ def seconds(step, state, batch, repeats: int = 10) -> float:
 def measure(shape: tuple[int, ...], counts: tuple[int, ...], timed: bool = False) -> dict:
     batch_size, seq_len, dim, heads, layers = shape
     cfg = train_lm.Config(seq_len, dim, heads, layers, 0.0, "full", "bfloat16")
-    model = nnx.eval_shape(lambda: train_lm.Transformer(cfg, nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = train_lm.optimizer(3e-4)
-    state = jax.eval_shape(
-        lambda p, r: jaxga.TrainState.create(params=p, tx=tx, model_state=r), params, rest
-    )
-    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-    batch = {"inputs": tokens, "labels": tokens, "mask": tokens.update(dtype=jnp.float32)}
+    loss, state, batch = train_lm.abstract_step_args(cfg, batch_size)
     if not timed:  # compiled for a described H100
         args = gpu.on(gpu.h100(), (state, batch))
     else:  # this machine's device: real arrays
         model = nnx.jit(lambda: train_lm.Transformer(cfg, nnx.Rngs(0)))()
         _, params, rest = nnx.split(model, nnx.Param, ...)
-        state = jaxga.TrainState.create(params=params, tx=tx, model_state=rest, rng=0)
+        state = jaxga.TrainState.create(params=params, tx=state.tx, model_state=rest, rng=0)
         args = (state, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), batch))
-    loss = jaxga.nnx_loss(graphdef, train_lm.loss)
     rows = []
     for k in counts:
         for offload in (False, True):
@@ -80,7 +72,7 @@ def measure(shape: tuple[int, ...], counts: tuple[int, ...], timed: bool = False
                 copy = jax.tree.map(jnp.copy, args)  # the step donates its state
                 rows[-1]["seconds"] = seconds(step, *copy)
             print(f"compiled k={k} offload={offload}", file=sys.stderr, flush=True)
-    n = sum(x.size for x in jax.tree.leaves(params))
+    n = sum(x.size for x in jax.tree.leaves(state.params))
     device = jax.devices()[0].device_kind if timed else "described NVIDIA H100 (compiled, not run)"
     return {"device": device, "jax": jax.__version__,
             "num_params": int(n), "shape": shape, "rows": rows}  # fmt: skip

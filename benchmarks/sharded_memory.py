@@ -19,8 +19,6 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
 import jaxga
 
@@ -32,16 +30,7 @@ DEVICES = 8
 
 def measure(args: argparse.Namespace) -> dict:
     cfg = train_lm.Config(args.seq_len, args.dim, args.heads, args.layers, 0.0, "full")
-    model = nnx.eval_shape(lambda: train_lm.Transformer(cfg, nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = train_lm.optimizer(3e-4)
-    state = jax.eval_shape(
-        lambda p, r: jaxga.TrainState.create(params=p, tx=tx, model_state=r), params, rest
-    )
-    tokens = jax.ShapeDtypeStruct((args.batch_size, args.seq_len), jnp.int32)
-    mask = jax.ShapeDtypeStruct((args.batch_size, args.seq_len), jnp.float32)
-    batch = {"inputs": tokens, "labels": tokens, "mask": mask}
-    loss = jaxga.nnx_loss(graphdef, train_lm.loss)
+    loss, state, batch = train_lm.abstract_step_args(cfg, args.batch_size)
     mesh = jax.make_mesh((args.devices,), ("data",))
 
     rows = {}
@@ -56,7 +45,7 @@ def measure(args: argparse.Namespace) -> dict:
             "peak_bytes": report.peak_bytes,
         }
         print(f"compiled {name}", file=sys.stderr, flush=True)
-    num_params = sum(x.size for x in jax.tree.leaves(params))
+    num_params = sum(x.size for x in jax.tree.leaves(state.params))
     return {
         "devices": args.devices,
         "num_params": int(num_params),

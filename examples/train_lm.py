@@ -460,6 +460,23 @@ def train(args: argparse.Namespace) -> dict:
     return {"losses": losses, "params": state.params, "metrics": metrics, "report": report}
 
 
+def abstract_step_args(cfg: Config, batch_size: int) -> tuple[Any, Any, dict]:
+    """The loss ``jaxga.make_train_step`` takes, and the shapes of a train state and batch.
+
+    Nothing is allocated: for compiling the step ahead of time (``jaxga.memory_report``,
+    the benchmarks, the compiled-for-H100 checks).
+    """
+    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = optimizer(3e-4)
+    state = jax.eval_shape(
+        lambda p, r: jaxga.TrainState.create(params=p, tx=tx, model_state=r), params, rest
+    )
+    tokens = jax.ShapeDtypeStruct((batch_size, cfg.seq_len), jnp.int32)
+    batch = {"inputs": tokens, "labels": tokens, "mask": tokens.update(dtype=jnp.float32)}
+    return jaxga.nnx_loss(graphdef, loss), state, batch
+
+
 def plan_step(
     args: argparse.Namespace, cfg: Config, state: jaxga.TrainState, example: dict
 ) -> nnx.GraphDef:

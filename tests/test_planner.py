@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 import jaxga
 from jaxga.planner import Candidate, InfeasibleBudgetError, format_bytes
@@ -342,15 +341,8 @@ TINY_LM += ["--layers", "2", "--sample", "0", "--quiet", "--steps", "1"]
 def example_peak(mesh=None):
     """The peak of the example's step with the full batch, no remat and no offload."""
     cfg = train_lm.Config(seq_len=16, dim=16, heads=2, layers=2, remat="none")
-    model = nnx.eval_shape(lambda: train_lm.Transformer(cfg, nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = train_lm.optimizer(3e-3)
-    state = jax.eval_shape(
-        lambda p, r: jaxga.TrainState.create(params=p, tx=tx, model_state=r), params, rest
-    )
-    tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
-    batch = {"inputs": tokens, "labels": tokens, "mask": jax.ShapeDtypeStruct((8, 16), jnp.float32)}
-    step = jaxga.make_train_step(jaxga.nnx_loss(graphdef, train_lm.loss), 1, mesh=mesh)
+    loss, state, batch = train_lm.abstract_step_args(cfg, 8)
+    step = jaxga.make_train_step(loss, 1, mesh=mesh)
     return jaxga.memory_report(step, state, batch).peak_bytes
 
 

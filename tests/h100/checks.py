@@ -190,18 +190,8 @@ def test_h100_multisteps_tolerance_catches_a_second_accumulator(device, mlp, set
 def small_lm(devices: int = 8):
     """train_lm's model at a small shape: its loss, abstract state and batch."""
     import train_lm
-    from flax import nnx
 
-    cfg = train_lm.Config(16, 64, 2, 2, 0.0, "full")
-    model = nnx.eval_shape(lambda: train_lm.Transformer(cfg, nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = train_lm.optimizer(3e-4)
-    state = jax.eval_shape(
-        lambda p, r: jaxga.TrainState.create(params=p, tx=tx, model_state=r), params, rest
-    )
-    tokens = jax.ShapeDtypeStruct((16, 16), jnp.int32)
-    batch = {"inputs": tokens, "labels": tokens, "mask": tokens.update(dtype=jnp.float32)}
-    return jaxga.nnx_loss(graphdef, train_lm.loss), state, batch
+    return train_lm.abstract_step_args(train_lm.Config(16, 64, 2, 2, 0.0, "full"), 16)
 
 
 def test_h100_sharded_state_per_device():
