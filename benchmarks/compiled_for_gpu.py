@@ -162,6 +162,114 @@ def summary(program: Any) -> dict[str, int]:
     }
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^(ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$")
+# Instructions that launch nothing: bookkeeping, and control flow (its bodies are walked).
+_NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while",
+              "conditional", "call", "after-all", "opt-barrier", "partition-id", "replica-id",
+              "add-dependency", "copy-done", "async-done", "async-update"}  # fmt: skip
+
+
+def _bytes(shapes: str) -> int:
+    """Bytes of the arrays that an HLO shape (``bf16[16,512]{1,0}``, or a tuple) names."""
+    sizes = [_DTYPE_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
+             for t, dims in _ARRAY.findall(shapes)]  # fmt: skip
+    return sum(sizes)
+
+
+def _instructions(lines: list[str]) -> list[dict[str, Any]]:
+    """Each instruction's name, shape, opcode, operand names and attributes."""
+    out = []
+    for line in lines:
+        if not (match := _INSTRUCTION.match(line)):
+            continue
+        root, name, shape, opcode, rest = match.groups()
+        depth, end = 1, 0
+        while depth:  # the operand list ends at the parenthesis that closes it
+            depth += {"(": 1, ")": -1}.get(rest[end], 0)
+            end += 1
+        operands = re.findall(r"%([\w.\-]+)", rest[: end - 1])
+        out.append(dict(root=bool(root), name=name, shape=shape, opcode=opcode,
+                        operands=operands, attributes=rest[end:], line=line))  # fmt: skip
+    return out
+
+
+def _fusion_bytes(body: list[dict[str, Any]]) -> int:
+    """Bytes a fusion reads and writes: a dynamic slice of an operand reads the slice, a
+    dynamic update slice writes the update in place (a layer scan's residuals)."""
+    by_name = {i["name"]: i for i in body}
+    users: dict[str, list[tuple[dict[str, Any], int]]] = {}
+    for i in body:
+        for position, operand in enumerate(i["operands"]):
+            users.setdefault(operand, []).append((i, position))
+    moved = 0
+    for param in (i for i in body if i["opcode"] == "parameter"):
+        uses = users.get(param["name"], [])
+        if uses and all(u["opcode"] == "dynamic-slice" and at == 0 for u, at in uses):
+            moved += sum(_bytes(u["shape"]) for u, _ in uses)
+        elif not (uses and all(u["opcode"] == "dynamic-update-slice" and at == 0
+                               for u, at in uses)):  # fmt: skip
+            moved += _bytes(param["shape"])
+    root = next(i for i in body if i["root"])
+    for out in [by_name[o] for o in root["operands"]] if root["opcode"] == "tuple" else [root]:
+        while out["opcode"] == "bitcast" and out["operands"][0] in by_name:
+            out = by_name[out["operands"][0]]
+        in_place = out["opcode"] == "dynamic-update-slice"
+        moved += _bytes(by_name[out["operands"][1]]["shape"] if in_place else out["shape"])
+    return moved
+
+
+def traffic(program: Any) -> dict[str, int]:
+    """Kernel launches and the bytes they move in a compiled GPU program, each loop body
+    counted as many times as it runs (its known trip count): what a GPU step does beyond
+    its matmul FLOPs, read from HLO (``cost_analysis()`` is empty for a described GPU)."""
+    text = program.as_text()
+    computations: dict[str, list[str]] = {}
+    lines: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("}"):
+            lines = None
+        elif not line[:1].isspace() and (match := _COMPUTATION.match(line)):
+            lines = computations.setdefault(match.group(1), [])
+        elif lines is not None and line.strip():
+            lines.append(line.strip())
+    body = {name: _instructions(lines) for name, lines in computations.items()}
+    total = {"launches": 0, "bytes": 0}
+
+    def visit(name: str, times: int) -> None:
+        shapes: dict[str, str] = {}
+        for i in body[name]:
+            shapes[i["name"]] = i["shape"]
+            attributes, called = i["attributes"], None
+            if i["opcode"] == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes)
+                called = [re.search(r"body=%([\w.\-]+)", attributes).group(1)]
+                times_called = times * (int(trips.group(1)) if trips else 1)
+            elif i["opcode"] in ("call", "conditional"):  # every branch counted
+                names = re.findall(r"(?:to_apply|_computation|computations)=(\{[^}]*\}|%\S+)",
+                                   attributes)  # fmt: skip
+                called = re.findall(r"%([\w.\-]+)", " ".join(names))
+                times_called = times
+            if called:
+                for computation in called:
+                    visit(computation, times_called)
+            elif i["opcode"] not in _NO_KERNEL and "AllocateBuffer" not in attributes:
+                fused = re.search(r"calls=%([\w.\-]+)", attributes)
+                moved = (
+                    _fusion_bytes(body[fused.group(1)])
+                    if i["opcode"] == "fusion" and fused
+                    else sum(_bytes(shapes.get(o, "")) for o in i["operands"]) + _bytes(i["shape"])
+                )
+                total["launches"] += times
+                total["bytes"] += times * moved
+
+    visit(re.search(r"^ENTRY %?([\w.\-]+)", text, re.M).group(1), 1)
+    return total
+
+
 @dataclasses.dataclass(frozen=True)
 class Transformer:
     """``examples/train_lm.py``'s transformer as shapes: ``params`` and ``batch`` are

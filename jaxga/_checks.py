@@ -37,11 +37,9 @@ def positive_int(value: Any, name: str, expected: str = "a positive int") -> int
 
 
 def float_dtype(value: Any, name: str = "accumulator_dtype") -> jnp.dtype | None:
-    if value is None:
-        return None
     with contextlib.suppress(TypeError):  # not a dtype at all
-        if jnp.issubdtype(value, jnp.floating):
-            return jnp.dtype(value)
+        if value is None or jnp.issubdtype(value, jnp.floating):
+            return None if value is None else jnp.dtype(value)
     got = getattr(value, "__name__", repr(value))
     raise TypeError(f"`{name}` must be a floating dtype (jnp.float32...) or None; got {got}.")
 

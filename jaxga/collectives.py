@@ -45,10 +45,8 @@ def varying(tree: Any, axis_name: Any) -> Any:
         >>> _ = jax.shard_map(f, mesh=mesh, in_specs=jax.P(), out_specs=jax.P())(jnp.ones(2))
         float32[2]{V:data}
     """
-    if axis_name is None:
-        return tree
     cast = lambda x: jax.lax.pcast(x, _invariant(x, axis_name), to="varying")  # () a no-op
-    return jax.tree.map(cast, tree)
+    return tree if axis_name is None else jax.tree.map(cast, tree)
 
 
 def psum_invariant(tree: Any, like: Any, axis_name: Any) -> Any:

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxga._checks import check_arity, leading_size, positive_int
+from jaxga._checks import check_arity, check_bool, leading_size, positive_int
 
 Policy = str | Sequence[str] | Callable[..., Any] | None
 _STACK = "jax.tree.map(lambda *p: jnp.stack(p), *layers)"
@@ -122,6 +122,7 @@ def remat_scan(
     *,
     policy: Policy = "full",
     segments: int | str = 1,
+    unroll: bool = False,
 ) -> Any:
     """Computes ``for p in stacked_params: x = layer_fn(p, x)`` in a rematerialised ``lax.scan``.
 
@@ -130,25 +131,27 @@ def remat_scan(
         policy: each layer's ``jax.checkpoint`` policy, see :func:`checkpoint_policy`.
         segments: 1 (per-layer remat), a divisor s of the leading size L of ``stacked_params``
             (an outer scan over s checkpointed segments of L/s layers), or ``"sqrt"`` (s ≈ √L).
+        unroll: run the layers (of a segment) without a loop; only with ``policy="none"``.
 
     Example:
         >>> import jax.numpy as jnp, jaxga
-        >>> w = jnp.full((16, 4, 4), 0.1)
-        >>> y = jaxga.remat_scan(lambda w, x: jnp.tanh(x @ w), w, jnp.ones((2, 4)), segments="sqrt")
-        >>> y.shape
+        >>> w, x = jnp.full((16, 4, 4), 0.1), jnp.ones((2, 4))
+        >>> jaxga.remat_scan(lambda w, x: jnp.tanh(x @ w), w, x, segments="sqrt").shape
         (2, 4)
     """
     num_layers = stack_length(stacked_params)
     save = checkpoint_policy(policy)
     num_segments = resolve_segments(segments, num_layers)
     check_arity(layer_fn, "layer_fn", 2, "layer_fn(params_of_one_layer, x) -> x")
-    scan = lambda step, x, stacked: jax.lax.scan(lambda c, p: (step(p, c), None), x, stacked)[0]
+    if check_bool(unroll, "unroll") and save is not None:  # only a loop keeps remat apart
+        raise ValueError(f"`unroll`=True needs policy='none' (no remat); got {policy!r}.")
     step = lambda params, carry: _same_carry(carry, layer_fn(params, carry))
     if save is not None:  # inside a scan the loop keeps XLA from merging recomputation
         step = jax.checkpoint(step, policy=save, prevent_cse=False)
-    if num_segments > 1:  # an outer scan over checkpointed segments, each an inner scan
-        inner = step
-        step = jax.checkpoint(lambda p, c: scan(inner, c, p), prevent_cse=False)
-        shape = lambda p: (num_segments, num_layers // num_segments, *jnp.shape(p)[1:])
-        stacked_params = jax.tree.map(lambda p: jnp.reshape(p, shape(p)), stacked_params)
-    return scan(step, x, stacked_params)
+    body = lambda step: lambda carry, params: (step(params, carry), None)
+    layers = lambda p, c: jax.lax.scan(body(step), c, p, unroll=unroll)[0]
+    if num_segments == 1:
+        return layers(stacked_params, x)
+    shape = lambda p: (num_segments, num_layers // num_segments, *jnp.shape(p)[1:])
+    stacked_params = jax.tree.map(lambda p: jnp.reshape(p, shape(p)), stacked_params)
+    return jax.lax.scan(body(jax.checkpoint(layers, prevent_cse=False)), x, stacked_params)[0]
