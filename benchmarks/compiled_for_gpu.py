@@ -7,17 +7,18 @@ builds is the one an H100 would run, so its ``memory_analysis()`` is what
 the same: see the attention below) — read on a machine without a GPU. Nothing runs, so
 there are no times; what is compared is the compiled peak and the kernels of the
 program's top level (fusions and library calls outside loops, where the optimisers'
-work is; a layer scan's body, the same for both, is not counted): the launch overhead
-of a small step.
+work is; a loop's body is not counted): the launch overhead of a small step.
+:func:`traffic` counts every kernel, loops times their trip counts (``scan_cost.py``).
 
 Both wrap ``optax.adam``, in two settings as in ``multisteps.py``: as built by default
 (neither skips non-finite gradients) and both skipping them. Two workloads: the MLP of
 ``multisteps.py`` (one call: gradient, ``tx.update``, apply; and ``tx.update`` alone) and
-Transformer M of ``run.py`` (GPT-2 small's shape in a layer scan, bfloat16 matmuls, one
-micro-batch call of k = 4), compiled with ``jaxga.compiler_options("gpu")``. The
-transformer picks its attention by the default backend, here the CPU; under
-:func:`cudnn_attention` it takes cuDNN's fused kernel, as a real GPU run does, so that its
-peaks are those of ``run.py`` on an H100 (within a few per cent).
+Transformer M of ``run.py`` (GPT-2 small's shape, its layers unrolled as the example runs
+them without remat, bfloat16 matmuls, one micro-batch call of k = 4), compiled with
+``jaxga.compiler_options("gpu")``. The transformer picks its attention by the default
+backend, here the CPU; under :func:`cudnn_attention` it takes cuDNN's fused kernel, as a
+real GPU run does, so that its peaks are those of ``run.py`` on an H100 (within a few per
+cent).
 
 The functions here are also those of ``tests/h100/checks.py``, which holds the GPU memory
 claims of the README and ``docs/`` on every test run.
@@ -208,10 +209,11 @@ def _fusion_bytes(body: list[dict[str, Any]]) -> int:
     moved = 0
     for param in (i for i in body if i["opcode"] == "parameter"):
         uses = users.get(param["name"], [])
-        if uses and all(u["opcode"] == "dynamic-slice" and at == 0 for u, at in uses):
-            moved += sum(_bytes(u["shape"]) for u, _ in uses)
-        elif not (uses and all(u["opcode"] == "dynamic-update-slice" and at == 0
-                               for u, at in uses)):  # fmt: skip
+        sliced = [u for u, at in uses if u["opcode"] == "dynamic-slice" and at == 0]
+        updated = [u for u, at in uses if u["opcode"] == "dynamic-update-slice" and at == 0]
+        if uses and len(sliced) + len(updated) == len(uses):  # read in part, written in place
+            moved += sum(_bytes(u["shape"]) for u in sliced)
+        else:
             moved += _bytes(param["shape"])
     root = next(i for i in body if i["root"])
     for out in [by_name[o] for o in root["operands"]] if root["opcode"] == "tuple" else [root]:
@@ -225,7 +227,9 @@ def _fusion_bytes(body: list[dict[str, Any]]) -> int:
 def traffic(program: Any) -> dict[str, int]:
     """Kernel launches and the bytes they move in a compiled GPU program, each loop body
     counted as many times as it runs (its known trip count): what a GPU step does beyond
-    its matmul FLOPs, read from HLO (``cost_analysis()`` is empty for a described GPU)."""
+    its matmul FLOPs, read from HLO (``cost_analysis()`` is empty for a described GPU).
+    Every branch of a conditional is counted (an upper bound); an asynchronous copy or
+    collective as reading and writing its operands once."""
     text = program.as_text()
     computations: dict[str, list[str]] = {}
     lines: list[str] | None = None
@@ -246,8 +250,10 @@ def traffic(program: Any) -> dict[str, int]:
             attributes, called = i["attributes"], None
             if i["opcode"] == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes)
+                if trips is None:
+                    raise ValueError(f"a while loop without a known trip count: {i['line']}")
                 called = [re.search(r"body=%([\w.\-]+)", attributes).group(1)]
-                times_called = times * (int(trips.group(1)) if trips else 1)
+                times_called = times * int(trips.group(1))
             elif i["opcode"] in ("call", "conditional"):  # every branch counted
                 names = re.findall(r"(?:to_apply|_computation|computations)=(\{[^}]*\}|%\S+)",
                                    attributes)  # fmt: skip
@@ -258,11 +264,12 @@ def traffic(program: Any) -> dict[str, int]:
                     visit(computation, times_called)
             elif i["opcode"] not in _NO_KERNEL and "AllocateBuffer" not in attributes:
                 fused = re.search(r"calls=%([\w.\-]+)", attributes)
-                moved = (
-                    _fusion_bytes(body[fused.group(1)])
-                    if i["opcode"] == "fusion" and fused
-                    else sum(_bytes(shapes.get(o, "")) for o in i["operands"]) + _bytes(i["shape"])
-                )
+                read = sum(_bytes(shapes.get(o, "")) for o in i["operands"])
+                moved = read + _bytes(i["shape"])
+                if i["opcode"] == "fusion" and fused:
+                    moved = _fusion_bytes(body[fused.group(1)])
+                elif i["opcode"].endswith("-start"):  # its shape holds the operands again
+                    moved = 2 * read
                 total["launches"] += times
                 total["bytes"] += times * moved
 

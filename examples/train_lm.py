@@ -171,7 +171,7 @@ class Transformer(nnx.Module):
 
 def layer_options(remat: str) -> dict[str, Any]:
     """``jaxga.remat_scan``'s options for a remat name; without remat the layers are unrolled
-    (on an H100, half the peak and kernel launches of a rolled scan: docs/remat.md)."""
+    (docs/remat.md#unrolled-layers)."""
     return remat_options(remat) | {"unroll": remat == "none"}
 
 

@@ -124,14 +124,14 @@ def remat_scan(
     segments: int | str = 1,
     unroll: bool = False,
 ) -> Any:
-    """Computes ``for p in stacked_params: x = layer_fn(p, x)`` in a rematerialised ``lax.scan``.
+    """Computes ``for p in stacked_params: x = layer_fn(p, x)``, rematerialised, in a ``lax.scan``.
 
     Args:
         layer_fn: ``layer_fn(params_of_one_layer, x) -> x``, keeping ``x``'s shapes and dtypes.
         policy: each layer's ``jax.checkpoint`` policy, see :func:`checkpoint_policy`.
         segments: 1 (per-layer remat), a divisor s of the leading size L of ``stacked_params``
             (an outer scan over s checkpointed segments of L/s layers), or ``"sqrt"`` (s ≈ √L).
-        unroll: run the layers (of a segment) without a loop; only with ``policy="none"``.
+        unroll: run the layers (of a segment) without a loop; only with ``policy="none"``/None.
 
     Example:
         >>> import jax.numpy as jnp, jaxga
@@ -144,11 +144,12 @@ def remat_scan(
     num_segments = resolve_segments(segments, num_layers)
     check_arity(layer_fn, "layer_fn", 2, "layer_fn(params_of_one_layer, x) -> x")
     if check_bool(unroll, "unroll") and save is not None:  # only a loop keeps remat apart
-        raise ValueError(f"`unroll`=True needs policy='none' (no remat); got {policy!r}.")
+        got = getattr(policy, "__name__", repr(policy))
+        raise ValueError(f"`unroll`=True needs policy='none' or None; got policy={got}.")
     step = lambda params, carry: _same_carry(carry, layer_fn(params, carry))
     if save is not None:  # inside a scan the loop keeps XLA from merging recomputation
         step = jax.checkpoint(step, policy=save, prevent_cse=False)
-    body = lambda step: lambda carry, params: (step(params, carry), None)
+    body = lambda f: lambda carry, params: (f(params, carry), None)
     layers = lambda p, c: jax.lax.scan(body(step), c, p, unroll=unroll)[0]
     if num_segments == 1:
         return layers(stacked_params, x)

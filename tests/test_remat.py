@@ -374,19 +374,23 @@ def test_unrolled_layers_match_python_loop(problem, segments):
 
 
 def test_unrolled_layers_have_no_loop_and_keep_less_than_a_rolled_scan():
-    # docs/remat.md#unrolled-layers: a rolled scan stacks every residual of a layer
+    # docs/remat.md#unrolled-layers: a rolled scan stacks every residual of a layer;
+    # policy=None is "none"
     shapes = {"w1": (64, 256), "b1": (256,), "w2": (256, 64)}
     params = {k: jax.ShapeDtypeStruct((8, *s), jnp.float32) for k, s in shapes.items()}
     x = jax.ShapeDtypeStruct((256, 64), jnp.float32)
 
-    def compiled(unroll):
-        apply = lambda p, x: jaxga.remat_scan(mlp_block, p, x, policy="none", unroll=unroll)
+    def compiled(unroll, policy="none", segments=1):
+        apply = lambda p, x: jaxga.remat_scan(
+            mlp_block, p, x, policy=policy, segments=segments, unroll=unroll
+        )
         step = jax.grad(lambda p, x: jnp.sum(apply(p, x)), argnums=(0, 1))
         return jax.jit(step).lower(params, x).compile()
 
-    rolled, unrolled = compiled(False), compiled(True)
+    rolled, unrolled = compiled(False), compiled(True, policy=None)
     loop = lambda c: re.search(r"\swhile\(", c.as_text())
     assert loop(rolled) and not loop(unrolled)
+    assert loop(compiled(True, segments=2))  # the checkpointed segments keep their loop
     temp = lambda c: c.memory_analysis().temp_size_in_bytes
     assert temp(unrolled) < 0.8 * temp(rolled)  # CPU: 7.2 MB against 13.8 MB
 
@@ -396,10 +400,13 @@ def test_unrolled_layers_have_no_loop_and_keep_less_than_a_rolled_scan():
     [
         ({"unroll": "yes"}, TypeError, r"^`unroll` must be a bool; got 'yes'\.$"),
         ({"unroll": 1}, TypeError, r"^`unroll` must be a bool; got 1\.$"),
-        ({"unroll": True}, ValueError, r"^`unroll`=True needs policy='none' .*; got 'full'\.$"),
-        ({"unroll": True, "policy": "dots"}, ValueError, r"policy='none' .*; got 'dots'\.$"),
+        ({"unroll": True}, ValueError,
+         r"^`unroll`=True needs policy='none' or None; got policy='full'\.$"),
+        ({"unroll": True, "policy": "dots"}, ValueError, r"; got policy='dots'\.$"),
+        ({"unroll": True, "policy": jax.checkpoint_policies.everything_saveable}, ValueError,
+         r"; got policy=everything_saveable\.$"),
     ],
-)
+)  # fmt: skip
 def test_error_on_bad_unroll(options, error, message):
     params, x = block_params(jax.random.key(0)), jnp.ones((2, 3, 6))
     with pytest.raises(error, match=message):
