@@ -9,11 +9,12 @@ they move, each loop body times its trip count (:func:`compiled_for_gpu.traffic`
 
 Each no-remat program is built twice: as the example builds it now, its layers unrolled
 (``remat_scan(..., policy="none", unroll=True)``), and in a rolled scan (``unroll=False``,
-``remat_scan``'s default), which is what the measured H100 rows of
-``results/gpu-nvidia-h100-80gb-hbm3.json`` ran. The programs with a remat policy are the
-same either way. A least-squares fit of the measured times to the counts of the programs
-they ran, ms ≈ a·GB + b·launches + c, gives every program a *modelled* time: a model, not
-a measurement (the measured rows are jax 0.11.2's programs; these are this jax's).
+``remat_scan``'s default), which the measured H100 rows of
+``results/gpu-nvidia-h100-80gb-hbm3.json`` ran (each row is matched to the program whose
+compiled peak is nearest its own). The programs with a remat policy are the same either
+way. A least-squares fit of the measured times to the counts of the programs they ran,
+ms ≈ a·GB + b·launches + c, gives every program a *modelled* time: a model, not a
+measurement (the measured rows are jax 0.11.2's programs; these are this jax's).
 
     JAX_PLATFORMS=cpu PYTHONPATH=.venv/h100-plugin \\
         .venv/bin/python benchmarks/scan_cost.py [--layers L] [--json PATH]
@@ -82,12 +83,16 @@ def counts(program: Any) -> dict[str, float]:
     }
 
 
-def measured_ms() -> dict[tuple[int, str], float]:
-    """The H100 times of ``run.py --only 2``'s full-batch and jaxga.value_and_grad rows."""
+def measured() -> dict[tuple[int, str], dict[str, Any]]:
+    """``run.py --only 2``'s full-batch and jaxga.value_and_grad rows on the H100."""
     rows = json.loads(MEASURED.read_text())["workloads"][0]["rows"]
-    return {
-        (r["k"], r["remat"]): 1e3 * r["median_s"] for r in rows if r["kind"] in ("full", "scan")
-    }
+    return {(r["k"], r["remat"]): r for r in rows if r["kind"] in ("full", "scan")}
+
+
+def ran(rows: list[dict[str, Any]], run_row: dict[str, Any]) -> dict[str, Any]:
+    """Of a case's programs (rolled and unrolled), the one a measured row ran: the one whose
+    compiled peak is nearest the row's (they differ about 2×, jax versions a few %)."""
+    return min(rows, key=lambda r: abs(np.log(r["peak_mib"] * 2**20 / run_row["peak_bytes"])))
 
 
 def table(device: jax.Device, layers: int = 12) -> list[dict[str, Any]]:
@@ -100,18 +105,18 @@ def table(device: jax.Device, layers: int = 12) -> list[dict[str, Any]]:
         rows.append({"k": k, "remat": remat, "layers": "unrolled" if remat == "none" else "scan"})
         if remat == "none":
             rows.append({"k": k, "remat": remat, "layers": "rolled scan"})
-    measured = measured_ms()
     for row in rows:
         rolled = rolled_layers() if row["layers"] == "rolled scan" else contextlib.nullcontext()
         with rolled:
             start = time.perf_counter()
             program = step_program(device, shape, row["k"], row["remat"])
             row |= counts(program) | {"compile_s": time.perf_counter() - start}
-        if row["layers"] != "unrolled" and layers == TRANSFORMER_M["layers"]:
-            row["measured_ms"] = measured.get((row["k"], row["remat"]))
-    fitted = [r for r in rows if r.get("measured_ms") is not None]
     if layers != TRANSFORMER_M["layers"]:  # nothing measured: no time model
         return rows
+    for case, run_row in measured().items():
+        programs = [r for r in rows if (r["k"], r["remat"]) == case]
+        ran(programs, run_row)["measured_ms"] = 1e3 * run_row["median_s"]
+    fitted = [r for r in rows if r.get("measured_ms") is not None]
     features = lambda r: [r["gb"], r["launches"], 1.0]
     coef = np.linalg.lstsq(
         np.array([features(r) for r in fitted]), np.array([r["measured_ms"] for r in fitted])
