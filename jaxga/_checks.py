@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 
 def leading_size(tree: Any, name: str, axis: str) -> int | None:
@@ -20,6 +21,8 @@ def leading_size(tree: Any, name: str, axis: str) -> int | None:
                 f"{where} is a {type(leaf).__name__ if shape is None else 'scalar'} ({leaf!r}); "
                 f"every leaf of {name} must be an array with a leading {axis} axis."
             )
+        if getattr(getattr(leaf, "dtype", None), "kind", "") in tuple("OSUMm"):  # no JAX dtype
+            raise TypeError(f"{where} has dtype {leaf.dtype}; JAX arrays hold numbers or bools.")
         sizes[where] = shape[0]
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{k}: {v}" for k, v in sizes.items())
@@ -27,9 +30,9 @@ def leading_size(tree: Any, name: str, axis: str) -> int | None:
     return next(iter(sizes.values()), None)
 
 
-def positive_int(value: Any, name: str, expected: str = "a positive int") -> int:
+def positive_int(value: Any, name: str, expected: str = "a positive int", low: int = 1) -> int:
     is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if not is_int or value < 1:
+    if not is_int or value < low:
         raise (ValueError if is_int else TypeError)(
             f"`{name}` must be {expected}; got {value!r} of type {type(value).__name__}."
         )
@@ -49,17 +52,22 @@ def sum_dtype(dtype: jnp.dtype | None, leaf_dtype: Any) -> jnp.dtype:
     return jnp.promote_types(jnp.float32, leaf_dtype) if dtype is None else jnp.dtype(dtype)
 
 
+def check_callable(fn: Any, name: str, expected: str = "a function") -> None:
+    if not callable(fn) or nnx.graphlib.is_graph_node(fn):
+        got = f"{fn!r} of type" if not callable(fn) else "the model, a Flax NNX"
+        raise TypeError(f"`{name}` must be {expected}; got {got} {type(fn).__name__}.")
+
+
 def check_arity(fn: Any, name: str, nargs: int, signature: str, keywords: Any = ()) -> Any:
     """``fn`` if it takes ``nargs`` positional arguments (and ``keywords``); raises naming it."""
-    expected = f"`{name}` must be callable as {signature}"
-    if not callable(fn):
-        raise TypeError(f"{expected}; got {fn!r} of type {type(fn).__name__}.")
+    expected = f"callable as {signature}"
+    check_callable(fn, name, expected)
     try:
         inspect.signature(fn).bind(*range(nargs), **dict.fromkeys(keywords))
     except ValueError:  # no signature (some builtins): the call will tell
         pass
     except TypeError:
-        raise TypeError(f"{expected}; it takes {inspect.signature(fn)}.") from None
+        raise TypeError(f"`{name}` must be {expected}; it takes {inspect.signature(fn)}.") from None
     return fn
 
 

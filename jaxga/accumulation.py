@@ -81,7 +81,12 @@ def _micro_loss(fun, options, args, kwargs, parts, rng_pos, device, sum_dtype) -
         for i, p in parts.items():
             own = diff[diff_pos.index(i)] if i in diff_pos else None
             full[i] = modules.put_together(p, own, state[1][i])
-        mean, aux, user = arguments.parse_output(fun(*full, **kwargs), options, state[0])
+        try:
+            out = fun(*full, **kwargs)
+        except Exception as e:  # often an argument of examples left whole: say which
+            arguments.note_unsplit(e, options, args)
+            raise
+        mean, aux, user = arguments.parse_output(out, options, state[0])
         rest = {i: modules.new_rest(full[i], p, options.filters.get(i)) for i, p in parts.items()}
         rest = arguments.like(rest, state[1], "left its modules (by position) a state")
         count = jax.lax.stop_gradient(jnp.asarray(mean.count, sum_dtype))
@@ -193,9 +198,6 @@ def accumulate(
         axis_name: the ``shard_map`` axis the batch is split over; sums are reduced once.
         accumulator_dtype: dtype of the gradient sums; ``None``: at least float32.
 
-    Returns:
-        A function with ``fun``'s signature returning an :class:`Accumulated`.
-
     Example:
         >>> import jax.numpy as jnp, jaxga
         >>> loss = lambda w, x: jaxga.Mean.of(w * x)
@@ -232,7 +234,7 @@ def value_and_grad(
 
     Gradients and a :class:`jaxga.Mean` loss's totals and counts are summed, then divided once.
     Modules are taken as ``nnx.value_and_grad`` and ``eqx.filter_value_and_grad`` take them.
-    ``aux``: per-example leaves and ``Mean``s as the whole batch gives them, others stacked.
+    ``aux``: per-example rows and ``Mean``s as the whole batch gives them, others ``[k, ...]``.
 
     Args:
         fun, argnums, has_aux: as for :func:`jax.value_and_grad`.

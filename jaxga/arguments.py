@@ -42,8 +42,7 @@ def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:
 
 def parse_positions(fun, argnums, *named) -> dict[str, Any]:
     """Checks ``fun``; the :class:`Options` fields of ``argnums``, ``named`` (batch, rng, state)."""
-    if not callable(fun):
-        raise TypeError(f"`fun` must be a function; got {fun!r} of type {type(fun).__name__}.")
+    _checks.check_callable(fun, "fun")
     single = isinstance(argnums, int | nnx.DiffState)
     try:
         items = (argnums,) if single or isinstance(argnums, str) else tuple(argnums)
@@ -119,10 +118,10 @@ def check_call(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) 
             f"Keyword argument {named[0]!r} holds a Flax NNX graph node; pass it by position."
         )
     for i in options.batch_argnums:
-        if _checks.leading_size(args[i], f"args[{i}]", "batch") is None:
+        if not _checks.leading_size(args[i], f"args[{i}]", "batch"):  # None: no leaves
             raise ValueError(
-                f"`batch_argnums` names args[{i}], which has no array leaves (got {args[i]!r}): "
-                f"pass the batch there, or set `batch_argnums`."
+                f"`batch_argnums` names args[{i}], which has no array leaves or no rows (got "
+                f"{args[i]!r}): pass the batch there, or set `batch_argnums`."
             )
     batch_leaves = jax.tree.leaves([args[i] for i in options.batch_argnums])
     if options.axis_name is not None:
@@ -131,6 +130,19 @@ def check_call(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         raise ValueError(
             f"The batch varies over mesh axes {axes} (inside shard_map), but `axis_name` is "
             f"None: pass axis_name={axes[0]!r}."
+        )
+
+
+def note_unsplit(error: Exception, options: Options, args: tuple[Any, ...]) -> None:
+    """Adds to ``error`` which arguments left whole have as many rows as the batch."""
+    rows = jnp.shape(jax.tree.leaves(args[options.batch_argnums[0]])[0])[:1]
+    named = {*options.argnums, *options.batch_argnums, *options.state_argnums}
+    sized = lambda arg: any(getattr(x, "shape", ())[:1] == rows for x in jax.tree.leaves(arg))
+    whole = [i for i, arg in enumerate(args) if i not in named and sized(arg)]
+    if whole and options.num_microbatches > 1:
+        error.add_note(
+            f"jaxga: not split, yet of the batch's {rows[0]} rows: args{whole}; to split them "
+            f"too, pass batch_argnums={(*options.batch_argnums, *whole)}."
         )
 
 

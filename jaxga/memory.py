@@ -9,6 +9,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
+from jaxga._checks import check_callable
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
@@ -70,8 +72,7 @@ def dot_flops(jaxpr: Any) -> tuple[int, bool]:
         name, p = eqn.primitive.name, eqn.params
         subs = [dot_flops(j) for j in jex_core.jaxprs_in_params(p)]
         exact = exact and name != "while" and all(e for _, e in subs)
-        inner = [f for f, _ in subs]
-        inner = max(inner, default=0) if name == "cond" else sum(inner)
+        inner = (max if name == "cond" else sum)(f for f, _ in subs)  # a cond has branches
         total += inner * (p["length"] if name == "scan" else 1)
         if name == "dot_general":  # 2 FLOPs per multiply-add
             (contract, _), _ = p["dimension_numbers"]
@@ -124,10 +125,7 @@ def memory_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryRe
         >>> report.argument_bytes, report.output_bytes, report.dot_flops
         (1280, 256, 8192)
     """
-    if not callable(fn):
-        raise TypeError(
-            f"`fn` must be a jitted or plain function; got {fn!r} of type {type(fn).__name__}."
-        )
+    check_callable(fn, "fn", "a jitted or plain function")
     jitted = fn if hasattr(fn, "trace") and hasattr(fn, "lower") else jax.jit(fn)
     traced = jitted.trace(*args, **kwargs)
     compiled = traced.lower().compile()

@@ -1,6 +1,7 @@
 """Picks the micro-batch count and remat policy that fit a memory budget, before running."""
 
 import dataclasses
+import numbers
 import re
 import statistics
 import time
@@ -37,7 +38,7 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
         >>> jaxga.parse_bytes("512MiB"), jaxga.parse_bytes("1.5GiB"), jaxga.parse_bytes("2GB")
         (536870912, 1610612736, 2000000000)
     """
-    if isinstance(value, bool) or not isinstance(value, int | str):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral | str):
         raise TypeError(
             f"`{name}` must be an int number of bytes or a string like '512MiB'; got "
             f"{value!r} of type {type(value).__name__}."
@@ -45,7 +46,7 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
     match = _SIZE.fullmatch(value) if isinstance(value, str) else None
     if isinstance(value, str) and (match is None or match[3].lower() not in _UNITS):
         raise ValueError(f"`{name}`={value!r} is not a size such as '512MiB', '1.5GiB' or '2GB'.")
-    size = int(Fraction(match[1] + (match[2] or "")) * _UNITS[match[3].lower()]) if match else value
+    size = int(Fraction(match[1] + (match[2] or "")) * _UNITS[match[3].lower()] if match else value)
     if not 0 <= size < 2**63:  # XLA counts bytes in int64
         raise ValueError(f"`{name}` must be a number of bytes in [0, 2**63); got {value!r}.")
     return size
@@ -97,12 +98,7 @@ class Plan(Candidate):
         rows = [["micro-batches", "size", "remat", *named, "peak", *["host"] * host]]
         rows[0] += ["temporaries", "matmul FLOPs", *["ms/step"] * timed, "verdict"]
         for c, r in ((c, c.report) for c in self.candidates):
-            cells = [
-                c.num_microbatches,
-                c.microbatch_size,
-                c.remat,
-                *(getattr(c, n) for n in named),
-            ]
+            cells = [c.num_microbatches, c.microbatch_size, c.remat, *(vars(c)[n] for n in named)]
             sizes = [] if r is None else [r.peak_bytes, *[r.host_bytes] * host, r.temp_bytes]
             cells += [*map(format_bytes, sizes), f"{r.dot_flops:.3e}"] if r else ["-"] * (3 + host)
             cells += ["" if c.seconds is None else f"{1e3 * c.seconds:.1f}"] * timed
@@ -132,6 +128,10 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
     """The shape, dtype and (multi-device) sharding of an array, without copying it."""
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
+    if isinstance(x, str):  # plan(build, *args, "1GiB"): the budget among the arguments
+        raise TypeError(
+            f"plan's `args` hold the string {x!r}; pass `budget` and the rest by keyword."
+        )
     sharding = x.sharding if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 else None
     weak = getattr(x, "weak_type", type(x) in (int, float, complex))  # Python scalars
     return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding, weak_type=weak)
@@ -141,8 +141,7 @@ def _budget(budget: Any) -> int:
     """``budget`` in bytes; ``None``: 90 % of the first local device's memory limit."""
     if budget is None:
         device = jax.local_devices()[0]
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-        if not stats or "bytes_limit" not in stats:
+        if "bytes_limit" not in (stats := device.memory_stats() or {}):
             raise ValueError(f"`budget`=None, but {device} has no memory limit; pass e.g. '8GiB'.")
         budget = int(stats["bytes_limit"] * 0.9)
     return parse_bytes(budget)
@@ -293,11 +292,11 @@ def plan(
     check_arity(build, "build", 2, f"build(num_microbatches, remat{signature}) -> step", keywords)
     if not args:
         raise ValueError("plan needs the step's arguments (arrays or jax.ShapeDtypeStruct).")
-    if isinstance(time_top, bool) or not isinstance(time_top, int) or time_top < 0:
-        raise ValueError(f"`time_top` must be a non-negative int; got {time_top!r}.")
+    positive_int(time_top, "time_top", "a non-negative int", low=0)
     positive_int(repeats, "repeats")
-    budget = _budget(budget)
+    check_bool(exhaustive, "exhaustive")
     args = jax.tree.map(_abstract, args)
+    budget = _budget(budget)
     batch_size, counts = _batch(args, batch_argnums, num_microbatches)
     order = [(k, r, s | o) for k in counts for s in layouts for r in remat for o in offloads]
     wanted = len(order) if exhaustive else max(time_top, 1)

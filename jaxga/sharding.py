@@ -240,15 +240,7 @@ def placer(mesh: Mesh | None, strategy: Any, axis_name: Any, to_host: bool) -> C
 
 
 def accumulate_on_mesh(
-    accumulated: Callable[..., Callable],
-    loss: Callable[..., Any],
-    mesh: Mesh,
-    axis_name: Any,
-    strategy: Any,
-    num_microbatches: int,
-    state: Any,
-    batch: Any,
-    *rest: Any,
+    accumulated, loss, mesh, axis_name, strategy, num_microbatches, state, batch, *rest
 ) -> tuple[Any, Any, Any, Any]:
     """The step's loop on ``mesh``: (accumulated, placed state, its specs, optimiser's view)."""
     size, devices = _checks.leading_size(batch, "batch", "batch"), mesh.shape[axis_name]

@@ -67,10 +67,8 @@ def check_arrays(tree: Any, name: str, empty_ok: bool = False) -> None:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     for path, x in leaves:
         if not (hasattr(x, "dtype") or isinstance(x, int | float | complex)):
-            raise TypeError(
-                f"{name}{jax.tree_util.keystr(path)} is {x!r} of type {type(x).__name__}; "
-                f"expected an array."
-            )
+            where = f"{name}{jax.tree_util.keystr(path)}"
+            raise TypeError(f"{where} is {x!r} of type {type(x).__name__}; expected an array.")
     if not leaves and not empty_ok:
         raise ValueError(f"`{name}` must be a pytree holding the parameter arrays; got {tree!r}.")
 
@@ -125,9 +123,8 @@ def model_io(state: Any) -> tuple[Any, jax.Array | None, Callable[[Any, Any], An
         is_key = lambda n: n in ("rng", "key") or jnp.issubdtype(dtype(n), jax.dtypes.prng_key)
         keys = [n for n in added if is_key(n)]
         if len(keys) > 1:
-            raise ValueError(
-                f"`state` ({type(state).__name__}) has PRNG-key fields {keys}; expected one."
-            )
+            kind = type(state).__name__
+            raise ValueError(f"`state` ({kind}) has PRNG-key fields {keys}; expected one.")
         fields = [n for n in added if n not in keys and isinstance(getattr(state, n), Mapping)]
         model_state = {n: getattr(state, n) for n in fields}
         key = getattr(state, keys[0]) if keys else None

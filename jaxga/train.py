@@ -33,9 +33,8 @@ def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
         ()
     """
     if not isinstance(graphdef, nnx.graphlib.GraphDef):
-        raise TypeError(
-            f"`graphdef` must be the GraphDef of {_SPLIT}; got {type(graphdef).__name__}."
-        )
+        got = type(graphdef).__name__
+        raise TypeError(f"`graphdef` must be the GraphDef of {_SPLIT}; got {got}.")
     _checks.check_arity(loss, "loss", 3, "`loss(model, batch, rng)`")
 
     def functional(params, batch, model_state, rng):
@@ -243,14 +242,11 @@ def make_train_step(
         (1.0, 8, 1)
     """
     _check_step_options(loss, num_microbatches, mesh, axis_name, strategy, donate, offload)
+    dtype = _checks.float_dtype(accumulator_dtype)  # checked now, not at the first call
+    options = dict(num_microbatches=num_microbatches, accumulator_dtype=dtype)
+    axis = axis_name if mesh is not None else None  # the batch's shard_map axis
     accumulated = functools.partial(
-        accumulate,
-        num_microbatches=num_microbatches,
-        batch_argnums=1,
-        state_argnums=2,
-        rng_argnums=3,
-        axis_name=axis_name if mesh is not None else None,
-        accumulator_dtype=accumulator_dtype,
+        accumulate, batch_argnums=1, state_argnums=2, rng_argnums=3, axis_name=axis, **options
     )
     checked = _loss_alone(loss, "`loss(params, batch, model_state, rng)`", pair=True)
 
@@ -277,18 +273,16 @@ def make_train_step(
         new = new if mesh is None else sharding.place(mesh, new, specs)
         return new, _metrics(acc, state.opt_state, opt_state)
 
-    return _as_step(
-        _offloaded(step, offload), sharding.placer(mesh, strategy, axis_name, offload), donate
-    )
+    place = sharding.placer(mesh, strategy, axis_name, offload)
+    return _as_step(_offloaded(step, offload), place, donate)
 
 
 def _check_optimizer(optimizer: Any, model: Any, grads: Any) -> None:
     if not isinstance(optimizer, nnx.Optimizer):
         raise TypeError(f"`optimizer` must be an nnx.Optimizer; got {type(optimizer).__name__}.")
     if not modules.is_graph_node(model):
-        raise TypeError(
-            f"`model` must be the NNX module `optimizer` updates; got {type(model).__name__}."
-        )
+        got = type(model).__name__
+        raise TypeError(f"`model` must be the NNX module `optimizer` updates; got {got}.")
     if isinstance(optimizer, nnx.ModelAndOptimizer) and optimizer.model is not model:
         raise ValueError(
             "`optimizer` is an nnx.ModelAndOptimizer of another model than `model`: call "
@@ -343,19 +337,14 @@ def nnx_train_step(
         >>> int(metrics["count"]), int(optimizer.step[...])
         (8, 1)
     """
-    _checks.positive_int(num_microbatches, "num_microbatches")
     _checks.check_arity(loss, "loss", 2, "`loss(model, batch) -> loss`")
     _checks.check_bool(donate, "donate")
     _checks.check_bool(offload, "offload")
-    checked = _loss_alone(loss, "`loss(model, batch)`", pair=False)
-    grad_fn = accumulate(
-        checked, num_microbatches=num_microbatches, accumulator_dtype=accumulator_dtype
-    )
+    options = dict(num_microbatches=num_microbatches, accumulator_dtype=accumulator_dtype)
+    grad_fn = accumulate(_loss_alone(loss, "`loss(model, batch)`", pair=False), **options)
     pure = _offloaded(functools.partial(_nnx_step, grad_fn), offload)
-    donated = 1 if donate else ()
-    jitted = jax.jit(
-        pure, static_argnums=0, donate_argnums=donated, compiler_options=compiler_options()
-    )
+    donated, xla = 1 if donate else (), compiler_options()
+    jitted = jax.jit(pure, static_argnums=0, donate_argnums=donated, compiler_options=xla)
 
     def split(model: Any, optimizer: Any) -> tuple[Any, Any]:
         _check_optimizer(optimizer, model, None)

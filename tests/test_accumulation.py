@@ -479,7 +479,9 @@ def test_tuple_output_without_has_aux_says_so():
 
 @pytest.mark.parametrize("batch", [None, {}, {"x": None}])
 def test_batch_without_arrays_is_rejected(batch):
-    with pytest.raises(ValueError, match=r"`batch_argnums` names args\[1\], which has no array"):
+    with pytest.raises(
+        ValueError, match=r"`batch_argnums` names args\[1\], which has no array leaves or no rows"
+    ):
         jaxga.value_and_grad(lambda w, b: w, num_microbatches=2)(1.0, batch)
 
 

@@ -283,6 +283,8 @@ def test_batch_argnums_is_rejected_as_value_and_grad_rejects_it():
         ({"num_microbatches": (0, 2)}, ValueError, r"`num_microbatches` must be a positive int"),
         ({"time_top": -1}, ValueError, r"`time_top` must be a non-negative int; got -1"),
         ({"repeats": 0}, ValueError, r"^`repeats` must be a positive int; got 0\b"),
+        ({"time_top": 2.5}, TypeError, r"`time_top` must be a non-negative int; got 2.5"),
+        ({"exhaustive": "yes"}, TypeError, r"^`exhaustive` must be a bool; got 'yes'\.$"),
         ({"remat": ()}, ValueError, r"`remat` must hold at least one value"),
         ({"budget": "lots"}, ValueError, r"`budget`='lots' is not a size"),
     ],
@@ -290,6 +292,12 @@ def test_batch_argnums_is_rejected_as_value_and_grad_rejects_it():
 def test_plan_errors_name_the_argument(options, error, message):
     with pytest.raises(error, match=message):
         jaxga.plan(build, *ARGS, **{"budget": "1GiB", **options})
+
+
+def test_a_budget_among_the_arguments_is_named_and_numpy_ints_are_byte_counts():
+    with pytest.raises(TypeError, match=r"^plan's `args` hold the string '1GiB'; pass `budget`"):
+        jaxga.plan(build, *ARGS, "1GiB")
+    assert jaxga.parse_bytes(np.int64(5)) == 5 and type(jaxga.parse_bytes(np.int64(5))) is int
 
 
 @pytest.mark.parametrize("value", ["1e400B", "1e400", "9.3e18", "inf", "nan", 2**63])

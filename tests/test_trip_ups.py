@@ -45,11 +45,44 @@ def test_a_raw_key_argument_is_named_with_what_to_pass():
     [
         ({"x": jnp.ones((4, 2)), "split": "train"}, r"args\[1\]\['split'\] is a str"),
         ({"x": jnp.ones((4, 2)), "n": 3}, r"args\[1\]\['n'\] is a scalar"),
+        ({"x": jnp.ones((4, 2)), "id": np.array(list("abcd"))}, r"\['id'\] has dtype <U1; JAX"),
+        (
+            {"x": jnp.ones((0, 2))},
+            r"`batch_argnums` names args\[1\], which has no array leaves or no rows",
+        ),
     ],
 )
 def test_bad_batch_leaves_are_named(batch, message):
     with pytest.raises((TypeError, ValueError), match=message):
         jaxga.grad(lambda w, b: jnp.mean(b["x"] * w), num_microbatches=2)(1.0, batch)
+
+
+def test_an_argument_of_examples_left_whole_is_named_in_the_error():
+    loss = lambda p, x, y: jnp.mean((x @ p - y) ** 2)
+    p, x, y = jnp.arange(3.0), jnp.ones((8, 3)), jnp.arange(8.0)
+    with pytest.raises(TypeError, match="incompatible shapes") as error:
+        jaxga.value_and_grad(loss, num_microbatches=2)(p, x, y)
+    assert error.value.__notes__[0] == (
+        "jaxga: not split, yet of the batch's 8 rows: args[2]; to split them too, pass "
+        "batch_argnums=(1, 2)."
+    )
+    split = jaxga.value_and_grad(loss, num_microbatches=2, batch_argnums=(1, 2))(p, x, y)
+    chex.assert_trees_all_close(split, jax.value_and_grad(loss)(p, x, y), rtol=1e-6)
+
+
+def test_a_model_given_as_the_loss_is_named():
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    expected = r"must be .*; got the model, a Flax NNX Linear\.$"
+    with pytest.raises(TypeError, match=r"^`fun` " + expected):
+        jaxga.value_and_grad(model, num_microbatches=2)
+    with pytest.raises(TypeError, match=r"^`loss` " + expected):
+        jaxga.nnx_train_step(model, 2)
+
+
+def test_a_train_step_checks_its_accumulator_dtype_when_built():
+    loss = lambda params, batch, model_state, rng: (jnp.mean(batch * params), model_state)
+    with pytest.raises(TypeError, match=r"^`accumulator_dtype` must be a floating dtype"):
+        jaxga.make_train_step(loss, 2, accumulator_dtype=jnp.int8)
 
 
 @pytest.mark.parametrize(
