@@ -106,12 +106,15 @@ def resolve_segments(segments: int | str, num_layers: int) -> int:
     return segments
 
 
-def _same_carry(x: Any, y: Any) -> Any:
+def _same_carry(x: Any, y: Any, num_layers: int) -> Any:
     """``y``, what ``layer_fn`` returned, if it has the structure, shapes and dtypes of ``x``."""
     kind = lambda v: f"{jnp.result_type(v).name}{list(jnp.shape(v))}"
     a, b = jax.tree.map(kind, x), jax.tree.map(kind, y)
     if jax.tree.structure(a) != jax.tree.structure(b) or jax.tree.leaves(a) != jax.tree.leaves(b):
-        raise TypeError(f"`layer_fn` must return a carry like its input, {a}; got {b}.")
+        raise TypeError(
+            f"`layer_fn` must return a carry like its input, {a}; got {b}. It was given one of "
+            f"the L={num_layers} slices of `stacked_params` along their leading (layer) axis."
+        )
     return y
 
 
@@ -146,7 +149,7 @@ def remat_scan(
     if check_bool(unroll, "unroll") and save is not None:  # only a loop keeps remat apart
         got = getattr(policy, "__name__", repr(policy))
         raise ValueError(f"`unroll`=True needs policy='none' or None; got policy={got}.")
-    step = lambda params, carry: _same_carry(carry, layer_fn(params, carry))
+    step = lambda params, carry: _same_carry(carry, layer_fn(params, carry), num_layers)
     if save is not None:  # inside a scan the loop keeps XLA from merging recomputation
         step = jax.checkpoint(step, policy=save, prevent_cse=False)
     body = lambda f: lambda carry, params: (f(params, carry), None)

@@ -291,6 +291,11 @@ def test_error_when_layer_changes_the_carry(bad_layer, match, policy):
         jaxga.remat_scan(bad_layer, W, X, policy=policy)
 
 
+def test_error_on_one_layer_not_stacked_names_the_layers_it_was_taken_for():
+    with pytest.raises(TypeError, match=r"got float32\[2\]\. It was given one of the L=3 slices"):
+        jaxga.remat_scan(lambda w, x: jnp.tanh(x @ w), W[0], X)
+
+
 def test_error_on_layer_fn_not_callable():
     with pytest.raises(TypeError, match="`layer_fn` must be callable"):
         jaxga.remat_scan("layer", W, X)
