@@ -424,7 +424,8 @@ def train(args: argparse.Namespace) -> dict:
     if not args.quiet:
         from tqdm import tqdm
 
-        progress = tqdm(progress, initial=start, total=args.steps, unit="step", dynamic_ncols=True)
+        bar = dict(unit="step", dynamic_ncols=True, disable=None)  # None: no bar in a log file
+        progress = tqdm(progress, initial=start, total=args.steps, **bar)
     for step in progress:
         batch = batch_at(step, tokens, lengths, args.batch_size, args.seed)
         t0 = time.perf_counter()
@@ -451,7 +452,11 @@ def train(args: argparse.Namespace) -> dict:
         + (f", host {report.host_bytes / 2**20:.1f} MiB" if args.offload else "")
     )
     if metrics:
-        print(f"step {args.steps}: loss {losses[-1]:.4f} over {int(metrics['count'])} tokens")
+        print(
+            f"loss {losses[0]:.4f} at step {start + 1} → {losses[-1]:.4f} at step {args.steps} "
+            f"(a uniform guess: {np.log(256):.3f}); the last batch counted "
+            f"{int(metrics['count'])} tokens"
+        )
     if len(step_seconds) > 1:  # the first step compiles
         seconds = float(np.median(step_seconds[1:]))
         speed = f"median step {1e3 * seconds:.1f} ms, {tokens_per_step / seconds:,.0f} tokens/s"
