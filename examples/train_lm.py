@@ -454,7 +454,7 @@ def train(args: argparse.Namespace) -> dict:
     if metrics:
         print(
             f"loss {losses[0]:.4f} at step {start + 1} → {losses[-1]:.4f} at step {args.steps} "
-            f"(a uniform guess: {np.log(256):.3f}); the last batch counted "
+            f"(a uniform guess: {np.log(VOCAB):.3f}); the last batch counted "
             f"{int(metrics['count'])} tokens"
         )
     if len(step_seconds) > 1:  # the first step compiles

@@ -7,7 +7,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+
+from jaxga import modules
 
 
 def leading_size(tree: Any, name: str, axis: str) -> int | None:
@@ -22,7 +23,7 @@ def leading_size(tree: Any, name: str, axis: str) -> int | None:
                 f"every leaf of {name} must be an array with a leading {axis} axis."
             )
         if getattr(getattr(leaf, "dtype", None), "kind", "") in tuple("OSUMm"):  # no JAX dtype
-            raise TypeError(f"{where} has dtype {leaf.dtype}; JAX arrays hold numbers or bools.")
+            raise TypeError(f"{where} must hold numbers or bools; got dtype {leaf.dtype}.")
         sizes[where] = shape[0]
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{k}: {v}" for k, v in sizes.items())
@@ -53,9 +54,10 @@ def sum_dtype(dtype: jnp.dtype | None, leaf_dtype: Any) -> jnp.dtype:
 
 
 def check_callable(fn: Any, name: str, expected: str = "a function") -> None:
-    if not callable(fn) or nnx.graphlib.is_graph_node(fn):
-        got = f"{fn!r} of type" if not callable(fn) else "the model, a Flax NNX"
-        raise TypeError(f"`{name}` must be {expected}; got {got} {type(fn).__name__}.")
+    kind = type(fn).__name__
+    if not callable(fn) or modules.is_graph_node(fn):  # a model where its loss goes
+        got = f"a Flax NNX {kind}" if callable(fn) else f"{fn!r} of type {kind}"
+        raise TypeError(f"`{name}` must be {expected}; got {got}.")
 
 
 def check_arity(fn: Any, name: str, nargs: int, signature: str, keywords: Any = ()) -> Any:

@@ -213,11 +213,7 @@ def accumulate(
         axis_name=axis_name,
         accumulator_dtype=_checks.float_dtype(accumulator_dtype),
     )
-
-    @functools.wraps(fun)
-    def accumulated(*args: Any, **kwargs: Any) -> Accumulated:
-        return _accumulate(fun, options, args, kwargs)
-
+    accumulated = functools.wraps(fun)(lambda *args, **kw: _accumulate(fun, options, args, kw))
     accumulated.has_state = bool(options.state_argnums)
     return accumulated
 

@@ -135,14 +135,17 @@ def check_call(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 
 def note_unsplit(error: Exception, options: Options, args: tuple[Any, ...]) -> None:
     """Adds to ``error`` which arguments left whole have as many rows as the batch."""
+    if options.num_microbatches == 1 or not options.batch_argnums:
+        return
     rows = jnp.shape(jax.tree.leaves(args[options.batch_argnums[0]])[0])[:1]
     named = {*options.argnums, *options.batch_argnums, *options.state_argnums}
-    sized = lambda arg: any(getattr(x, "shape", ())[:1] == rows for x in jax.tree.leaves(arg))
-    whole = [i for i, arg in enumerate(args) if i not in named and sized(arg)]
-    if whole and options.num_microbatches > 1:
+    leaves = lambda i, a: [] if i in named or modules.holds_graph_node(a) else jax.tree.leaves(a)
+    sized = lambda i, a: any(getattr(x, "shape", ())[:1] == rows for x in leaves(i, a))
+    if whole := [i for i, arg in enumerate(args) if sized(i, arg)]:
         error.add_note(
-            f"jaxga: not split, yet of the batch's {rows[0]} rows: args{whole}; to split them "
-            f"too, pass batch_argnums={(*options.batch_argnums, *whole)}."
+            f"jaxga: not split, yet of the batch's {rows[0]} rows: "
+            f"{', '.join(f'args[{i}]' for i in whole)}; to split them too, pass "
+            f"batch_argnums={(*options.batch_argnums, *whole)}."
         )
 
 

@@ -124,14 +124,13 @@ class InfeasibleBudgetError(ValueError):
         self.candidates = candidates
 
 
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+def _abstract(path: Any, x: Any) -> jax.ShapeDtypeStruct:
     """The shape, dtype and (multi-device) sharding of an array, without copying it."""
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
     if isinstance(x, str):  # plan(build, *args, "1GiB"): the budget among the arguments
-        raise TypeError(
-            f"plan's `args` hold the string {x!r}; pass `budget` and the rest by keyword."
-        )
+        where = f"args{jax.tree_util.keystr(path)}"
+        raise TypeError(f"plan's {where} is the string {x!r}; pass `budget` and others by keyword.")
     sharding = x.sharding if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 else None
     weak = getattr(x, "weak_type", type(x) in (int, float, complex))  # Python scalars
     return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding, weak_type=weak)
@@ -159,8 +158,8 @@ def _batch(args, batch_argnums, num_microbatches) -> tuple[int, list[int]]:
         size = leading_size({i: args[i] for i in argnums}, "args", "batch")
     except ValueError as e:
         raise ValueError(f"{e} (`batch_argnums`={batch_argnums!r} names the batch.)") from None
-    if size is None:
-        raise ValueError(f"`batch_argnums`={batch_argnums!r} names arguments with no arrays.")
+    if not size:  # None: no arrays
+        raise ValueError(f"`batch_argnums`={batch_argnums!r} names no arrays, or no rows.")
     if num_microbatches is None:
         return size, [d for d in range(1, size + 1) if size % d == 0]
     expected = "a positive int or a non-empty sequence of them"
@@ -295,7 +294,7 @@ def plan(
     positive_int(time_top, "time_top", "a non-negative int", low=0)
     positive_int(repeats, "repeats")
     check_bool(exhaustive, "exhaustive")
-    args = jax.tree.map(_abstract, args)
+    args = jax.tree_util.tree_map_with_path(_abstract, args)
     budget = _budget(budget)
     batch_size, counts = _batch(args, batch_argnums, num_microbatches)
     order = [(k, r, s | o) for k in counts for s in layouts for r in remat for o in offloads]

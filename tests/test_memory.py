@@ -157,10 +157,15 @@ def test_doctest_style_dot_flops_accepts_open_and_closed_jaxprs():
     assert dot_flops(closed) == dot_flops(closed.jaxpr) == (54, True)
 
 
+def test_a_model_is_a_function_to_report_on():
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    assert jaxga.memory_report(model, jnp.ones((4, 3))).dot_flops == 2 * 4 * 3 * 2
+
+
 @pytest.mark.parametrize("fn, got", [(3, "3 of type int"), ("step", "'step' of type str")])
 def test_error_on_fn_not_callable(fn, got):
     """Issue 22: a string passed as the step is named as `fn`, with what was expected."""
-    expected = rf"^`fn` must be a jitted or plain function; got {got}\.$"
+    expected = rf"^`fn` must be a function; got {got}\.$"
     with pytest.raises(TypeError, match=expected):
         jaxga.memory_report(fn, A)
 

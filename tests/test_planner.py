@@ -295,7 +295,7 @@ def test_plan_errors_name_the_argument(options, error, message):
 
 
 def test_a_budget_among_the_arguments_is_named_and_numpy_ints_are_byte_counts():
-    with pytest.raises(TypeError, match=r"^plan's `args` hold the string '1GiB'; pass `budget`"):
+    with pytest.raises(TypeError, match=r"^plan's args\[2\] is the string '1GiB'; pass `budget`"):
         jaxga.plan(build, *ARGS, "1GiB")
     assert jaxga.parse_bytes(np.int64(5)) == 5 and type(jaxga.parse_bytes(np.int64(5))) is int
 
