@@ -51,6 +51,7 @@ from flax import nnx
 from jax.experimental import topologies
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parents[1]))  # the repository: tests/_hlo.py
 
 import _workloads
 import multisteps
@@ -58,6 +59,7 @@ import run
 import train_lm  # examples/, on the path through _workloads
 
 import jaxga
+from tests._hlo import parse_computations
 
 # An H100 SXM (80 GB HBM3) as XLA's GPU compiler sees it: NVIDIA's published figures.
 H100_SXM = """
@@ -167,7 +169,6 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16
                 "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
 _ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 _INSTRUCTION = re.compile(r"^(ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$")
 # Instructions that launch nothing: bookkeeping, and control flow (its bodies are walked).
 _NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while",
               "conditional", "call", "after-all", "opt-barrier", "partition-id", "replica-id",
@@ -231,16 +232,7 @@ def traffic(program: Any) -> dict[str, int]:
     Every branch of a conditional is counted (an upper bound); an asynchronous copy or
     collective as reading and writing its operands once."""
     text = program.as_text()
-    computations: dict[str, list[str]] = {}
-    lines: list[str] | None = None
-    for line in text.splitlines():
-        if line.startswith("}"):
-            lines = None
-        elif not line[:1].isspace() and (match := _COMPUTATION.match(line)):
-            lines = computations.setdefault(match.group(1), [])
-        elif lines is not None and line.strip():
-            lines.append(line.strip())
-    body = {name: _instructions(lines) for name, lines in computations.items()}
+    body = {name: _instructions(lines) for name, lines in parse_computations(text).items()}
     total = {"launches": 0, "bytes": 0}
 
     def visit(name: str, times: int) -> None:

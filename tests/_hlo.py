@@ -60,7 +60,7 @@ def _hlo_text(compiled: Any) -> str:
     )
 
 
-def _parse_computations(hlo_text: str) -> dict[str, list[str]]:
+def parse_computations(hlo_text: str) -> dict[str, list[str]]:
     """Returns each computation's name and its instruction lines."""
     computations: dict[str, list[str]] = {}
     current = None
@@ -97,7 +97,7 @@ def hlo_collectives(compiled: str | jax.stages.Compiled) -> list[Collective]:
         >>> [(c.opcode, c.in_loop) for c in hlo_collectives(hlo)]
         [('all-reduce', True), ('all-reduce', False)]
     """
-    computations = _parse_computations(_hlo_text(compiled))
+    computations = parse_computations(_hlo_text(compiled))
 
     def callees(name: str) -> set[str]:
         found = set()
