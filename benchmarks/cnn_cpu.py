@@ -30,7 +30,9 @@ class CNN(nnx.Module):
         self.linear2 = nnx.Linear(256, 10, rngs=rngs)
 
     def __call__(self, x):
-        pool = lambda x: nnx.avg_pool(x, (2, 2), (2, 2))
+        def pool(x):
+            return nnx.avg_pool(x, (2, 2), (2, 2))
+
         x = pool(nnx.relu(self.conv2(pool(nnx.relu(self.conv1(x))))))
         return self.linear2(nnx.relu(self.linear1(x.reshape(x.shape[0], -1))))
 
@@ -60,7 +62,10 @@ def main() -> None:
     batch = {"x": jnp.ones((args.batch_size, 28, 28, 1)), "y": jnp.zeros(args.batch_size, int)}
     k = args.microbatches
     full = median_ms(nnx.jit(nnx.value_and_grad(loss)), model, batch, repeats=args.repeats)
-    step = lambda: nnx.jit(jaxga.value_and_grad(loss, num_microbatches=k))
+
+    def step():
+        return nnx.jit(jaxga.value_and_grad(loss, num_microbatches=k))
+
     unrolled = median_ms(step(), model, batch, repeats=args.repeats)
     with mock.patch.object(accumulation, "_unroll", lambda *a: 1):
         rolled = median_ms(step(), model, batch, repeats=args.repeats)

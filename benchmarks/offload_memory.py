@@ -86,7 +86,10 @@ def main() -> None:
     args = p.parse_args()
     shape = (16, 16, 64, 2, 2) if args.quick else (64, 512, 768, 12, 12)
     out = measure(shape, (1, 4, 8, 16), args.time)
-    mib = lambda b: f"{b / 2**20:9.1f} MiB"
+
+    def mib(b):
+        return f"{b / 2**20:9.1f} MiB"
+
     print(f"{out['num_params'] / 1e6:.2f}M parameters, batch {shape[0]} × {shape[1]} tokens; "
           f"{out['device']}, jax {out['jax']}")  # fmt: skip
     timed = "seconds" in out["rows"][0]

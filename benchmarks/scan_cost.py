@@ -117,7 +117,10 @@ def table(device: jax.Device, layers: int = 12) -> list[dict[str, Any]]:
         programs = [r for r in rows if (r["k"], r["remat"]) == case]
         ran(programs, run_row)["measured_ms"] = 1e3 * run_row["median_s"]
     fitted = [r for r in rows if r.get("measured_ms") is not None]
-    features = lambda r: [r["gb"], r["launches"], 1.0]
+
+    def features(r):
+        return [r["gb"], r["launches"], 1.0]
+
     coef = np.linalg.lstsq(
         np.array([features(r) for r in fitted]), np.array([r["measured_ms"] for r in fitted])
     )[0]
@@ -138,7 +141,10 @@ def report(rows: list[dict[str, Any]], layers: int) -> None:
         f"{'peak MiB':>9} {'measured':>9} {'modelled':>9} {'× full':>7}"
     )
     for r in rows:
-        ms = lambda key, r=r: f"{r[key]:.1f}" if r.get(key) else "-"
+
+        def ms(key, r=r):
+            return f"{r[key]:.1f}" if r.get(key) else "-"
+
         modelled = r.get("modelled_ms")
         over = f"{modelled / full.get(r['layers'], full['unrolled']):.2f}" if modelled else "-"
         print(

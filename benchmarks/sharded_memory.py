@@ -58,7 +58,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def report(out: dict) -> None:
-    mib = lambda b: b / 2**20
+    def mib(b):
+        return b / 2**20
+
     print(
         f"{out['num_params'] / 1e6:.2f}M parameters, batch {out['batch_size']} in "
         f"{out['microbatches']} micro-batches, AdamW, remat full; per device of "

@@ -46,7 +46,10 @@ class Stack(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         graphdef, params = nnx.split(self.blocks)
-        layer = lambda p, x: nnx.merge(graphdef, p)(x)
+
+        def layer(p, x):
+            return nnx.merge(graphdef, p)(x)
+
         return jaxga.remat_scan(layer, params, x, policy=self.policy, segments=self.segments)
 
     def loop(self, x: jax.Array) -> jax.Array:
@@ -79,9 +82,10 @@ class LinenStack(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         block = LinenBlock(self.dim, parent=None)  # unbound: used through init/apply
-        init = lambda key: jax.vmap(block.init, in_axes=(0, None))(
-            jax.random.split(key, self.depth), x
-        )
+
+        def init(key):
+            return jax.vmap(block.init, in_axes=(0, None))(jax.random.split(key, self.depth), x)
+
         stacked = self.param("blocks", init)
         return jaxga.remat_scan(block.apply, stacked, x, policy=self.policy, segments=self.segments)
 
@@ -101,7 +105,9 @@ def max_abs_diff(a, b) -> float:
 
 def main(depth: int = 8, dim: int = 32, batch: int = 8, policy="full", segments="sqrt") -> dict:
     x = jax.random.normal(jax.random.key(1), (batch, dim))
-    loss = lambda y: jnp.mean(y**2)
+
+    def loss(y):
+        return jnp.mean(y**2)
 
     model = nnx.jit(lambda: Stack(dim, depth, policy=policy, segments=segments, rngs=nnx.Rngs(0)))()
     grads = nnx.jit(nnx.grad(lambda m: loss(m(x))))(model)

@@ -1,6 +1,7 @@
-"""A transformed function's arguments: which are differentiated, split, keys or state; checked."""
+"""What an accumulated function was asked to do, and its arguments and output, checked."""
 
 import itertools
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -10,19 +11,25 @@ from flax import nnx
 from jaxga import _checks, collectives, modules
 from jaxga.loss import Mean, as_mean
 
+AUX_MODES = ("auto", "stack")
+
 
 class Options(NamedTuple):
+    """How [`jaxga.accumulate`][jaxga.accumulate] was built: its arguments, checked."""
+
     num_microbatches: int
     argnums: tuple[int, ...]
     filters: dict[int, Any]  # the NNX filter of each differentiated argument
-    single_argnum: bool
+    single_argnum: bool  # argnums was one position: grads are not a tuple
     has_aux: bool
     batch_argnums: tuple[int, ...]
-    rng_argnums: tuple[int, ...] | None  # None: every other argument holding PRNG keys
+    rng_argnums: tuple[int, ...] | None  # None: every other argument holding typed keys
     state_argnums: tuple[int, ...]
-    single_state: bool
+    single_state: bool  # state_argnums was one position: the state is not a tuple
     axis_name: Any
     accumulator_dtype: Any
+    unroll: int | bool
+    aux: str
 
 
 def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:
@@ -40,30 +47,57 @@ def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:
     return values
 
 
-def parse_positions(fun, argnums, *named) -> dict[str, Any]:
-    """Checks ``fun``; the :class:`Options` fields of ``argnums``, ``named`` (batch, rng, state)."""
-    _checks.check_callable(fun, "fun")
-    single = isinstance(argnums, int | nnx.DiffState)
+def _argnum_items(argnums: Any) -> tuple[Any, ...]:
+    if isinstance(argnums, int | nnx.DiffState | str):
+        return (argnums,)
     try:
-        items = (argnums,) if single or isinstance(argnums, str) else tuple(argnums)
+        return tuple(argnums)
     except TypeError:
-        items = (argnums,)
-    filters = {a.argnum: a.filter for a in items if isinstance(a, nnx.DiffState)}
+        return (argnums,)
+
+
+def make_options(
+    argnums: Any, *, batch_argnums: Any, rng_argnums: Any, state_argnums: Any, **rest: Any
+) -> Options:
+    """`Options` from `accumulate`'s arguments: the positions checked, ``rest`` as given."""
+    items = _argnum_items(argnums)
     diff = tuple(a.argnum if isinstance(a, nnx.DiffState) else a for a in items)
-    pos = {"argnums": as_positions("argnums", diff, shown=repr(argnums))}
-    for name, value in zip(("batch_argnums", "rng_argnums", "state_argnums"), named):
-        if value is not None or name != "rng_argnums":  # rng_argnums=None: found later
-            pos[name] = as_positions(name, value)
-    if not pos["argnums"]:
+    named = {
+        "argnums": as_positions("argnums", diff, shown=repr(argnums)),
+        "batch_argnums": as_positions("batch_argnums", batch_argnums),
+        "state_argnums": as_positions("state_argnums", state_argnums),
+    }
+    if rng_argnums is not None:  # None: found at the call
+        named["rng_argnums"] = as_positions("rng_argnums", rng_argnums)
+    if not named["argnums"]:
         raise ValueError("`argnums` must name at least one argument to differentiate.")
-    for (a, x), (b, y) in itertools.combinations(pos.items(), 2):
+    for (a, x), (b, y) in itertools.combinations(named.items(), 2):
         if common := sorted(set(x) & set(y)):
             raise ValueError(
                 f"`{a}`={x} and `{b}`={y} both name argument(s) {common}; an argument is one "
                 f"of differentiated, split into micro-batches, a PRNG key or threaded state."
             )
-    filters = {i: filters.get(i, nnx.Param) for i in pos["argnums"]}
-    return {"rng_argnums": None, **pos, "filters": filters, "single_argnum": single}
+    filters = {a.argnum: a.filter for a in items if isinstance(a, nnx.DiffState)}
+    return Options(
+        filters={i: filters.get(i, nnx.Param) for i in named["argnums"]},
+        single_argnum=isinstance(argnums, int | nnx.DiffState),
+        rng_argnums=named.pop("rng_argnums", None),
+        single_state=isinstance(state_argnums, int),
+        **named,
+        **rest,
+    )
+
+
+def check_unroll(unroll: Any) -> int | bool:
+    if isinstance(unroll, bool):
+        return unroll
+    return _checks.positive_int(unroll, "unroll", "a bool or a positive int, as lax.scan's")
+
+
+def check_aux(aux: Any) -> str:
+    if not (isinstance(aux, str) and aux in AUX_MODES):
+        raise ValueError(f"`aux` must be one of {AUX_MODES}; got {aux!r}.")
+    return aux
 
 
 def is_key(x: Any, raw: bool = True) -> bool:
@@ -71,6 +105,14 @@ def is_key(x: Any, raw: bool = True) -> bool:
     dtype = getattr(x, "dtype", None)
     typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
     return typed or (raw and dtype == jnp.uint32 and jnp.shape(x) == (2,))
+
+
+def _unnamed_leaves(options: Options, i: int, arg: Any) -> list[Any]:
+    """The leaves of ``args[i]`` if no option names it and it holds no module, else none."""
+    named = {*options.argnums, *options.batch_argnums, *options.state_argnums}
+    if i in named or modules.holds_graph_node(arg):
+        return []
+    return jax.tree.leaves(arg)
 
 
 def rng_positions(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
@@ -84,10 +126,9 @@ def rng_positions(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
                         f"is not a PRNG key ({describe(key)}); expected jax.random.key's."
                     )
         return options.rng_argnums
-    named = {*options.argnums, *options.batch_argnums, *options.state_argnums}
     found = []
     for i, arg in enumerate(args):
-        leaves = [] if i in named or modules.holds_graph_node(arg) else jax.tree.leaves(arg)
+        leaves = _unnamed_leaves(options, i, arg)
         if any(is_key(x, raw=False) for x in leaves):
             found.append(i)
         elif any(is_key(x) for x in leaves):
@@ -98,7 +139,7 @@ def rng_positions(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
     return tuple(found)
 
 
-def check_call(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _check_positions_exist(options: Options, args: tuple[Any, ...]) -> None:
     for name in ("argnums", "batch_argnums", "rng_argnums", "state_argnums"):
         positions = getattr(options, name) or ()
         if positions and max(positions) >= len(args):
@@ -113,6 +154,11 @@ def check_call(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) 
                     f"`{name}` names args[{i}], a Flax NNX graph node; modules are "
                     f"differentiated (`argnums`) or passed as they are (state threaded)."
                 )
+
+
+def check_call(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raises for arguments the options cannot apply to, naming the argument."""
+    _check_positions_exist(options, args)
     if named := [key for key, value in kwargs.items() if modules.holds_graph_node(value)]:
         raise TypeError(
             f"Keyword argument {named[0]!r} holds a Flax NNX graph node; pass it by position."
@@ -138,10 +184,12 @@ def note_unsplit(error: Exception, options: Options, args: tuple[Any, ...]) -> N
     if options.num_microbatches == 1 or not options.batch_argnums:
         return
     rows = jnp.shape(jax.tree.leaves(args[options.batch_argnums[0]])[0])[:1]
-    named = {*options.argnums, *options.batch_argnums, *options.state_argnums}
-    leaves = lambda i, a: [] if i in named or modules.holds_graph_node(a) else jax.tree.leaves(a)
-    sized = lambda i, a: any(getattr(x, "shape", ())[:1] == rows for x in leaves(i, a))
-    if whole := [i for i, arg in enumerate(args) if sized(i, arg)]:
+    whole = [
+        i
+        for i, arg in enumerate(args)
+        if any(getattr(x, "shape", ())[:1] == rows for x in _unnamed_leaves(options, i, arg))
+    ]
+    if whole:
         error.add_note(
             f"jaxga: not split, yet of the batch's {rows[0]} rows: "
             f"{', '.join(f'args[{i}]' for i in whole)}; to split them too, pass "
@@ -154,8 +202,8 @@ def check_primals(primals: tuple[Any, ...], argnums: tuple[int, ...]) -> None:
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             if not is_inexact(leaf):
                 raise TypeError(
-                    f"`argnums` differentiates args[{i}]{jax.tree_util.keystr(path)} of dtype "
-                    f"{jnp.result_type(leaf)}; expected floats (pass others in another argument)."
+                    f"`argnums` differentiates args[{i}]{jax.tree_util.keystr(path)}, "
+                    f"{describe(leaf)}; expected float arrays (pass others in another argument)."
                 )
 
 
@@ -165,9 +213,18 @@ def is_inexact(x: Any) -> bool:
 
 
 def describe(x: Any) -> str:
+    """``x`` in an error message: its shape and dtype, or its value and type."""
     if hasattr(x, "dtype") and hasattr(x, "shape"):
         return f"shape {tuple(x.shape)} and dtype {x.dtype}"
     return f"{x!r} of type {type(x).__name__}"
+
+
+class Output(NamedTuple):
+    """What ``fun`` returned for one micro-batch, checked and taken apart."""
+
+    mean: Mean
+    aux: Any
+    state: tuple[Any, ...]  # the new values of the state_argnums, in order
 
 
 def _pair(out: Any, option: str, pair: str) -> tuple[Any, Any]:
@@ -176,8 +233,28 @@ def _pair(out: Any, option: str, pair: str) -> tuple[Any, Any]:
     return out
 
 
-def parse_output(out: Any, options: Options, old_state: tuple) -> tuple[Mean, Any, tuple]:
-    """``fun``'s output as ``(mean, aux, new_state)``, checked; the state like ``old_state``."""
+def _check_value(value: Any, aux: Any) -> None:
+    if modules.holds_graph_node((value, aux)):
+        raise TypeError(
+            "`fun` returned a Flax NNX graph node (a module) in its value or aux; expected "
+            "arrays (jaxga writes module arguments' state back itself)."
+        )
+    total = value.total if isinstance(value, Mean) else value
+    if not (is_inexact(total) and jnp.shape(total) == ()):
+        what = "Mean.total has" if isinstance(value, Mean) else "it returned"
+        raise TypeError(
+            f"`fun` must return a float scalar (or a Mean of them); {what} {describe(total)}."
+        )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(aux)[0]:
+        if not (hasattr(leaf, "dtype") or isinstance(leaf, int | float | bool | complex)):
+            raise TypeError(
+                f"`fun` returned aux{jax.tree_util.keystr(path)}, {describe(leaf)}; aux leaves "
+                f"must be arrays or numbers."
+            )
+
+
+def parse_output(out: Any, options: Options, old_state: tuple[Any, ...]) -> Output:
+    """``fun``'s output checked and taken apart; the new state cast like ``old_state``."""
     aux, state = None, ()
     if options.state_argnums:
         out, state = _pair(out, "`state_argnums`", "(output, new_state)")
@@ -188,36 +265,50 @@ def parse_output(out: Any, options: Options, old_state: tuple) -> tuple[Mean, An
             f"`fun` returned a {type(out).__name__} of length {len(out)}, but has_aux=False; "
             f"pass has_aux=True if it returns (loss, aux)."
         )
-    if modules.holds_graph_node((out, aux)):
-        raise TypeError(
-            "`fun` returned a Flax NNX graph node (a module) in its value or aux; expected "
-            "arrays (jaxga writes module arguments' state back itself)."
-        )
-    total = out.total if isinstance(out, Mean) else out
-    if not (is_inexact(total) and jnp.shape(total) == ()):
-        got = f"{'Mean.total has' if isinstance(out, Mean) else 'it returned'} {describe(total)}"
-        raise TypeError(f"`fun` must return a float scalar (or a Mean of them); {got}.")
-    count = (mean := as_mean(out)).count
+    _check_value(out, aux)
+    mean = as_mean(out)
+    count = mean.count
     if jnp.shape(count) != () or not jnp.issubdtype(jnp.result_type(count), jnp.number):
         raise TypeError(
             f"`fun` returned a jaxga.Mean whose count has {describe(jnp.asarray(count))}; "
             f"expected a scalar number of items (or total weight)."
         )
     state = (state,) if options.single_state else state
-    return mean, aux, like(state, old_state, "returned a new_state")
+    return Output(mean, aux, cast_like(state, old_state, "returned a new_state"))
 
 
-def like(new: Any, old: Any, what: str) -> Any:
+class StateStructureError(TypeError):
+    """A new state (threaded through the micro-batches) not shaped as the one given."""
+
+
+def _structure_error(new: Any, old: Any, what: str) -> StateStructureError:
+    got, given = jax.tree.structure(new), jax.tree.structure(old)
+    if isinstance(new, Mapping) and isinstance(old, Mapping) and set(new) != set(old):
+        extra, missing = sorted(set(new) - set(old), key=str), sorted(set(old) - set(new), key=str)
+        return StateStructureError(
+            f"`fun` {what} with keys {sorted(new, key=str)}; it was given {sorted(old, key=str)} "
+            f"(extra: {extra}, missing: {missing}). Return the keys it was given (with Flax "
+            f"Linen, `mutable=` only the collections the state holds)."
+        )
+    return StateStructureError(
+        f"`fun` {what} with tree structure {got}; expected the one given, {given}."
+    )
+
+
+def cast_like(new: Any, old: Any, what: str) -> Any:
     """``new`` cast to the dtypes of ``old``, so that it can be carried by the scan."""
-    if (got := jax.tree.structure(new)) != (given := jax.tree.structure(old)):
-        raise TypeError(f"`fun` {what} with tree structure {got}; expected the one given, {given}.")
+    if jax.tree.structure(new) != jax.tree.structure(old):
+        for n, o in zip(new, old) if isinstance(new, tuple) and isinstance(old, tuple) else ():
+            if jax.tree.structure(n) != jax.tree.structure(o):
+                raise _structure_error(n, o, what)
+        raise _structure_error(new, old, what)
 
     def cast(path, n, o):
         n, dtype = jnp.asarray(n), jnp.result_type(o)
         numeric = jnp.issubdtype(dtype, jnp.number)
         same_kind = n.dtype == dtype or (numeric and jnp.can_cast(n.dtype, dtype, "same_kind"))
         if n.shape != jnp.shape(o) or not same_kind:
-            raise TypeError(
+            raise StateStructureError(
                 f"`fun` {what} whose leaf {jax.tree_util.keystr(path)} has {describe(n)}; it was "
                 f"given {describe(jnp.asarray(o))}: state keeps its shape and dtype kind."
             )

@@ -38,15 +38,21 @@ def check_axis_bound(axis_name: Any) -> None:
 def varying(tree: Any, axis_name: Any) -> Any:
     """Marks every leaf of ``tree`` as varying over ``axis_name`` (no-op when ``None``).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, jaxga
         >>> mesh = jax.make_mesh((1,), ("data",))
-        >>> f = lambda w: print(jax.typeof(jaxga.collectives.varying(w, "data"))) or w
+        >>> def f(w):
+        ...     return print(jax.typeof(jaxga.collectives.varying(w, "data"))) or w
         >>> _ = jax.shard_map(f, mesh=mesh, in_specs=jax.P(), out_specs=jax.P())(jnp.ones(2))
         float32[2]{V:data}
     """
-    cast = lambda x: jax.lax.pcast(x, _invariant(x, axis_name), to="varying")  # () a no-op
-    return tree if axis_name is None else jax.tree.map(cast, tree)
+    if axis_name is None:
+        return tree
+
+    def cast(x):
+        return jax.lax.pcast(x, _invariant(x, axis_name), to="varying")  # to (): a no-op
+
+    return jax.tree.map(cast, tree)
 
 
 def psum_invariant(tree: Any, like: Any, axis_name: Any) -> Any:

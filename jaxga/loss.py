@@ -13,7 +13,7 @@ import optax
 class Mean:
     """A mean kept as its numerator ``total`` and denominator ``count``; means add exactly.
 
-    Example:
+    Examples:
         >>> import jaxga
         >>> float((jaxga.Mean.of([1.0, 2.0, 9.0], where=[1, 1, 0]) + jaxga.Mean(6.0, 1.0)).value)
         3.0
@@ -60,9 +60,9 @@ def _array(x, name, expected="an array of numbers", kinds=(jnp.number, jnp.bool)
 
 
 def as_mean(value: Mean | jax.Array) -> Mean:
-    """Returns ``value`` as a :class:`Mean`; a float scalar is a mean over one item.
+    """Returns ``value`` as a [`Mean`][jaxga.Mean]; a float scalar is a mean over one item.
 
-    Example:
+    Examples:
         >>> import jaxga
         >>> jaxga.as_mean(2.5)
         Mean(total=2.5, count=1.0)
@@ -74,11 +74,11 @@ def as_mean(value: Mean | jax.Array) -> Mean:
 
 
 def token_cross_entropy(logits: jax.Array, labels: jax.Array, mask: Any = None) -> Mean:
-    """Returns the softmax cross-entropy of integer ``labels`` as a :class:`Mean` over tokens.
+    """Returns the softmax cross-entropy of integer `labels` as a `jaxga.Mean` over tokens.
 
     ``logits``: ``[..., vocab]``; ``labels``: in ``[0, vocab)`` where ``mask`` (optional) is not 0.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, jaxga
         >>> m = jaxga.token_cross_entropy(jnp.zeros((2, 5)), jnp.array([0, 3]), jnp.array([1, 0]))
         >>> float(m.count), round(float(m.value), 4)

@@ -4,6 +4,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from jaxga import _checks
 
@@ -24,7 +25,7 @@ class IndivisibleBatchError(ValueError):
 def split_microbatches(batch: Any, num_microbatches: int, *, name: str = "batch") -> Any:
     """Splits each leaf of ``batch`` into ``[k, B // k, ...]``, ``k = num_microbatches``, strided.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, jaxga
         >>> jaxga.split_microbatches(jnp.arange(6), 2).tolist()
         [[0, 2, 4], [1, 3, 5]]
@@ -33,14 +34,17 @@ def split_microbatches(batch: Any, num_microbatches: int, *, name: str = "batch"
     size = _checks.leading_size(batch, name, "batch")
     if size is not None and size % k:
         raise IndivisibleBatchError.of(size, k)
-    split = lambda x: jnp.swapaxes(jnp.reshape(x, (size // k, k, *jnp.shape(x)[1:])), 0, 1)
-    return jax.tree.map(split, batch)
+    if size is None:
+        return batch
+    # optax's reshape is column-major: micro-batch i holds rows i, i + k, ... (and a batch
+    # sharded along its rows stays sharded along each micro-batch's)
+    return optax.microbatching.reshape_batch_axis(jax.tree.map(jnp.asarray, batch), size // k)
 
 
 def merge_microbatches(tree: Any) -> Any:
-    """Undoes :func:`split_microbatches`: ``[k, B // k, ...]`` leaves back to ``[B, ...]``.
+    """Undoes `jaxga.split_microbatches`: leaves `[k, B // k, ...]` back to `[B, ...]`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, jaxga
         >>> jaxga.merge_microbatches(jaxga.split_microbatches(jnp.arange(6), 3)).tolist()
         [0, 1, 2, 3, 4, 5]

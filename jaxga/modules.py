@@ -18,51 +18,88 @@ def is_equinox(x: Any) -> bool:
     return isinstance(x, getattr(sys.modules.get("equinox"), "Module", ()))
 
 
+def is_module(x: Any) -> bool:
+    """Whether ``x`` is a Flax NNX graph node or an Equinox module."""
+    return is_graph_node(x) or is_equinox(x)
+
+
+def holds_graph_node(tree: Any) -> bool:
+    """Whether ``tree`` is, or holds, a Flax NNX graph node."""
+    return any(map(is_graph_node, jax.tree.leaves(tree, is_leaf=is_graph_node)))
+
+
+def holds_module(tree: Any) -> bool:
+    """Whether ``tree`` is, or holds, a Flax NNX graph node or an Equinox module."""
+    return any(map(is_module, jax.tree.leaves(tree, is_leaf=is_module)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Part:
-    """A module taken apart: a pytree leaf (not a node), so trees of parts map part by part."""
+    """A module taken apart: a pytree leaf (not a node), so trees of parts map part by part.
+
+    Attributes:
+        module: the caller's module, updated in place at the end (NNX).
+        graphdef: an NNX ``GraphDef``, or an Equinox module's non-array part.
+        diff: the differentiated state; ``None`` when the module is not differentiated.
+        rest: the NNX state threaded through the micro-batches; ``None`` for Equinox.
+    """
 
     module: Any
-    graphdef: Any  # NNX GraphDef, or an Equinox module's non-array part
-    diff: Any  # the differentiated state; None when not differentiated
-    rest: Any  # NNX state threaded through the micro-batches; None for Equinox
+    graphdef: Any
+    diff: Any
+    rest: Any
+
+    @property
+    def threads_state(self) -> bool:
+        """Whether this part has NNX state to thread (Equinox parts have none)."""
+        return self.rest is not None
 
 
-is_part = lambda x: isinstance(x, Part)
-_is_module = lambda x: is_graph_node(x) or is_equinox(x)
-_holds_nnx = lambda x: is_part(x) and x.rest is not None  # Equinox parts thread no state
-_filters = lambda wrt: () if wrt is None else (wrt, ...)  # nnx.split: (graphdef, [diff,] rest)
-holds_graph_node = lambda x: any(map(is_graph_node, jax.tree.leaves(x, is_leaf=is_graph_node)))
-holds_module = lambda x: any(map(_is_module, jax.tree.leaves(x, is_leaf=_is_module)))
-diff_of = lambda parts: jax.tree.map(lambda x: x.diff if is_part(x) else x, parts)
-rest_of = lambda parts: jax.tree.map(lambda x: x.rest if is_part(x) else None, parts)
+def is_part(x: Any) -> bool:
+    return isinstance(x, Part)
+
+
+def _split_filters(wrt: Any) -> tuple[Any, ...]:
+    """``nnx.split``'s filters: ``(graphdef, diff, rest)`` for ``wrt``, ``(graphdef, rest)``."""
+    return () if wrt is None else (wrt, ...)
+
+
+def _take_apart_one(x: Any, where: str, wrt: Any) -> Any:
+    if is_equinox(x) and wrt is not None:
+        eqx = sys.modules["equinox"]
+        diff, static = eqx.partition(x, eqx.is_inexact_array)
+        return Part(module=x, graphdef=static, diff=diff, rest=None)
+    if not is_graph_node(x):
+        return x
+    graphdef, *diff, rest = nnx.split(x, *_split_filters(wrt))
+    if wrt is not None and not jax.tree.leaves(diff):
+        raise ValueError(
+            f"{where} holds a Flax NNX {type(x).__name__}, but the filter {wrt!r} selects "
+            f"none of its state: pass nnx.DiffState(position, filter) selecting parameters."
+        )
+    return Part(module=x, graphdef=graphdef, diff=diff[0] if diff else None, rest=rest)
 
 
 def take_apart(arg: Any, where: str, wrt: Any) -> Any:
-    """``arg`` with each module in it replaced by a :class:`Part` (``wrt`` None: no gradient)."""
+    """``arg`` with each module in it replaced by a `Part` (``wrt`` None: no gradient)."""
+    return jax.tree.map(lambda x: _take_apart_one(x, where, wrt), arg, is_leaf=is_module)
 
-    def part(x):
-        if is_equinox(x) and wrt is not None:
-            eqx = sys.modules["equinox"]
-            return Part(x, *eqx.partition(x, eqx.is_inexact_array)[::-1], None)  # static, diff
-        if not is_graph_node(x):
-            return x
-        graphdef, *diff, rest = nnx.split(x, *_filters(wrt))
-        if wrt is not None and not jax.tree.leaves(diff):
-            raise ValueError(
-                f"{where} holds a Flax NNX {type(x).__name__}, but the filter {wrt!r} selects "
-                f"none of its state: pass nnx.DiffState(position, filter) selecting parameters."
-            )
-        return Part(x, graphdef, diff[0] if diff else None, rest)
 
-    return jax.tree.map(part, arg, is_leaf=_is_module)
+def diff_of(parts: Any) -> Any:
+    """The differentiated state of each part of ``parts``; other leaves as they are."""
+    return jax.tree.map(lambda x: x.diff if is_part(x) else x, parts)
+
+
+def rest_of(parts: Any) -> Any:
+    """The threaded NNX state of each part of ``parts``; ``None`` for other leaves."""
+    return jax.tree.map(lambda x: x.rest if is_part(x) else None, parts)
 
 
 def put_together(parts: Any, diff: Any, rest: Any) -> Any:
     """Fresh modules of the current trace from ``parts``, with ``diff`` and ``rest`` state."""
 
     def merge(x, r, d):  # d is x itself when diff is None
-        if _holds_nnx(x):
+        if is_part(x) and x.threads_state:
             return nnx.merge(x.graphdef, *((r,) if d is x else (d, r)), copy=True)
         return sys.modules["equinox"].combine(d, x.graphdef) if is_part(x) else d
 
@@ -71,13 +108,23 @@ def put_together(parts: Any, diff: Any, rest: Any) -> Any:
 
 def new_rest(merged: Any, parts: Any, wrt: Any) -> Any:
     """The threaded state of the rebuilt modules ``merged`` after the loss ran."""
-    new = lambda x, m: nnx.split(m, *_filters(wrt))[-1] if _holds_nnx(x) else None
-    return jax.tree.map(new, parts, merged)
+
+    def rest(x, module):
+        if is_part(x) and x.threads_state:
+            return nnx.split(module, *_split_filters(wrt))[-1]
+        return None
+
+    return jax.tree.map(rest, parts, merged)
 
 
 def write_back(parts: Any, rest: Any) -> None:
     """Updates the caller's NNX modules in place with their threaded state ``rest``."""
-    jax.tree.map(lambda x, r: nnx.update(x.module, r) if _holds_nnx(x) else None, parts, rest)
+
+    def update(x, r):
+        if is_part(x) and x.threads_state:
+            nnx.update(x.module, r)
+
+    jax.tree.map(update, parts, rest)
 
 
 def check_unshared(parts: dict[int, Any]) -> None:
@@ -85,7 +132,7 @@ def check_unshared(parts: dict[int, Any]) -> None:
     owner: dict[int, str] = {}
     for path, x in jax.tree_util.tree_flatten_with_path(parts)[0]:  # parts[i]: args[i]
         where = f"args{jax.tree_util.keystr(path)}"
-        for _, v in nnx.iter_graph(x.module) if _holds_nnx(x) else ():
+        for _, v in nnx.iter_graph(x.module) if is_part(x) and x.threads_state else ():
             if isinstance(v, nnx.Variable) and owner.setdefault(id(v), where) != where:
                 raise ValueError(
                     f"{owner[id(v)]} and {where} share state (one Flax NNX module or "

@@ -1,7 +1,7 @@
 """Train states and batches on a mesh: layouts (ZeRO-1, FSDP...) and the sharded loop."""
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -11,13 +11,20 @@ from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, collectives
-from jaxga.accumulation import Accumulated
+from jaxga.engine import Accumulated
 from jaxga.microbatch import IndivisibleBatchError
 
 STRATEGIES = ("data_parallel", "zero1", "fsdp", "zero3")
 _SPACES = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Device}
 _MOVED: dict[Any, list[bool]] = {}  # offload's leaves to move, by tree structure
-_is_spec = lambda x: isinstance(x, P)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def _is_sharding(x: Any) -> bool:
+    return isinstance(x, jax.sharding.Sharding)
 
 
 def check_mesh(mesh: Any, axis_name: Any = None, concrete: bool = False) -> None:
@@ -30,7 +37,7 @@ def check_mesh(mesh: Any, axis_name: Any = None, concrete: bool = False) -> None
 
 
 def check_strategy(strategy: Any) -> None:
-    """Raises for a strategy name that is not one of :data:`STRATEGIES`."""
+    """Raises for a strategy name that is not one of [`STRATEGIES`][jaxga.sharding.STRATEGIES]."""
     if isinstance(strategy, str) and strategy not in STRATEGIES:
         raise ValueError(
             f"`strategy` must be one of {', '.join(map(repr, STRATEGIES))} or a tree of "
@@ -41,7 +48,7 @@ def check_strategy(strategy: Any) -> None:
 def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
     """Places this process's rows of a batch on ``mesh``, split over ``axis_name``.
 
-    Example:
+    Examples:
         >>> import jax, numpy as np, jaxga
         >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
         >>> jaxga.sharding.shard_batch({"x": np.ones((8, 3))}, mesh)["x"].sharding.spec
@@ -72,11 +79,36 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
 def replicate(tree: Any, mesh: Mesh) -> Any:
     """Places ``tree`` on every device of ``mesh`` (every process passes the same values)."""
     check_mesh(mesh, concrete=True)
-    return put(tree, jax.tree.map(lambda _: NamedSharding(mesh, P()), tree))
+    replicated = NamedSharding(mesh, P())
+    return put(tree, jax.tree.map(lambda _: replicated, tree))
 
 
 def put(tree: Any, sharding: Any) -> Any:
-    """``jax.device_put`` of ``tree`` on a tree of shardings; PRNG keys and shape structs too."""
+    """``jax.device_put`` of ``tree`` on a tree of shardings; PRNG keys and shape structs too.
+
+    Args:
+        tree: a pytree of arrays, PRNG keys or `jax.ShapeDtypeStruct`s.
+        sharding: a `jax.sharding.Sharding` for every leaf, or a tree of them shaped as `tree`.
+
+    Returns:
+        `tree` placed (shape structs: with the sharding set).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        >>> where = jax.NamedSharding(mesh, jax.P())
+        >>> jaxga.sharding.put({"w": jnp.ones(2)}, where)["w"].sharding.spec
+        P()
+    """
+    if isinstance(sharding, jax.sharding.Sharding):
+        sharding = jax.tree.map(lambda _: sharding, tree)
+    shardings = jax.tree.leaves(sharding, is_leaf=_is_sharding)
+    same_tree = jax.tree.structure(sharding, is_leaf=_is_sharding) == jax.tree.structure(tree)
+    if not (same_tree and all(map(_is_sharding, shardings))):
+        raise TypeError(
+            f"`sharding` must be a jax.sharding.Sharding, or a tree of them shaped as `tree`; "
+            f"got {sharding!r}."
+        )
 
     def one(x, where):
         if isinstance(x, jax.ShapeDtypeStruct):
@@ -89,13 +121,24 @@ def put(tree: Any, sharding: Any) -> Any:
     return jax.tree.map(one, tree, sharding)
 
 
+def _path_keys(path: Any) -> tuple[str, ...]:
+    return tuple(jax.tree_util.keystr(path, simple=True, separator="/").split("/"))
+
+
 def _optimizer_leaves(state: Any) -> list[bool]:
-    """Which leaves :func:`offload` moves: not a MultiSteps' accumulator, used every call."""
-    keys = lambda path: tuple(jax.tree_util.keystr(path, simple=True, separator="/").split("/"))
-    paths = [keys(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    scoped = any("opt_state" in p for p in paths)  # a train state's, an NNX optimiser's
+    """Which leaves `offload` moves.
+
+    Those under an ``opt_state`` key (a train state's, an NNX optimiser's; all if none is),
+    but not a MultiSteps' accumulator, used by every call: what its ``inner_opt_state``
+    does not hold.
+    """
+    paths = [_path_keys(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    scoped = any("opt_state" in p for p in paths)
     groups = {p[:i] for p in paths for i, k in enumerate(p) if k == "inner_opt_state"}
-    accumulator = lambda p: any(p[: len(g)] == g and p[len(g)] != "inner_opt_state" for g in groups)
+
+    def accumulator(p: tuple[str, ...]) -> bool:
+        return any(p[: len(g)] == g and p[len(g)] != "inner_opt_state" for g in groups)
+
     return [("opt_state" in p or not scoped) and not accumulator(p) for p in paths]
 
 
@@ -104,7 +147,7 @@ def offload(state: Any, memory_kind: str = "pinned_host") -> Any:
 
     What is under ``opt_state`` (all if none) moves, not a MultiSteps' accumulator; layouts stay.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, optax, jaxga
         >>> state = jaxga.TrainState.create(params=jnp.zeros(3), tx=optax.adam(0.1))
         >>> jaxga.sharding.offload(state).opt_state[0].mu.sharding.memory_kind
@@ -127,6 +170,18 @@ def offload(state: Any, memory_kind: str = "pinned_host") -> Any:
     return jax.tree.unflatten(treedef, [move(x) if m else x for x, m in zip(leaves, moved)])
 
 
+def check_on_device(state: Any) -> None:
+    """Raises if a leaf of ``state`` is in host memory (another step offloaded it)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+        if kind in ("pinned_host", "unpinned_host"):
+            raise ValueError(
+                f"`state`{jax.tree_util.keystr(path)} is in host memory ({kind}), as a step "
+                f"with offload=True leaves it: its state is in host memory: pass offload=True, "
+                f"or move it back with jaxga.sharding.offload(state, 'device')."
+            )
+
+
 def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:
     """The spec splitting the largest axis of ``shape`` that ``size`` devices divide, or ``P()``."""
     size = _checks.positive_int(size, "size")
@@ -136,9 +191,10 @@ def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:
 
 
 def fsdp_specs(tree: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
-    """:func:`fsdp_spec` for every leaf of ``tree`` over ``mesh``'s ``axis_name``."""
+    """[`fsdp_spec`][jaxga.sharding.fsdp_spec] of every leaf of `tree` over `mesh`'s `axis_name`."""
     check_mesh(mesh, axis_name)
-    return jax.tree.map(lambda x: fsdp_spec(jnp.shape(x), mesh.shape[axis_name], axis_name), tree)
+    size = mesh.shape[axis_name]
+    return jax.tree.map(lambda x: fsdp_spec(jnp.shape(x), size, axis_name), tree)
 
 
 def state_specs(
@@ -147,10 +203,11 @@ def state_specs(
     """The PartitionSpec of every leaf of a train state under ``strategy``.
 
     ``strategy``: ``"data_parallel"`` (all replicated), ``"zero1"`` (optimiser state
-    sharded), ``"fsdp"`` or ``"zero3"`` (parameters too, by :func:`fsdp_spec`), or a tree
+    sharded), ``"fsdp"`` or ``"zero3"`` (parameters too, by
+    [`fsdp_spec`][jaxga.sharding.fsdp_spec]), or a tree
     of parameter specs (optimiser state shaped like the parameters follows them).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, optax, jaxga
         >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
         >>> state = jaxga.TrainState.create(params={"w": jnp.zeros((8, 16))}, tx=optax.adam(0.1))
@@ -166,7 +223,10 @@ def state_specs(
             f"or Flax's); got {type(state).__name__}."
         )
     specs = jax.tree.map(lambda _: P(), state)
-    shard = lambda tree: fsdp_specs(tree, mesh, axis_name)
+
+    def shard(tree: Any) -> Any:
+        return fsdp_specs(tree, mesh, axis_name)
+
     if strategy == "data_parallel":
         return specs
     if isinstance(strategy, str):
@@ -194,7 +254,10 @@ def state_specs(
                 )
 
     jax.tree_util.tree_map_with_path(check, strategy, state.params, is_leaf=_is_spec)
-    follow = lambda _, spec: spec  # optimiser state shaped like the parameters
+
+    def follow(_: Any, spec: P) -> P:  # optimiser state shaped like the parameters
+        return spec
+
     opt_state = optax.tree_map_params(
         state.tx, follow, state.opt_state, strategy, transform_non_params=shard, is_leaf=_is_spec
     )
@@ -204,77 +267,137 @@ def state_specs(
 def state_shardings(
     state: Any, mesh: Mesh, strategy: Any = "data_parallel", *, axis_name: Any = "data"
 ) -> Any:
-    """:func:`state_specs` as ``NamedSharding``s on ``mesh``, e.g. for ``jax.device_put``."""
+    """[`state_specs`][jaxga.sharding.state_specs] as `NamedSharding`s on `mesh`."""
     specs = state_specs(state, mesh, strategy, axis_name=axis_name)
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=_is_spec)
 
 
 def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
     """``tree`` constrained to ``specs`` on ``mesh`` (resharded on a mesh of explicit axes)."""
-    move = jax.reshard if AxisType.Explicit in mesh.axis_types else jax.lax.with_sharding_constraint
+    explicit = AxisType.Explicit in mesh.axis_types
+    move = jax.reshard if explicit else jax.lax.with_sharding_constraint
     return jax.tree.map(lambda x, spec: move(x, NamedSharding(mesh, spec)), tree, specs)
 
 
-def placer(mesh: Mesh | None, strategy: Any, axis_name: Any, to_host: bool) -> Callable:
-    """Puts a state where the step keeps it: laid out on ``mesh``, optimiser state offloaded."""
+class MeshLayout(NamedTuple):
+    """Where a train step runs: a mesh, the batch's axis on it, and the state's layout."""
+
+    mesh: Mesh
+    axis_name: Any
+    strategy: Any  # a name of STRATEGIES, or a tree of the parameters' PartitionSpecs
+
+
+def _laid_out(state: Any, layout: MeshLayout) -> bool:
+    """Whether ``state``'s step and first parameter already have ``layout``'s shardings."""
+    mesh, strategy, axis_name = layout.mesh, layout.strategy, layout.axis_name
+    first = jax.tree.leaves(state.params)[:1]
+    if isinstance(strategy, str):
+        sharded = strategy in ("fsdp", "zero3")
+        specs = fsdp_specs(first, mesh, axis_name) if sharded else [P()]
+    else:
+        specs = jax.tree.leaves(strategy, is_leaf=_is_spec)[:1]
 
     def there(x: Any, spec: P) -> bool:
         now = getattr(x, "sharding", None)  # None: a host array or a bare shape struct
         on_mesh = isinstance(now, NamedSharding) and now.mesh == mesh
         return on_mesh and now.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
 
-    def place_state(state: Any) -> Any:
-        if mesh is not None:
-            first = jax.tree.leaves(state.params)[:1]
-            specs = jax.tree.leaves(strategy, is_leaf=_is_spec)[:1]  # a tree of specs
-            if isinstance(strategy, str):
-                sharded = strategy in ("fsdp", "zero3")
-                specs = fsdp_specs(first, mesh, axis_name) if sharded else [P()]
-            if not all(map(there, [state.step, *first], [P(), *specs])):
-                state = put(state, state_shardings(state, mesh, strategy, axis_name=axis_name))
-        elif to_host and not getattr(x := jax.tree.leaves(state)[0], "committed", True):
-            state = jax.device_put(state, x.sharding)  # committed, as the step returns it
-        return offload(state) if to_host else state
+    return all(map(there, [state.step, *first], [P(), *specs]))
 
-    return place_state
+
+def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool) -> Any:
+    """``state`` where a step keeps it: laid out on the mesh, optimiser state offloaded."""
+    if layout is not None and not _laid_out(state, layout):
+        shardings = state_shardings(state, layout.mesh, layout.strategy, axis_name=layout.axis_name)
+        state = put(state, shardings)
+    elif layout is None and offload_state:
+        first = jax.tree.leaves(state)[0]
+        if not getattr(first, "committed", True):
+            state = jax.device_put(state, first.sharding)  # committed, as the step returns it
+    return offload(state) if offload_state else state
+
+
+class OnMesh(NamedTuple):
+    """What the loop on a mesh gives the train step."""
+
+    accumulated: Accumulated  # gradients laid out as the optimiser state (ZeRO-1: sharded)
+    state: Any  # the train state, laid out
+    specs: Any  # the train state's PartitionSpecs
+    params: Any  # the parameters as the optimiser sees them, laid out as the gradients
+
+
+def _first_split_axis(spec: P) -> int | None:
+    return next((i for i, entry in enumerate(spec) if entry is not None), None)
+
+
+def _on_split_axes(fn: Callable[[Any, int], Any], tree: Any, specs: Any) -> Any:
+    """``fn(x, axis)`` on the leaves whose spec splits an axis; the others as they are."""
+
+    def apply(x, spec):
+        axis = _first_split_axis(spec)
+        return x if axis is None else fn(x, axis)
+
+    return jax.tree.map(apply, tree, specs)
 
 
 def accumulate_on_mesh(
-    accumulated, loss, mesh, axis_name, strategy, num_microbatches, state, batch, *rest
-) -> tuple[Any, Any, Any, Any]:
-    """The step's loop on ``mesh``: (accumulated, placed state, its specs, optimiser's view)."""
+    loss: Callable[..., Any],
+    layout: MeshLayout,
+    state: Any,
+    batch: Any,
+    *,
+    accumulate: Callable[[Callable[..., Any]], Callable[..., Accumulated]],
+    model_state: Any,
+    rng: Any,
+) -> OnMesh:
+    """The step's loop on a mesh: ``accumulate(loss)`` in a ``shard_map`` over the batch axis.
+
+    Parameters are gathered before the loop (ZeRO-3: in every micro-batch) and gradients
+    reduced once after it: summed (data parallel) or scattered (ZeRO-1, FSDP).
+    """
+    mesh, axis_name, strategy = layout
+    accumulated_loss = accumulate(loss)
+    k = accumulated_loss.options.num_microbatches
     size, devices = _checks.leading_size(batch, "batch", "batch"), mesh.shape[axis_name]
     if size is None:
         raise ValueError(f"`batch` has no array leaves to split over the devices; got {batch!r}.")
-    if size % (devices * num_microbatches):
-        raise IndivisibleBatchError.of(size, num_microbatches, devices, axis_name)
+    if size % (devices * k):
+        raise IndivisibleBatchError.of(size, k, devices, axis_name)
     specs = state_specs(state, mesh, strategy, axis_name=axis_name)
     state = place(mesh, state, specs)
-    grad_specs = fsdp_specs(state.params, mesh, axis_name) if strategy == "zero1" else specs.params
-
-    def on_sharded(fn, tree, specs):  # fn(x, dim) on the leaves whose spec splits axis dim
-        dim = lambda spec: next((i for i, entry in enumerate(spec) if entry is not None), None)
-        return jax.tree.map(lambda x, s: x if dim(s) is None else fn(x, dim(s)), tree, specs)
-
+    grad_specs = specs.params
+    if strategy == "zero1":  # gradients sharded as the optimiser state
+        grad_specs = fsdp_specs(state.params, mesh, axis_name)
     batch = place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))
-    gather = lambda x, dim: jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)
-    scatter = lambda g, dim: jax.lax.psum_scatter(g, axis_name, scatter_dimension=dim, tiled=True)
+
+    def gather(x, axis):
+        return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
+
+    def scatter(g, axis):
+        return jax.lax.psum_scatter(g, axis_name, scatter_dimension=axis, tiled=True)
+
+    def local_sums(x, _):  # summed through the loop, scattered after it
+        return collectives.varying(x, axis_name)
 
     def loss_on_shards(shards, batch, *rest):  # ZeRO-3: gathered in every micro-batch
         # tied to the micro-batch, so that XLA does not hoist the gather out of the loop
         shards, batch = jax.lax.optimization_barrier((shards, batch))
-        return loss(on_sharded(gather, shards, specs.params), batch, *rest)
+        return loss(_on_split_axes(gather, shards, specs.params), batch, *rest)
 
-    def local(params, batch, *rest):
+    def local(params, batch, model_state, rng):
         if strategy == "zero3":
-            return accumulated(loss_on_shards)(params, batch, *rest)
-        full = on_sharded(gather, params, specs.params)
-        # local sums through the loop for the gradients scattered after it
-        full = on_sharded(lambda x, _: collectives.varying(x, axis_name), full, grad_specs)
-        acc = accumulated(loss)(full, batch, *rest)
-        return acc._replace(grads=on_sharded(scatter, acc.grads, grad_specs))
+            return accumulate(loss_on_shards)(params, batch, model_state, rng)
+        full = _on_split_axes(gather, params, specs.params)
+        full = _on_split_axes(local_sums, full, grad_specs)
+        acc = accumulated_loss(full, batch, model_state, rng)
+        return acc._replace(grads=_on_split_axes(scatter, acc.grads, grad_specs))
 
-    in_specs = (specs.params, P(axis_name), *(P() for _ in rest))
-    out_specs = Accumulated(mean=P(), grads=grad_specs, aux=P(), state=P())  # ZeRO-1: opt_state's
+    in_specs = (specs.params, P(axis_name), P(), P())
+    out_specs = Accumulated(mean=P(), grads=grad_specs, aux=P(), state=P())
     run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    return run(state.params, batch, *rest), state, specs, place(mesh, state.params, grad_specs)
+    return OnMesh(
+        accumulated=run(state.params, batch, model_state, rng),
+        state=state,
+        specs=specs,
+        params=place(mesh, state.params, grad_specs),
+    )

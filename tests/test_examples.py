@@ -52,7 +52,10 @@ def test_train_lm_fsdp_on_eight_devices_resumes_on_four(tmp_path, capsys):
     """--devices 8 --strategy fsdp trains as one device does; its checkpoint restores onto
     4 devices, resharded, and goes on as the 8 devices go on."""
     wide = [*TINY, "--batch-size", "16", "--dropout", "0"]
-    run = lambda *extra: train_lm.train(train_lm.parse_args([*wide, *map(str, extra)]))
+
+    def run(*extra):
+        return train_lm.train(train_lm.parse_args([*wide, *map(str, extra)]))
+
     one = run("--steps", "4", "--checkpoint-dir", tmp_path / "one")
     eight = run("--steps", "4", "--checkpoint-dir", tmp_path / "eight", "--devices", 8,
                 "--strategy", "fsdp")  # fmt: skip

@@ -49,9 +49,10 @@ def loss(model, batch):
 
 def state_of(model):
     """Everything but the parameters (BatchNorm statistics, Rngs, the call counter), as data."""
-    as_data = lambda x: (
-        jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-    )
+
+    def as_data(x):
+        return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
     return jax.tree.map(as_data, nnx.state(model, nnx.Not(nnx.Param)))
 
 
@@ -262,7 +263,10 @@ def test_the_nnx_example_runs_and_checks_itself():
 def test_a_module_shared_between_arguments_is_named():
     model, batch = make_net(), make_batch()
     model.eval()
-    twice = lambda models, batch: loss(models[0], batch) + loss(models[1], batch)
+
+    def twice(models, batch):
+        return loss(models[0], batch) + loss(models[1], batch)
+
     with pytest.raises(ValueError, match=r"args\[0\]\[0\] and args\[0\]\[1\] share state"):
         jaxga.value_and_grad(twice, num_microbatches=2)([model, model], batch)
     with pytest.raises(ValueError, match=r"args\[0\] and args\[1\] share state"):
@@ -277,7 +281,10 @@ def test_a_module_shared_inside_one_container_is_taken_apart_once(k):
     counter) advanced by both uses in every micro-batch, as nnx runs it."""
     model, batch = make_net(), make_batch()
     model.eval()
-    twice = lambda models, batch: loss(models[0], batch) + loss(models[1], batch)
+
+    def twice(models, batch):
+        return loss(models[0], batch) + loss(models[1], batch)
+
     reference = nnx.clone(model)
     actual = jaxga.value_and_grad(twice, num_microbatches=k)(nnx.List([model, model]), batch)
     expected = nnx.value_and_grad(twice)(nnx.List([reference, reference]), batch)

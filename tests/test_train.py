@@ -16,9 +16,9 @@ BATCH = 16
 
 
 def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
-    key_data = lambda x: (
-        jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-    )
+    def key_data(x):
+        return jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
     actual, expected = jax.tree.map(key_data, (actual, expected))
     chex.assert_trees_all_close(actual, expected, rtol=rtol, atol=atol)
 
@@ -335,20 +335,29 @@ def test_bad_calls_name_what_was_wrong():
     bare = jaxga.make_train_step(lambda p, b, s, r: jaxga.Mean.of(b["x"] * p), 2)
     with pytest.raises(TypeError, match=r"must return a pair \(loss, new_model_state\).*Mean"):
         bare(state, batch)
-    with_aux = lambda p, b, s, r: ((jaxga.Mean.of(b["x"] * p), {"acc": 1.0}), s)
+
+    def with_aux(p, b, s, r):
+        return ((jaxga.Mean.of(b["x"] * p), {"acc": 1.0}), s)
+
     with pytest.raises(
         TypeError,
         match=r"`loss\(params, batch, model_state, rng\)` must give the loss alone.* no aux",
     ):
         jaxga.make_train_step(with_aux, 2)(state, batch)
-    aux_as_state = lambda p, b, s, r: (jaxga.Mean.of(b["x"] * p), {"acc": 1.0})
+
+    def aux_as_state(p, b, s, r):
+        return (jaxga.Mean.of(b["x"] * p), {"acc": 1.0})
+
     with pytest.raises(
-        TypeError, match=r"returned a new_state with tree structure .*\{'acc': \*\}"
+        TypeError, match=r"returned a new_state with keys \['acc'\]; it was given \[\]"
     ):
         jaxga.make_train_step(aux_as_state, 2)(state, batch)
     model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    nnx_with_aux = lambda m, b: (jnp.mean(m(b["x"]) ** 2), {"y": m(b["x"])})
+
+    def nnx_with_aux(m, b):
+        return (jnp.mean(m(b["x"]) ** 2), {"y": m(b["x"])})
+
     with pytest.raises(TypeError, match=r"`loss\(model, batch\)` must give the loss alone"):
         jaxga.nnx_train_step(nnx_with_aux, 2)(model, optimizer, batch)
     step = jaxga.make_train_step(lambda p, b, s, r: (jaxga.Mean.of(b["x"] * p), s), 2)
@@ -505,7 +514,10 @@ def test_nnx_optimizer_with_weighted_multisteps_equals_the_full_batch_loop():
 def test_nnx_optimizer_with_unweighted_multisteps_equals_the_full_batch_loop():
     """A user's own step: value_and_grad, then optimizer.update without a weight."""
     wholes, halves = wholes_and_halves(3)
-    unweighted = lambda batch: {**batch, "w": jnp.ones_like(batch["w"])}
+
+    def unweighted(batch):
+        return {**batch, "w": jnp.ones_like(batch["w"])}
+
     model = NNXEval(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, jaxga.MultiSteps(optimizer_fn(), 2), wrt=nnx.Param)
 
@@ -525,7 +537,7 @@ def test_nnx_train_step_bad_optimizers():
     step = jaxga.nnx_train_step(nnx_loss_fn, num_microbatches=2)
     batch = batches(1)[0]
     with pytest.raises(
-        ValueError, match=r"`optimizer` was built with wrt=.*Variable.*wrt=nnx.Param"
+        ValueError, match=r"`optimizer` was built with wrt=.*Variable.*\['calls'\] of dtype int32"
     ):
         step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Variable), batch)
     with pytest.raises(TypeError, match=r"`optimizer` must be an nnx.Optimizer.*got Linear"):
@@ -613,7 +625,10 @@ def test_a_flax_state_with_a_key_field_draws_from_it_and_leaves_other_fields_alo
 
 def test_late_bad_options_are_named_when_the_step_is_built():
     mesh = jax.make_mesh((1,), ("data",))
-    loss = lambda p, b, s, r: (jaxga.Mean.of(b["x"] * p), s)
+
+    def loss(p, b, s, r):
+        return (jaxga.Mean.of(b["x"] * p), s)
+
     with pytest.raises(ValueError, match=r"`strategy` must be one of .* got 'fsdpp'"):
         jaxga.make_train_step(loss, 2, mesh=mesh, strategy="fsdpp")
     with pytest.raises(TypeError, match=r"`donate` must be a bool; got 'no'"):
@@ -667,7 +682,10 @@ def test_nnx_train_step_threads_dropout_and_batchnorm_as_value_and_grad_does():
     user's nnx.jit step of jaxga.value_and_grad + optimizer.update (itself checked against
     sequential micro-batches in test_nnx.py); statistics move, masks advance per call."""
     batch, k = batches(1)[0], 4
-    loss = lambda m, b: xent(m(b["x"]), b)
+
+    def loss(m, b):
+        return xent(m(b["x"]), b)
+
     models = [NNXStateful(nnx.Rngs(0)) for _ in range(2)]
     optimizers = [nnx.Optimizer(m, optax.adam(0.05), wrt=nnx.Param) for m in models]
 
@@ -688,7 +706,10 @@ def test_nnx_train_step_threads_dropout_and_batchnorm_as_value_and_grad_does():
     assert losses[0][0] != losses[0][1]  # new masks (and parameters) on the second call
     fresh = nnx.as_pure(nnx.state(NNXStateful(nnx.Rngs(0))))
     assert not np.allclose(state[0]["norm"]["mean"], fresh["norm"]["mean"])
-    count = lambda s: int(s["drop"]["rngs"]["count"])
+
+    def count(s):
+        return int(s["drop"]["rngs"]["count"])
+
     assert count(state[0]) == count(fresh) + 2 * k  # one draw per micro-batch
 
 
@@ -721,7 +742,10 @@ def test_a_call_that_counts_no_items_leaves_the_parameters_and_optimiser_alone()
             model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
             optimizer = nnx.Optimizer(model, nnx_tx, wrt=nnx.Param)
             before = jax.tree.map(jnp.copy, nnx.state((model, optimizer)))
-            nnx_loss = lambda m, b: jaxga.Mean.of(m(b["x"])[:, 0] ** 2, where=b["m"])
+
+            def nnx_loss(m, b):
+                return jaxga.Mean.of(m(b["x"])[:, 0] ** 2, where=b["m"])
+
             nnx_step = jaxga.nnx_train_step(nnx_loss, 2, donate=donate)
             assert not nnx_step(model, optimizer, padding)["applied"]
             # leaves: nnx.Optimizer itself turns sm3's lists into nnx.States on update
@@ -839,7 +863,10 @@ def test_a_state_holding_one_buffer_twice_is_donated_on_a_mesh_and_after_device_
 def test_nnx_train_step_takes_a_model_and_optimizer():
     """nnx.ModelAndOptimizer holds its model and updates it with update(grads)."""
     x = jnp.arange(12.0).reshape(4, 3) / 10
-    loss = lambda m, b: jnp.mean(m(b["x"]) ** 2)
+
+    def loss(m, b):
+        return jnp.mean(m(b["x"]) ** 2)
+
     model, reference = (nnx.Linear(3, 2, rngs=nnx.Rngs(0)) for _ in range(2))
     optimizer = nnx.ModelAndOptimizer(model, optax.adam(0.1))
     reference_optimizer = nnx.Optimizer(reference, optax.adam(0.1), wrt=nnx.Param)

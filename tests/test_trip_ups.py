@@ -61,7 +61,9 @@ def test_bad_batch_leaves_are_named(batch, message):
 
 
 def test_an_argument_of_examples_left_whole_is_named_in_the_error():
-    loss = lambda p, x, y: jnp.mean((x @ p - y) ** 2)
+    def loss(p, x, y):
+        return jnp.mean((x @ p - y) ** 2)
+
     p, x, y = jnp.arange(3.0), jnp.ones((8, 3)), jnp.arange(8.0)
     with pytest.raises(TypeError, match="incompatible shapes") as error:
         jaxga.value_and_grad(loss, num_microbatches=2)(p, x, y)
@@ -75,7 +77,10 @@ def test_an_argument_of_examples_left_whole_is_named_in_the_error():
 
 def test_the_note_names_no_module_and_never_hides_the_error():
     teacher = nnx.Linear(3, 3, rngs=nnx.Rngs(0))  # a frozen module of 3 rows, as the batch
-    loss = lambda p, x, model: jnp.mean(model(x) @ p[:2])
+
+    def loss(p, x, model):
+        return jnp.mean(model(x) @ p[:2])
+
     with pytest.raises(TypeError, match="dot_general requires contracting") as error:
         jaxga.value_and_grad(loss, num_microbatches=3)(jnp.ones(3), jnp.ones((3, 3)), teacher)
     assert not [note for note in error.value.__notes__ if note.startswith("jaxga")]
@@ -95,7 +100,9 @@ def test_a_model_given_as_the_loss_is_named():
 
 
 def test_a_train_step_checks_its_accumulator_dtype_when_built():
-    loss = lambda params, batch, model_state, rng: (jnp.mean(batch * params), model_state)
+    def loss(params, batch, model_state, rng):
+        return (jnp.mean(batch * params), model_state)
+
     with pytest.raises(TypeError, match=r"^`accumulator_dtype` must be a floating dtype"):
         jaxga.make_train_step(loss, 2, accumulator_dtype=jnp.int8)
 
@@ -181,16 +188,16 @@ def conv_loss(params, batch):
     return jnp.mean(jnp.tanh(y) ** 2)
 
 
-def test_a_convolution_loss_is_unrolled_on_cpu_and_exact():
-    """XLA:CPU runs a convolution's gradient many times slower inside a loop
-    (benchmarks/cnn_cpu.py): on a CPU such a loss's micro-batches are unrolled."""
+@pytest.mark.parametrize("unroll", [1, True])
+def test_the_micro_batch_loop_unrolls_only_when_asked_and_stays_exact(unroll):
+    """`unroll` is lax.scan's: the default keeps the loop (one micro-batch's activations at
+    a time) on every backend; `unroll=True` removes it (faster convolutions on XLA:CPU,
+    benchmarks/cnn_cpu.py)."""
     params = jax.random.normal(jax.random.key(0), (3, 3, 2, 4))
     batch = jax.random.normal(jax.random.key(1), (8, 6, 6, 2))
-    step = jax.jit(jaxga.value_and_grad(conv_loss, num_microbatches=4))
-    dense = jax.jit(jaxga.value_and_grad(lambda w, x: jnp.mean(x @ w), num_microbatches=4))
-    if jax.default_backend() == "cpu":
-        assert " while(" not in step.lower(params, batch).as_text(dialect="hlo")
-    assert " while(" in dense.lower(jnp.ones((2, 3)), jnp.ones((8, 2))).as_text(dialect="hlo")
+    step = jax.jit(jaxga.value_and_grad(conv_loss, num_microbatches=4, unroll=unroll))
+    has_loop = " while(" in step.lower(params, batch).as_text(dialect="hlo")
+    assert has_loop == (unroll is not True)
     chex.assert_trees_all_close(
         step(params, batch), jax.value_and_grad(conv_loss)(params, batch), rtol=2e-5, atol=1e-6
     )
@@ -237,7 +244,10 @@ def test_nnx_step_names_a_state_given_as_the_model_and_an_optimizer_of_another_m
 
 def test_an_equinox_module_passed_along_is_not_taken_apart():
     model = EqxMLP(jax.random.key(0))
-    loss = lambda w, model, x: jnp.mean(jax.vmap(model)(x * w) ** 2)
+
+    def loss(w, model, x):
+        return jnp.mean(jax.vmap(model)(x * w) ** 2)
+
     x = jax.random.normal(jax.random.key(1), (8, 3))
     vg = eqx.filter_jit(jaxga.value_and_grad(loss, num_microbatches=2, batch_argnums=2))
     chex.assert_trees_all_close(
@@ -246,13 +256,17 @@ def test_an_equinox_module_passed_along_is_not_taken_apart():
 
 
 def test_a_flattened_per_token_aux_keeps_its_micro_batch_axis():
-    """Only leaves with one row per example are merged back; a (B*T,) leaf is not one."""
+    """Only leaves with one row per example are merged back; a (B*T,) leaf is not one, and
+    the default asks for `aux="stack"` instead of guessing."""
     x = jax.random.normal(jax.random.key(0), (8, 3, 2))
 
     def loss(w, x):
         return jnp.mean(x * w), (x * w).reshape(-1)
 
-    (_, aux), _ = jaxga.value_and_grad(loss, num_microbatches=4, has_aux=True)(2.0, x)
+    with pytest.raises(TypeError, match=r"aux of shape \(48,\) for the whole batch.*aux='stack'"):
+        jaxga.value_and_grad(loss, num_microbatches=4, has_aux=True)(2.0, x)
+    vg = jaxga.value_and_grad(loss, num_microbatches=4, has_aux=True, aux="stack")
+    (_, aux), _ = vg(2.0, x)
     parts = jaxga.split_microbatches(x, 4)
     chex.assert_trees_all_close(aux, jnp.stack([loss(2.0, parts[i])[1] for i in range(4)]))
 

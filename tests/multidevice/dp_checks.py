@@ -244,7 +244,7 @@ def test_rng_keys_distinct_across_devices_and_microbatches():
 
     key = jax.random.key(42)
     vg = jaxga.value_and_grad(
-        loss, num_microbatches=K, axis_name="data", has_aux=True, rng_argnums=2
+        loss, num_microbatches=K, axis_name="data", has_aux=True, rng_argnums=2, aux="stack"
     )
     step = data_parallel(vg, (P(), P("data"), P()), ((P(), P("data")), P()))
     step = step.lower(REPLICATED, SHARDED, key).compile()
@@ -370,7 +370,10 @@ def test_docs_quick_start_on_eight_devices(capsys):
     # The train step and MultiSteps sections equal full-batch AdamW steps on one device
     # (two calls of MultiSteps on the same batch: one step on their merged tokens).
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    block = lambda start: next(b for b in blocks if b.startswith(start))
+
+    def block(start):
+        return next(b for b in blocks if b.startswith(start))
+
     exec(block("def loss("), namespace)
     host_batch, host_params = ns["host_batch"], ns["host_params"]
     value_and_grad = jax.value_and_grad(lambda p: ns["loss_fn"](p, host_batch).value)
@@ -589,7 +592,10 @@ def test_train_step_on_a_mesh_matches_full_batch_training(setup, multisteps, str
     shardings = jaxga.sharding.state_shardings(state, MESH, strategy)
     for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.sharding, sharding)
-    sharded = lambda tree: any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(tree))
+
+    def sharded(tree):
+        return any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(tree))
+
     assert sharded(state.params) == (strategy in ("fsdp", "zero3"))
     assert sharded(state.opt_state) == (strategy != "data_parallel")
 
@@ -879,9 +885,10 @@ def test_skip_not_finite_counts_each_leaf_once_over_its_shards():
         return tx.update(grads, state, params)[1]
 
     step = data_parallel(update, (specs, state_specs, specs), state_specs)
-    place = lambda tree, s: jax.tree.map(
-        lambda x, p: jax.device_put(x, NamedSharding(MESH, p)), tree, s
-    )
+
+    def place(tree, s):
+        return jax.tree.map(lambda x, p: jax.device_put(x, NamedSharding(MESH, p)), tree, s)
+
     grads = {"w": np.zeros((8, 2), np.float32), "b": np.array([np.nan, 0, 0], np.float32)}
     grads["w"][[1, 6], 0] = np.inf  # on two devices' shards
     state = step(place(params, specs), place(tx.init(params), state_specs), place(grads, specs))
