@@ -1,9 +1,10 @@
 """A CNN's k-way step against its full batch on CPU: Flax's NNX MNIST tutorial model.
 
-XLA:CPU runs a convolution's weight gradient many times slower inside a loop, so
-``jaxga.value_and_grad`` unrolls its micro-batches on a CPU when the loss has
-convolutions. This compares, per step (median of ``--repeats``), the full batch's
-``nnx.value_and_grad``, jaxga's default and jaxga with the micro-batch loop kept rolled.
+XLA:CPU runs a convolution's weight gradient many times slower inside a loop. This
+compares, per step (median of ``--repeats``), and by compiled temporaries, the full
+batch's ``nnx.value_and_grad``, jaxga's default (the micro-batch loop rolled: one
+micro-batch's activations at a time) and ``unroll=True`` (no loop: faster on a CPU, but the
+micro-batches' activations may all be live at once).
 
     .venv/bin/python benchmarks/cnn_cpu.py
 """
@@ -11,7 +12,6 @@ convolutions. This compares, per step (median of ``--repeats``), the full batch'
 import argparse
 import statistics
 import time
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,6 @@ import optax
 from flax import nnx
 
 import jaxga
-from jaxga import accumulation
 
 
 class CNN(nnx.Module):
@@ -63,16 +62,26 @@ def main() -> None:
     k = args.microbatches
     full = median_ms(nnx.jit(nnx.value_and_grad(loss)), model, batch, repeats=args.repeats)
 
-    def step():
-        return nnx.jit(jaxga.value_and_grad(loss, num_microbatches=k))
+    def step(unroll):
+        return nnx.jit(jaxga.value_and_grad(loss, num_microbatches=k, unroll=unroll))
 
-    unrolled = median_ms(step(), model, batch, repeats=args.repeats)
-    with mock.patch.object(accumulation, "_unroll", lambda *a: 1):
-        rolled = median_ms(step(), model, batch, repeats=args.repeats)
+    def temp_mb(fn):
+        return jaxga.memory_report(fn, model, batch).temp_bytes / 2**20
+
+    rolled = median_ms(step(1), model, batch, repeats=args.repeats)
+    unrolled = median_ms(step(True), model, batch, repeats=args.repeats)
+    full_fn = nnx.jit(nnx.value_and_grad(loss))
+    temps = [temp_mb(full_fn), temp_mb(step(1)), temp_mb(step(True))]
     print(f"{jax.devices()[0].device_kind}, batch {args.batch_size}, k={k}:")
-    print(f"  full batch                  {full:7.1f} ms  1.00x")
-    print(f"  jaxga (default: unrolled)   {unrolled:7.1f} ms  {unrolled / full:.2f}x")
-    print(f"  jaxga, micro-batches rolled {rolled:7.1f} ms  {rolled / full:.2f}x")
+    print(f"  full batch                  {full:7.1f} ms  1.00x   temp {temps[0]:6.1f} MiB")
+    print(
+        f"  jaxga (default: rolled)     {rolled:7.1f} ms  {rolled / full:5.2f}x   "
+        f"temp {temps[1]:6.1f} MiB"
+    )
+    print(
+        f"  jaxga, unroll=True          {unrolled:7.1f} ms  {unrolled / full:5.2f}x   "
+        f"temp {temps[2]:6.1f} MiB"
+    )
 
 
 if __name__ == "__main__":

@@ -239,7 +239,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=400, help="train until this step")
     p.add_argument("--batch-size", type=int, default=32, help="global batch (documents)")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+    p.add_argument(
+        "--microbatches",
+        type=microbatches,
+        default=None,
+        help="micro-batches per step, or 'auto': the fewest that fit --memory-budget "
+        "(default: auto where the device reports a memory limit, else 4)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        help="with --microbatches auto: bytes per device, e.g. 40MiB (default: 90%% of its)",
+    )
     p.add_argument(
         "--plan",
         metavar="BUDGET",
@@ -280,7 +291,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def microbatches(value: str) -> int | str:
+    """``--microbatches``: a count, or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or 'auto'; got {value!r}") from None
+
+
+def device_has_memory_limit() -> bool:
+    return "bytes_limit" in (jax.local_devices()[0].memory_stats() or {})
+
+
 def check_args(args: argparse.Namespace) -> None:
+    if args.microbatches is None:
+        args.microbatches = "auto" if device_has_memory_limit() else 4
+    if args.microbatches == "auto" and args.memory_budget is None and not device_has_memory_limit():
+        raise UsageError(
+            f"--microbatches auto: the {jax.default_backend()} device reports no memory limit; "
+            f"give --memory-budget, e.g. 40MiB"
+        )
+    if args.memory_budget is not None and args.microbatches != "auto":
+        raise UsageError("--memory-budget is for --microbatches auto")
+    if args.memory_budget is not None:
+        try:
+            jaxga.parse_bytes(args.memory_budget, name="memory-budget")
+        except ValueError:
+            raise UsageError(
+                f"--memory-budget {args.memory_budget!r} is not a size; expected e.g. 40MiB"
+            ) from None
     for name in (
         "steps",
         "batch_size",
@@ -297,9 +338,8 @@ def check_args(args: argparse.Namespace) -> None:
             )
     if args.devices > jax.device_count():
         raise UsageError(f"--devices {args.devices}: this machine has {jax.device_count()}")
-    if args.plan is None and (
-        args.microbatches < 1 or args.batch_size % (args.devices * args.microbatches)
-    ):
+    fixed = args.plan is None and args.microbatches != "auto"
+    if fixed and (args.microbatches < 1 or args.batch_size % (args.devices * args.microbatches)):
         raise UsageError(
             f"--batch-size {args.batch_size} is not divisible by --devices {args.devices} × "
             f"--microbatches {args.microbatches}"
@@ -338,15 +378,18 @@ def restore(
 def make_step(
     args: argparse.Namespace,
     graphdef: nnx.GraphDef,
-    num_microbatches: int,
+    num_microbatches: int | str,
     strategy: str = "data_parallel",
     offload: bool = False,
 ):
-    """The jaxga train step, on a mesh of ``--devices`` with ``strategy`` if more than one."""
+    """The jaxga train step, on a mesh of ``--devices`` with ``strategy`` if more than one;
+    with ``num_microbatches="auto"`` it plans its own for ``--memory-budget``."""
     mesh = jax.make_mesh((args.devices,), ("data",)) if args.devices > 1 else None
+    auto = num_microbatches == "auto"
     return jaxga.make_train_step(
         jaxga.nnx_loss(graphdef, loss),
         num_microbatches,
+        memory_budget=args.memory_budget if auto else None,
         mesh=mesh,
         strategy=strategy if mesh is not None else "data_parallel",
         offload=offload,
@@ -382,7 +425,13 @@ def train(args: argparse.Namespace) -> dict:
         graphdef = plan_step(args, cfg, state, example)
         cfg = dataclasses.replace(cfg, remat=args.remat)  # the model trained, as saved
     step_fn = make_step(args, graphdef, args.microbatches, args.strategy, args.offload)
-    report = jaxga.memory_report(step_fn, state, example)  # per device on a mesh
+    try:
+        report = jaxga.memory_report(step_fn, state, example)  # per device; "auto" plans here
+    except jaxga.planner.InfeasibleBudgetError as e:
+        raise UsageError(f"--memory-budget {args.memory_budget}: {e}") from None
+    if args.microbatches == "auto":
+        print(step_fn.plan)
+        args.microbatches = step_fn.plan.num_microbatches
 
     manager = checkpointer(args.checkpoint_dir)
     config_file.write_text(json.dumps(dataclasses.asdict(cfg)))

@@ -12,7 +12,6 @@ from jaxga import modules
 
 
 def leading_size(tree: Any, name: str, axis: str) -> int | None:
-    """The leading size all leaves of ``tree`` share (``None``: no leaves); raises naming a leaf."""
     sizes = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         where = f"{name}{jax.tree_util.keystr(path)}"
@@ -31,13 +30,21 @@ def leading_size(tree: Any, name: str, axis: str) -> int | None:
     return next(iter(sizes.values()), None)
 
 
+def _wrong(name: str, expected: str, value: Any, error: type = TypeError) -> Exception:
+    return error(f"`{name}` must be {expected}; got {value!r} of type {type(value).__name__}.")
+
+
 def positive_int(value: Any, name: str, expected: str = "a positive int", low: int = 1) -> int:
     is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if not is_int or value < low:
-        raise (ValueError if is_int else TypeError)(
-            f"`{name}` must be {expected}; got {value!r} of type {type(value).__name__}."
-        )
+        raise _wrong(name, expected, value, ValueError if is_int else TypeError)
     return int(value)
+
+
+def check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise _wrong(name, "a bool", value)
+    return value
 
 
 def float_dtype(value: Any, name: str = "accumulator_dtype") -> jnp.dtype | None:
@@ -49,19 +56,17 @@ def float_dtype(value: Any, name: str = "accumulator_dtype") -> jnp.dtype | None
 
 
 def sum_dtype(dtype: jnp.dtype | None, leaf_dtype: Any) -> jnp.dtype:
-    """The dtype sums of ``leaf_dtype`` are kept in: ``dtype``, or at least float32."""
     return jnp.promote_types(jnp.float32, leaf_dtype) if dtype is None else jnp.dtype(dtype)
 
 
 def check_callable(fn: Any, name: str, expected: str = "a function") -> None:
-    kind = type(fn).__name__
-    if not callable(fn) or modules.is_graph_node(fn):  # a model where its loss goes
-        got = f"a Flax NNX {kind}" if callable(fn) else f"{fn!r} of type {kind}"
-        raise TypeError(f"`{name}` must be {expected}; got {got}.")
+    if not callable(fn):
+        raise _wrong(name, expected, fn)
+    if modules.is_graph_node(fn):  # a model where its loss goes
+        raise TypeError(f"`{name}` must be {expected}; got a Flax NNX {type(fn).__name__}.")
 
 
 def check_arity(fn: Any, name: str, nargs: int, signature: str, keywords: Any = ()) -> Any:
-    """``fn`` if it takes ``nargs`` positional arguments (and ``keywords``); raises naming it."""
     expected = f"callable as {signature}"
     check_callable(fn, name, expected)
     try:
@@ -75,13 +80,4 @@ def check_arity(fn: Any, name: str, nargs: int, signature: str, keywords: Any = 
 
 def check_optimizer(tx: Any, name: str) -> None:
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-        raise TypeError(
-            f"`{name}` must be an optax GradientTransformation (with `init` and `update`), "
-            f"e.g. optax.adam(1e-3); got {tx!r} of type {type(tx).__name__}."
-        )
-
-
-def check_bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a bool; got {value!r}.")
-    return value
+        raise _wrong(name, "an optax GradientTransformation like optax.adam(1e-3)", tx)

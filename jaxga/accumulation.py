@@ -7,26 +7,19 @@ from typing import Any
 from flax import nnx
 
 from jaxga import _checks, arguments, engine
-from jaxga.engine import Accumulated
-
-ArgNums = int | nnx.DiffState | Sequence[int | nnx.DiffState]
-Positions = int | Sequence[int]
 
 
 class Accumulate:
     """``fun`` accumulated over micro-batches: what [`jaxga.accumulate`][jaxga.accumulate] returns.
 
-    Attributes:
-        fun: the loss it accumulates.
-        options: the options it was built with, checked.
+    Args:
+        fun: the loss it accumulates, kept as `self.fun`.
+        options: the options it was built with, checked, kept as `self.options`.
 
     Examples:
         >>> import jax.numpy as jnp, jaxga
-        >>> def loss(w, x):
-        ...     return jnp.mean(w * x)
-        >>> acc = jaxga.accumulate(loss, num_microbatches=2)
-        >>> acc.options.num_microbatches, float(acc(2.0, jnp.arange(4.0)).mean.value)
-        (2, 3.0)
+        >>> jaxga.accumulate(jnp.vdot, num_microbatches=2).options.num_microbatches
+        2
     """
 
     def __init__(self, fun: Callable[..., Any], options: arguments.Options):
@@ -34,19 +27,19 @@ class Accumulate:
         self.options = options
         functools.update_wrapper(self, fun)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Accumulated:
+    def __call__(self, *args: Any, **kwargs: Any) -> engine.Accumulated:
         return engine.run(self.fun, self.options, args, kwargs)
 
 
 def accumulate(
     fun: Callable[..., Any],
-    argnums: ArgNums = 0,
+    argnums: int | nnx.DiffState | Sequence[int | nnx.DiffState] = 0,
     has_aux: bool = False,
     *,
     num_microbatches: int,
-    batch_argnums: Positions = 1,
-    rng_argnums: Positions | None = None,
-    state_argnums: Positions = (),
+    batch_argnums: int | Sequence[int] = 1,
+    rng_argnums: int | Sequence[int] | None = None,
+    state_argnums: int | Sequence[int] = (),
     axis_name: Any = None,
     accumulator_dtype: Any = None,
     unroll: int | bool = 1,
@@ -55,36 +48,26 @@ def accumulate(
     """Like [`jaxga.value_and_grad`][jaxga.value_and_grad], returning an `Accumulated`.
 
     Args:
-        fun: the loss: a float scalar (its micro-batch's mean) or a [`jaxga.Mean`][jaxga.Mean];
-            with `has_aux`, `(loss, aux)`; with `state_argnums`, `(output, new_state)`.
-        argnums: the position(s) to differentiate; for NNX modules also
-            `nnx.DiffState(position, filter)` (default filter: `nnx.Param`).
-        has_aux: whether `fun` returns `(loss, aux)`.
-        num_microbatches: how many micro-batches to split the batch into.
-        batch_argnums: the argument(s) split along their leading axis; micro-batch `i`
-            holds rows `i, i + k, i + 2k, ...`.
-        rng_argnums: PRNG key argument(s); micro-batch `i` gets `fold_in(key, i)`. `None`:
-            every other argument holding typed keys; `()`: none.
-        state_argnums: argument(s) threaded through the micro-batches (`batch_stats`).
+        fun: the loss, a float scalar (its micro-batch's mean) or a [`jaxga.Mean`][jaxga.Mean].
+        argnums: the position(s) to differentiate; NNX: `nnx.DiffState(position, filter)` too.
+        has_aux: whether `fun` returns `(loss, aux)`; `state_argnums`: `(that, new_state)`.
+        num_microbatches: `k`, how many micro-batches to split the batch into.
+        batch_argnums: the argument(s) to split; micro-batch `i` holds rows `i, i + k, ...`.
+        rng_argnums: PRNG key arguments, `fold_in(key, i)` in micro-batch `i`; `None`: any key.
+        state_argnums: the argument(s) threaded through the micro-batches (`batch_stats`).
         axis_name: the `shard_map` axis the batch is split over; sums are reduced once.
-        accumulator_dtype: the gradient sums' dtype; `None`: at least float32.
-        unroll: the loop's `lax.scan` `unroll`: `1` holds one micro-batch's activations at
-            a time; `True` unrolls it, faster for convolutions on XLA:CPU but without the
-            memory saving.
-        aux: `"auto"`: a `Mean` comes back as the whole batch's, a leaf with one row per
-            example as the batch's rows, a scalar once per micro-batch (`[k]`), any other
-            leaf is an error; `"stack"`: every leaf but a `Mean` once per micro-batch.
+        accumulator_dtype: the dtype gradients are summed in; `None`: at least float32.
+        unroll: `lax.scan`'s; `1` keeps one micro-batch's activations at a time.
+        aux: `"auto"`: a `Mean` or rows as the whole batch's, a scalar `[k]`; `"stack"`: `[k]`.
 
     Returns:
         An [`Accumulate`][jaxga.Accumulate]: called as `fun`, it returns an `Accumulated`.
 
     Examples:
         >>> import jax.numpy as jnp, jaxga
-        >>> def loss(w, x):
-        ...     return jaxga.Mean.of(w * x)
-        >>> acc = jaxga.accumulate(loss, num_microbatches=2)(2.0, jnp.arange(4.0))
-        >>> float(acc.mean.value), float(acc.mean.count), float(acc.grads)
-        (3.0, 4.0, 1.5)
+        >>> acc = jaxga.accumulate(jnp.vdot, num_microbatches=2)(jnp.ones(2), jnp.eye(2))
+        >>> float(acc.mean.value), float(acc.mean.count), acc.grads
+        (1.0, 2.0, Array([0.5, 0.5], dtype=float32))
     """
     _checks.check_callable(fun, "fun")
     options = arguments.make_options(
@@ -104,7 +87,7 @@ def accumulate(
 
 def value_and_grad(
     fun: Callable[..., Any],
-    argnums: ArgNums = 0,
+    argnums: int | nnx.DiffState | Sequence[int | nnx.DiffState] = 0,
     has_aux: bool = False,
     *,
     num_microbatches: int,
@@ -112,49 +95,35 @@ def value_and_grad(
 ) -> Callable[..., Any]:
     """Like `jax.value_and_grad`, accumulated over micro-batches in one `lax.scan`.
 
-    Gradients and a [`jaxga.Mean`][jaxga.Mean] loss's totals and counts are summed, then
-    divided once. Modules are taken as `nnx.value_and_grad` and `eqx.filter_value_and_grad`
-    take them.
-
     Args:
-        fun: the loss, as for `jax.value_and_grad`; it may return a `jaxga.Mean`.
-        argnums: as for `jax.value_and_grad` (NNX: `nnx.DiffState` too).
+        fun: the loss, as for `jax.value_and_grad`; it may return a [`jaxga.Mean`][jaxga.Mean].
+        argnums: as for `jax.value_and_grad`; NNX: `nnx.DiffState` too.
         has_aux: as for `jax.value_and_grad`.
         num_microbatches: how many micro-batches to split the batch into.
-        **options: `batch_argnums`, `rng_argnums`, `state_argnums`, `axis_name`,
-            `accumulator_dtype`, `unroll`, `aux`: as for [`jaxga.accumulate`][jaxga.accumulate].
+        **options: as for [`jaxga.accumulate`][jaxga.accumulate].
 
     Returns:
-        A function returning `(value, grads)`, or `((value, aux), grads)` with `has_aux`;
-        with `state_argnums`, `((value, grads), new_state)` or
-        `(((value, aux), grads), new_state)`.
+        A function returning what `jax.value_and_grad`'s does; `state_argnums`: `(that, new_state)`.
 
     Examples:
-        >>> import jax, jax.numpy as jnp, jaxga
-        >>> def loss(w, b):
-        ...     return jaxga.token_cross_entropy(b["x"] @ w, b["y"])
-        >>> batch = {"x": jnp.ones((8, 5, 3)), "y": jnp.zeros((8, 5), jnp.int32)}
-        >>> vg = jax.jit(jaxga.value_and_grad(loss, num_microbatches=4))
-        >>> value, g = vg(jnp.zeros((3, 4)), batch)
-        >>> round(float(value), 4), g.shape
-        (1.3863, (3, 4))
+        >>> import jax.numpy as jnp, jaxga
+        >>> jaxga.value_and_grad(jnp.vdot, num_microbatches=2)(jnp.ones(2), jnp.ones((2, 2)))
+        (Array(2., dtype=float32), Array([1., 1.], dtype=float32))
     """
     accumulated = accumulate(fun, argnums, has_aux, num_microbatches=num_microbatches, **options)
 
     @functools.wraps(fun)
     def value_and_grad_fun(*args: Any, **kwargs: Any) -> Any:
         acc = accumulated(*args, **kwargs)
-        value = (acc.mean.value, acc.aux) if has_aux else acc.mean.value
-        if accumulated.options.state_argnums:
-            return (value, acc.grads), acc.state
-        return value, acc.grads
+        result = ((acc.mean.value, acc.aux) if has_aux else acc.mean.value), acc.grads
+        return (result, acc.state) if accumulated.options.state_argnums else result
 
     return value_and_grad_fun
 
 
 def grad(
     fun: Callable[..., Any],
-    argnums: ArgNums = 0,
+    argnums: int | nnx.DiffState | Sequence[int | nnx.DiffState] = 0,
     has_aux: bool = False,
     *,
     num_microbatches: int,
@@ -164,21 +133,18 @@ def grad(
 
     Args:
         fun: the loss, as for `jax.grad`; it may return a `jaxga.Mean`.
-        argnums: as for `jax.grad` (NNX: `nnx.DiffState` too).
+        argnums: as for `jax.grad`; NNX: `nnx.DiffState` too.
         has_aux: as for `jax.grad`.
         num_microbatches: how many micro-batches to split the batch into.
         **options: as for [`jaxga.accumulate`][jaxga.accumulate].
 
     Returns:
-        A function returning `grads`, or `(grads, aux)` with `has_aux`; with `state_argnums`
-        paired with the new state.
+        A function returning `grads`, `(grads, aux)` with `has_aux`, paired as `value_and_grad`.
 
     Examples:
         >>> import jax.numpy as jnp, jaxga
-        >>> def loss(w, x):
-        ...     return jnp.mean(w * x)
-        >>> float(jaxga.grad(loss, num_microbatches=2)(1.0, jnp.arange(4.0)))
-        1.5
+        >>> jaxga.grad(jnp.vdot, num_microbatches=2)(jnp.ones(2), jnp.arange(4.0).reshape(2, 2))
+        Array([1., 2.], dtype=float32)
     """
     accumulated = accumulate(fun, argnums, has_aux, num_microbatches=num_microbatches, **options)
 

@@ -7,11 +7,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.tree_util import keystr, tree_flatten_with_path
 
 from jaxga import _checks, collectives, modules
-from jaxga.loss import Mean, as_mean
-
-AUX_MODES = ("auto", "stack")
+from jaxga.loss import Mean
+from jaxga.microbatch import IndivisibleBatchError
 
 
 class Options(NamedTuple):
@@ -33,34 +33,25 @@ class Options(NamedTuple):
 
 
 def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:
-    """``value`` as a tuple of argument positions; raises naming ``name``."""
     got = repr(value) if shown is None else shown
-    expected = f"`{name}` must be a non-negative int or a tuple of them; got {got}."
     try:
         values = (value,) if isinstance(value, int) else tuple(value)
-    except TypeError:
-        raise TypeError(expected) from None
+    except TypeError:  # not iterable
+        values = (value,)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise TypeError(expected)
+        raise TypeError(f"`{name}` must be a non-negative int or a tuple of them; got {got}.")
     if len(set(values)) != len(values):
         raise ValueError(f"`{name}` must not repeat a position; got {got}.")
     return values
 
 
-def _argnum_items(argnums: Any) -> tuple[Any, ...]:
-    if isinstance(argnums, int | nnx.DiffState | str):
-        return (argnums,)
-    try:
-        return tuple(argnums)
-    except TypeError:
-        return (argnums,)
-
-
 def make_options(
-    argnums: Any, *, batch_argnums: Any, rng_argnums: Any, state_argnums: Any, **rest: Any
+    argnums: Any, *, batch_argnums: Any, rng_argnums: Any, state_argnums: Any, **others: Any
 ) -> Options:
-    """`Options` from `accumulate`'s arguments: the positions checked, ``rest`` as given."""
-    items = _argnum_items(argnums)
+    try:
+        items = (argnums,) if isinstance(argnums, int | nnx.DiffState) else tuple(argnums)
+    except TypeError:  # not iterable: as_positions names it
+        items = (argnums,)
     diff = tuple(a.argnum if isinstance(a, nnx.DiffState) else a for a in items)
     named = {
         "argnums": as_positions("argnums", diff, shown=repr(argnums)),
@@ -73,10 +64,7 @@ def make_options(
         raise ValueError("`argnums` must name at least one argument to differentiate.")
     for (a, x), (b, y) in itertools.combinations(named.items(), 2):
         if common := sorted(set(x) & set(y)):
-            raise ValueError(
-                f"`{a}`={x} and `{b}`={y} both name argument(s) {common}; an argument is one "
-                f"of differentiated, split into micro-batches, a PRNG key or threaded state."
-            )
+            raise ValueError(f"`{a}`={x} and `{b}`={y} both name argument(s) {common}.")
     filters = {a.argnum: a.filter for a in items if isinstance(a, nnx.DiffState)}
     return Options(
         filters={i: filters.get(i, nnx.Param) for i in named["argnums"]},
@@ -84,7 +72,7 @@ def make_options(
         rng_argnums=named.pop("rng_argnums", None),
         single_state=isinstance(state_argnums, int),
         **named,
-        **rest,
+        **others,
     )
 
 
@@ -95,8 +83,8 @@ def check_unroll(unroll: Any) -> int | bool:
 
 
 def check_aux(aux: Any) -> str:
-    if not (isinstance(aux, str) and aux in AUX_MODES):
-        raise ValueError(f"`aux` must be one of {AUX_MODES}; got {aux!r}.")
+    if not (isinstance(aux, str) and aux in ("auto", "stack")):
+        raise ValueError(f"`aux` must be one of ('auto', 'stack'); got {aux!r}.")
     return aux
 
 
@@ -107,8 +95,17 @@ def is_key(x: Any, raw: bool = True) -> bool:
     return typed or (raw and dtype == jnp.uint32 and jnp.shape(x) == (2,))
 
 
+def is_inexact(x: Any) -> bool:
+    return isinstance(x, float | complex) or jnp.issubdtype(getattr(x, "dtype", "O"), jnp.inexact)
+
+
+def describe(x: Any) -> str:
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+        return f"shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"{x!r} of type {type(x).__name__}"
+
+
 def _unnamed_leaves(options: Options, i: int, arg: Any) -> list[Any]:
-    """The leaves of ``args[i]`` if no option names it and it holds no module, else none."""
     named = {*options.argnums, *options.batch_argnums, *options.state_argnums}
     if i in named or modules.holds_graph_node(arg):
         return []
@@ -116,15 +113,12 @@ def _unnamed_leaves(options: Options, i: int, arg: Any) -> list[Any]:
 
 
 def rng_positions(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
-    """The PRNG key arguments: ``rng_argnums``, or by default every other one holding keys."""
     if options.rng_argnums is not None:
-        for i in options.rng_argnums:
-            for path, key in jax.tree_util.tree_flatten_with_path(args[i])[0]:
-                if not is_key(key):
-                    raise TypeError(
-                        f"`rng_argnums` names args[{i}], but args[{i}]{jax.tree_util.keystr(path)} "
-                        f"is not a PRNG key ({describe(key)}); expected jax.random.key's."
-                    )
+        for path, key in tree_flatten_with_path({i: args[i] for i in options.rng_argnums})[0]:
+            if not is_key(key):
+                raise TypeError(
+                    f"`rng_argnums` names args{keystr(path)}, {describe(key)}; expected a PRNG key."
+                )
         return options.rng_argnums
     found = []
     for i, arg in enumerate(args):
@@ -132,91 +126,59 @@ def rng_positions(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
         if any(is_key(x, raw=False) for x in leaves):
             found.append(i)
         elif any(is_key(x) for x in leaves):
-            raise TypeError(
-                f"args[{i}] holds a uint32[2] array, a raw PRNG key: pass rng_argnums={i} for a "
-                f"key per micro-batch, or rng_argnums=() to give each this same array."
-            )
+            raise TypeError(f"args[{i}] holds a uint32[2] PRNG key: pass rng_argnums={i}, or ().")
     return tuple(found)
 
 
-def _check_positions_exist(options: Options, args: tuple[Any, ...]) -> None:
+def check_call(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     for name in ("argnums", "batch_argnums", "rng_argnums", "state_argnums"):
         positions = getattr(options, name) or ()
         if positions and max(positions) >= len(args):
             hint = " Pass the batch as an argument." if name == "batch_argnums" else ""
-            raise ValueError(
-                f"`{name}`={positions} refers to positional argument {max(positions)}, but "
-                f"the function was called with {len(args)} positional argument(s).{hint}"
-            )
+            raise ValueError(f"`{name}`={positions}, but `fun` got {len(args)} arguments.{hint}")
         for i in positions if name != "argnums" else ():
             if modules.holds_graph_node(args[i]):
-                raise TypeError(
-                    f"`{name}` names args[{i}], a Flax NNX graph node; modules are "
-                    f"differentiated (`argnums`) or passed as they are (state threaded)."
-                )
-
-
-def check_call(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Raises for arguments the options cannot apply to, naming the argument."""
-    _check_positions_exist(options, args)
-    if named := [key for key, value in kwargs.items() if modules.holds_graph_node(value)]:
-        raise TypeError(
-            f"Keyword argument {named[0]!r} holds a Flax NNX graph node; pass it by position."
-        )
-    for i in options.batch_argnums:
-        if not _checks.leading_size(args[i], f"args[{i}]", "batch"):  # None: no leaves
-            raise ValueError(
-                f"`batch_argnums` names args[{i}], which has no array leaves or no rows (got "
-                f"{args[i]!r}): pass the batch there, or set `batch_argnums`."
-            )
-    batch_leaves = jax.tree.leaves([args[i] for i in options.batch_argnums])
+                raise TypeError(f"`{name}` names args[{i}], a Flax NNX graph node; pass arrays.")
+    for key, value in kwargs.items():
+        if modules.holds_graph_node(value):
+            raise TypeError(f"kwargs[{key!r}] holds a Flax NNX graph node; pass it by position.")
+    rows = [_checks.leading_size(args[i], f"args[{i}]", "batch") for i in options.batch_argnums]
+    for i, size in zip(options.batch_argnums, rows):
+        if not size:  # None: no leaves
+            raise ValueError(f"`batch_argnums` names args[{i}], with no array leaves or rows.")
+    rows = rows[0] if rows else 0
+    batches = jax.tree.leaves([args[i] for i in options.batch_argnums])
+    axes = sorted(set().union(*map(collectives.varying_axes, batches)), key=str)
+    if options.axis_name is None and axes:
+        raise ValueError(f"The batch varies over mesh axes {axes}: pass axis_name={axes[0]!r}.")
     if options.axis_name is not None:
         collectives.check_axis_bound(options.axis_name)
-    elif axes := sorted(set().union(*map(collectives.varying_axes, batch_leaves)), key=str):
-        raise ValueError(
-            f"The batch varies over mesh axes {axes} (inside shard_map), but `axis_name` is "
-            f"None: pass axis_name={axes[0]!r}."
-        )
+        if rows % options.num_microbatches:  # name the global batch
+            devices = jax.lax.axis_size(options.axis_name)
+            k = options.num_microbatches
+            raise IndivisibleBatchError.of(rows * devices, k, devices, options.axis_name)
+    return rows  # this device's batch rows
 
 
-def note_unsplit(error: Exception, options: Options, args: tuple[Any, ...]) -> None:
-    """Adds to ``error`` which arguments left whole have as many rows as the batch."""
-    if options.num_microbatches == 1 or not options.batch_argnums:
-        return
-    rows = jnp.shape(jax.tree.leaves(args[options.batch_argnums[0]])[0])[:1]
-    whole = [
-        i
-        for i, arg in enumerate(args)
-        if any(getattr(x, "shape", ())[:1] == rows for x in _unnamed_leaves(options, i, arg))
-    ]
-    if whole:
+def note_unsplit(error: Exception, options: Options, args: tuple[Any, ...], rows: int) -> None:
+    whole = []
+    for i, arg in enumerate(args):
+        if any(getattr(x, "shape", ())[:1] == (rows,) for x in _unnamed_leaves(options, i, arg)):
+            whole.append(i)
+    if whole and rows and options.num_microbatches > 1:
         error.add_note(
-            f"jaxga: not split, yet of the batch's {rows[0]} rows: "
+            f"jaxga: not split, yet of the batch's {rows} rows: "
             f"{', '.join(f'args[{i}]' for i in whole)}; to split them too, pass "
             f"batch_argnums={(*options.batch_argnums, *whole)}."
         )
 
 
 def check_primals(primals: tuple[Any, ...], argnums: tuple[int, ...]) -> None:
-    for i, tree in zip(argnums, primals):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            if not is_inexact(leaf):
-                raise TypeError(
-                    f"`argnums` differentiates args[{i}]{jax.tree_util.keystr(path)}, "
-                    f"{describe(leaf)}; expected float arrays (pass others in another argument)."
-                )
-
-
-def is_inexact(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None) if not isinstance(x, float | complex) else jnp.float32
-    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
-
-
-def describe(x: Any) -> str:
-    """``x`` in an error message: its shape and dtype, or its value and type."""
-    if hasattr(x, "dtype") and hasattr(x, "shape"):
-        return f"shape {tuple(x.shape)} and dtype {x.dtype}"
-    return f"{x!r} of type {type(x).__name__}"
+    for path, leaf in tree_flatten_with_path(dict(zip(argnums, primals)))[0]:
+        if not is_inexact(leaf):
+            raise TypeError(
+                f"`argnums` differentiates args{keystr(path)}, {describe(leaf)}; expected floats."
+            )
 
 
 class Output(NamedTuple):
@@ -233,28 +195,7 @@ def _pair(out: Any, option: str, pair: str) -> tuple[Any, Any]:
     return out
 
 
-def _check_value(value: Any, aux: Any) -> None:
-    if modules.holds_graph_node((value, aux)):
-        raise TypeError(
-            "`fun` returned a Flax NNX graph node (a module) in its value or aux; expected "
-            "arrays (jaxga writes module arguments' state back itself)."
-        )
-    total = value.total if isinstance(value, Mean) else value
-    if not (is_inexact(total) and jnp.shape(total) == ()):
-        what = "Mean.total has" if isinstance(value, Mean) else "it returned"
-        raise TypeError(
-            f"`fun` must return a float scalar (or a Mean of them); {what} {describe(total)}."
-        )
-    for path, leaf in jax.tree_util.tree_flatten_with_path(aux)[0]:
-        if not (hasattr(leaf, "dtype") or isinstance(leaf, int | float | bool | complex)):
-            raise TypeError(
-                f"`fun` returned aux{jax.tree_util.keystr(path)}, {describe(leaf)}; aux leaves "
-                f"must be arrays or numbers."
-            )
-
-
-def parse_output(out: Any, options: Options, old_state: tuple[Any, ...]) -> Output:
-    """``fun``'s output checked and taken apart; the new state cast like ``old_state``."""
+def parse_output(out: Any, options: Options, old_state: tuple[Any, ...], *, rows: int) -> Output:
     aux, state = None, ()
     if options.state_argnums:
         out, state = _pair(out, "`state_argnums`", "(output, new_state)")
@@ -262,17 +203,24 @@ def parse_output(out: Any, options: Options, old_state: tuple[Any, ...]) -> Outp
         out, aux = _pair(out, "has_aux=True", "(value, aux)")
     elif isinstance(out, tuple | list):
         raise TypeError(
-            f"`fun` returned a {type(out).__name__} of length {len(out)}, but has_aux=False; "
-            f"pass has_aux=True if it returns (loss, aux)."
+            f"`fun` returned a {type(out).__name__} of length {len(out)}, but has_aux=False."
         )
-    _check_value(out, aux)
-    mean = as_mean(out)
-    count = mean.count
+    if modules.holds_graph_node((out, aux)):
+        raise TypeError("`fun` returned an NNX graph node in its value or aux; expected arrays.")
+    total, count = (out.total, out.count) if isinstance(out, Mean) else (out, 1)
+    if not (is_inexact(total) and jnp.shape(total) == ()):
+        what = "Mean.total has" if isinstance(out, Mean) else "it returned"
+        raise TypeError(f"`fun` must return a float scalar or a Mean; {what} {describe(total)}.")
     if jnp.shape(count) != () or not jnp.issubdtype(jnp.result_type(count), jnp.number):
-        raise TypeError(
-            f"`fun` returned a jaxga.Mean whose count has {describe(jnp.asarray(count))}; "
-            f"expected a scalar number of items (or total weight)."
-        )
+        got = describe(jnp.asarray(count))
+        raise TypeError(f"`fun` returned a jaxga.Mean whose count has {got}; expected a scalar.")
+    for path, leaf in tree_flatten_with_path(aux)[0]:
+        if not (hasattr(leaf, "dtype") or isinstance(leaf, int | float | bool | complex)):
+            raise TypeError(
+                f"`fun` returned aux{keystr(path)}, {describe(leaf)}; expected arrays or numbers."
+            )
+    items = max(rows, 1)  # without a batch, each micro-batch counts once
+    mean = out if isinstance(out, Mean) else Mean(out * items, jnp.float32(items))
     state = (state,) if options.single_state else state
     return Output(mean, aux, cast_like(state, old_state, "returned a new_state"))
 
@@ -282,26 +230,22 @@ class StateStructureError(TypeError):
 
 
 def _structure_error(new: Any, old: Any, what: str) -> StateStructureError:
-    got, given = jax.tree.structure(new), jax.tree.structure(old)
     if isinstance(new, Mapping) and isinstance(old, Mapping) and set(new) != set(old):
-        extra, missing = sorted(set(new) - set(old), key=str), sorted(set(old) - set(new), key=str)
+        extra = sorted(set(new) - set(old), key=str)
+        missing = sorted(set(old) - set(new), key=str)
         return StateStructureError(
-            f"`fun` {what} with keys {sorted(new, key=str)}; it was given {sorted(old, key=str)} "
-            f"(extra: {extra}, missing: {missing}). Return the keys it was given (with Flax "
-            f"Linen, `mutable=` only the collections the state holds)."
+            f"`fun` {what} with extra keys {extra} and missing keys {missing}."
         )
-    return StateStructureError(
-        f"`fun` {what} with tree structure {got}; expected the one given, {given}."
-    )
+    got, given = jax.tree.structure(new), jax.tree.structure(old)
+    return StateStructureError(f"`fun` {what} with tree structure {got}; expected {given}.")
 
 
 def cast_like(new: Any, old: Any, what: str) -> Any:
-    """``new`` cast to the dtypes of ``old``, so that it can be carried by the scan."""
     if jax.tree.structure(new) != jax.tree.structure(old):
-        for n, o in zip(new, old) if isinstance(new, tuple) and isinstance(old, tuple) else ():
+        pairs = zip(new, old) if isinstance(new, tuple) and isinstance(old, tuple) else ()
+        for n, o in [*pairs, (new, old)]:  # the one state of several that differs, else all
             if jax.tree.structure(n) != jax.tree.structure(o):
                 raise _structure_error(n, o, what)
-        raise _structure_error(new, old, what)
 
     def cast(path, n, o):
         n, dtype = jnp.asarray(n), jnp.result_type(o)
@@ -309,7 +253,7 @@ def cast_like(new: Any, old: Any, what: str) -> Any:
         same_kind = n.dtype == dtype or (numeric and jnp.can_cast(n.dtype, dtype, "same_kind"))
         if n.shape != jnp.shape(o) or not same_kind:
             raise StateStructureError(
-                f"`fun` {what} whose leaf {jax.tree_util.keystr(path)} has {describe(n)}; it was "
+                f"`fun` {what} whose leaf {keystr(path)} has {describe(n)}; it was "
                 f"given {describe(jnp.asarray(o))}: state keeps its shape and dtype kind."
             )
         return n.astype(dtype)

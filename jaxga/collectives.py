@@ -9,15 +9,13 @@ __all__ = ["axes", "check_axis_bound", "psum_invariant", "psum_varying", "varyin
 
 
 def axes(axis_name: Any) -> tuple[Any, ...]:
-    """``axis_name`` as a tuple of axis names (a name, or a tuple of names)."""
+    """Returns ``axis_name``, a name or a tuple of names, as a tuple of names."""
     return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
 
 
 def varying_axes(x: Any) -> frozenset:
-    """The mesh axes over which ``x`` varies (empty outside ``shard_map``)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # jax 0.10: ShapedArray.mat.varying; older: .vma
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+    """Returns the mesh axes ``x`` varies over (none outside ``shard_map``)."""
+    return jax.typeof(x).mat.varying
 
 
 def _invariant(x: Any, axis_name: Any) -> tuple[Any, ...]:
@@ -29,34 +27,27 @@ def check_axis_bound(axis_name: Any) -> None:
     try:
         jax.lax.axis_index(axis_name)
     except NameError:
-        raise ValueError(
-            f"`axis_name`={axis_name!r} is not bound; call it inside jax.shard_map (or jax.pmap) "
-            f"over a mesh axis named {axis_name!r}, or pass axis_name=None on a single device."
-        ) from None
+        message = "is not bound: call it inside a jax.shard_map over it, or pass axis_name=None."
+        raise ValueError(f"`axis_name`={axis_name!r} {message}") from None
 
 
 def varying(tree: Any, axis_name: Any) -> Any:
-    """Marks every leaf of ``tree`` as varying over ``axis_name`` (no-op when ``None``).
+    """Returns ``tree`` with every leaf varying over ``axis_name`` (``None``: as it is).
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxga
-        >>> mesh = jax.make_mesh((1,), ("data",))
         >>> def f(w):
         ...     return print(jax.typeof(jaxga.collectives.varying(w, "data"))) or w
-        >>> _ = jax.shard_map(f, mesh=mesh, in_specs=jax.P(), out_specs=jax.P())(jnp.ones(2))
+        >>> _ = jax.shard_map(f, mesh=jax.make_mesh((1,), ["data"]), out_specs=jax.P())(jnp.ones(2))
         float32[2]{V:data}
     """
     if axis_name is None:
         return tree
-
-    def cast(x):
-        return jax.lax.pcast(x, _invariant(x, axis_name), to="varying")  # to (): a no-op
-
-    return jax.tree.map(cast, tree)
+    return jax.tree.map(lambda x: jax.lax.pcast(x, _invariant(x, axis_name), to="varying"), tree)
 
 
 def psum_invariant(tree: Any, like: Any, axis_name: Any) -> Any:
-    """Sums ``tree`` over ``axis_name``, but not over the axes the leaf of ``like`` varies over."""
+    """Returns ``tree`` summed over ``axis_name``, but for the axes ``like``'s leaves vary over."""
     leaves, treedef = jax.tree.flatten(tree)
     over = [_invariant(x, axis_name) for x in treedef.flatten_up_to(like)]
     for group in dict.fromkeys(over):  # one psum per group of axes
@@ -67,7 +58,7 @@ def psum_invariant(tree: Any, like: Any, axis_name: Any) -> Any:
 
 
 def psum_varying(tree: Any) -> Any:
-    """Sums each leaf over the mesh axes it varies over (bools: whether any device is true)."""
+    """Returns each leaf summed over the mesh axes it varies over (bools: any device true)."""
 
     def reduce(x):
         over = tuple(sorted(varying_axes(x), key=str))  # () a no-op

@@ -31,10 +31,7 @@ class Mean:
 
     @classmethod
     def of(cls, values: jax.Array, where: jax.Array | None = None) -> "Mean":
-        """Returns the mean of ``values`` (summed in at least float32) weighted by ``where``.
-
-        ``where``: a mask or weights >= 0. Under jit, NaN or negative weights cannot be checked.
-        """
+        """The mean of ``values`` weighted by ``where``. Under jit, weights cannot be checked."""
         values = _array(values, "Mean.of: `values`")
         where = _array(1 if where is None else where, "Mean.of: `where`", shape=values.shape)
         weights = where.astype(jnp.promote_types(values.dtype, jnp.float32))
@@ -74,9 +71,7 @@ def as_mean(value: Mean | jax.Array) -> Mean:
 
 
 def token_cross_entropy(logits: jax.Array, labels: jax.Array, mask: Any = None) -> Mean:
-    """Returns the softmax cross-entropy of integer `labels` as a `jaxga.Mean` over tokens.
-
-    ``logits``: ``[..., vocab]``; ``labels``: in ``[0, vocab)`` where ``mask`` (optional) is not 0.
+    """The softmax cross-entropy of ``logits`` ``[..., vocab]`` as a `jaxga.Mean` over tokens.
 
     Examples:
         >>> import jax.numpy as jnp, jaxga
@@ -89,8 +84,9 @@ def token_cross_entropy(logits: jax.Array, labels: jax.Array, mask: Any = None) 
     if not logits.ndim or logits.shape[:-1] != labels.shape:
         raise TypeError(f"`logits` {logits.shape} must be [..., vocab] for labels {labels.shape}.")
     mask = _array(1 if mask is None else mask, "`mask`", shape=labels.shape)
-    labels = jnp.where(mask != 0, labels, 0)  # the labels of tokens left out are not looked up
-    vocab, (low, high) = logits.shape[-1], (labels.min(), labels.max()) if labels.size else (0, 0)
+    labels = jnp.where(mask != 0, labels, 0)  # tokens left out: their labels are not looked up
+    vocab = logits.shape[-1]
+    low, high = (labels.min(), labels.max()) if labels.size else (0, 0)
     if not isinstance(low, jax.core.Tracer) and not 0 <= low <= high < vocab:  # as in Mean.of
         raise ValueError(f"counted `labels` must be in [0, {vocab}); got {low} to {high}.")
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)

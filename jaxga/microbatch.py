@@ -14,7 +14,6 @@ class IndivisibleBatchError(ValueError):
 
     @classmethod
     def of(cls, size: int, num_microbatches: int, devices: int = 1, axis_name: Any = None):
-        """The error for a global batch of ``size`` rows."""
         k, on, times = num_microbatches, "", ""
         if axis_name is not None:
             on = f" ({size // devices} per device on {devices} devices of axis {axis_name!r})"
@@ -31,13 +30,10 @@ def split_microbatches(batch: Any, num_microbatches: int, *, name: str = "batch"
         [[0, 2, 4], [1, 3, 5]]
     """
     k = _checks.positive_int(num_microbatches, "num_microbatches")
-    size = _checks.leading_size(batch, name, "batch")
-    if size is not None and size % k:
+    size = _checks.leading_size(batch, name, "batch") or 0  # 0: no leaves
+    if size % k:
         raise IndivisibleBatchError.of(size, k)
-    if size is None:
-        return batch
-    # optax's reshape is column-major: micro-batch i holds rows i, i + k, ... (and a batch
-    # sharded along its rows stays sharded along each micro-batch's)
+    # column-major: micro-batch i holds rows i, i + k, ... (a row-sharded batch stays sharded)
     return optax.microbatching.reshape_batch_axis(jax.tree.map(jnp.asarray, batch), size // k)
 
 
@@ -49,11 +45,6 @@ def merge_microbatches(tree: Any) -> Any:
         >>> jaxga.merge_microbatches(jaxga.split_microbatches(jnp.arange(6), 3)).tolist()
         [0, 1, 2, 3, 4, 5]
     """
-
-    def merge(x):
-        shape = jnp.shape(x)
-        if len(shape) < 2:
-            raise ValueError(f"merge_microbatches: leaves must be [k, B // k, ...]; got {shape}.")
-        return jnp.reshape(jnp.swapaxes(x, 0, 1), (shape[0] * shape[1], *shape[2:]))
-
-    return jax.tree.map(merge, tree)
+    if short := [s for s in map(jnp.shape, jax.tree.leaves(tree)) if len(s) < 2]:
+        raise ValueError(f"merge_microbatches: leaves must be [k, B // k, ...]; got {short[0]}.")
+    return jax.tree.map(lambda x: jax.lax.collapse(jnp.swapaxes(x, 0, 1), 0, 2), tree)

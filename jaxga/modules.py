@@ -13,64 +13,44 @@ def is_graph_node(x: Any) -> bool:
     return nnx.graphlib.is_graph_node(x) and not isinstance(x, nnx.Variable)
 
 
-def is_equinox(x: Any) -> bool:
-    """Whether ``x`` is an ``equinox.Module`` (equinox is optional: never imported here)."""
-    return isinstance(x, getattr(sys.modules.get("equinox"), "Module", ()))
-
-
 def is_module(x: Any) -> bool:
-    """Whether ``x`` is a Flax NNX graph node or an Equinox module."""
-    return is_graph_node(x) or is_equinox(x)
+    """Whether ``x`` is an NNX graph node or an ``equinox.Module`` (equinox is not imported)."""
+    return is_graph_node(x) or isinstance(x, getattr(sys.modules.get("equinox"), "Module", ()))
 
 
 def holds_graph_node(tree: Any) -> bool:
-    """Whether ``tree`` is, or holds, a Flax NNX graph node."""
     return any(map(is_graph_node, jax.tree.leaves(tree, is_leaf=is_graph_node)))
 
 
 def holds_module(tree: Any) -> bool:
-    """Whether ``tree`` is, or holds, a Flax NNX graph node or an Equinox module."""
     return any(map(is_module, jax.tree.leaves(tree, is_leaf=is_module)))
 
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-    """A module taken apart: a pytree leaf (not a node), so trees of parts map part by part.
+    """A module taken apart: a pytree leaf (not a node), so trees of parts map part by part."""
 
-    Attributes:
-        module: the caller's module, updated in place at the end (NNX).
-        graphdef: an NNX ``GraphDef``, or an Equinox module's non-array part.
-        diff: the differentiated state; ``None`` when the module is not differentiated.
-        rest: the NNX state threaded through the micro-batches; ``None`` for Equinox.
-    """
-
-    module: Any
-    graphdef: Any
-    diff: Any
-    rest: Any
-
-    @property
-    def threads_state(self) -> bool:
-        """Whether this part has NNX state to thread (Equinox parts have none)."""
-        return self.rest is not None
+    module: Any  # the caller's module, updated in place at the end (NNX)
+    graphdef: Any  # an NNX GraphDef, or an Equinox module's non-array part
+    diff: Any  # the differentiated state; None when the module is not differentiated
+    rest: Any  # the NNX state threaded through the micro-batches; None for Equinox
 
 
-def is_part(x: Any) -> bool:
-    return isinstance(x, Part)
+def _is_nnx(x: Any) -> bool:  # a part with NNX state to thread
+    return isinstance(x, Part) and x.rest is not None
 
 
-def _split_filters(wrt: Any) -> tuple[Any, ...]:
-    """``nnx.split``'s filters: ``(graphdef, diff, rest)`` for ``wrt``, ``(graphdef, rest)``."""
+def _split_filters(wrt: Any) -> tuple[Any, ...]:  # nnx.split's: (graphdef, [diff,] rest)
     return () if wrt is None else (wrt, ...)
 
 
 def _take_apart_one(x: Any, where: str, wrt: Any) -> Any:
-    if is_equinox(x) and wrt is not None:
+    if not is_graph_node(x):  # an Equinox module is taken apart only to differentiate it
+        if wrt is None or not is_module(x):
+            return x
         eqx = sys.modules["equinox"]
         diff, static = eqx.partition(x, eqx.is_inexact_array)
         return Part(module=x, graphdef=static, diff=diff, rest=None)
-    if not is_graph_node(x):
-        return x
     graphdef, *diff, rest = nnx.split(x, *_split_filters(wrt))
     if wrt is not None and not jax.tree.leaves(diff):
         raise ValueError(
@@ -86,22 +66,20 @@ def take_apart(arg: Any, where: str, wrt: Any) -> Any:
 
 
 def diff_of(parts: Any) -> Any:
-    """The differentiated state of each part of ``parts``; other leaves as they are."""
-    return jax.tree.map(lambda x: x.diff if is_part(x) else x, parts)
+    return jax.tree.map(lambda x: x.diff if isinstance(x, Part) else x, parts)
 
 
 def rest_of(parts: Any) -> Any:
-    """The threaded NNX state of each part of ``parts``; ``None`` for other leaves."""
-    return jax.tree.map(lambda x: x.rest if is_part(x) else None, parts)
+    return jax.tree.map(lambda x: x.rest if isinstance(x, Part) else None, parts)
 
 
 def put_together(parts: Any, diff: Any, rest: Any) -> Any:
     """Fresh modules of the current trace from ``parts``, with ``diff`` and ``rest`` state."""
 
     def merge(x, r, d):  # d is x itself when diff is None
-        if is_part(x) and x.threads_state:
+        if _is_nnx(x):
             return nnx.merge(x.graphdef, *((r,) if d is x else (d, r)), copy=True)
-        return sys.modules["equinox"].combine(d, x.graphdef) if is_part(x) else d
+        return sys.modules["equinox"].combine(d, x.graphdef) if isinstance(x, Part) else d
 
     return jax.tree.map(merge, parts, rest, parts if diff is None else diff)
 
@@ -110,29 +88,23 @@ def new_rest(merged: Any, parts: Any, wrt: Any) -> Any:
     """The threaded state of the rebuilt modules ``merged`` after the loss ran."""
 
     def rest(x, module):
-        if is_part(x) and x.threads_state:
-            return nnx.split(module, *_split_filters(wrt))[-1]
-        return None
+        return nnx.split(module, *_split_filters(wrt))[-1] if _is_nnx(x) else None
 
     return jax.tree.map(rest, parts, merged)
 
 
 def write_back(parts: Any, rest: Any) -> None:
-    """Updates the caller's NNX modules in place with their threaded state ``rest``."""
-
-    def update(x, r):
-        if is_part(x) and x.threads_state:
+    leaves, treedef = jax.tree.flatten(parts)
+    for x, r in zip(leaves, treedef.flatten_up_to(rest)):
+        if _is_nnx(x):
             nnx.update(x.module, r)
-
-    jax.tree.map(update, parts, rest)
 
 
 def check_unshared(parts: dict[int, Any]) -> None:
-    """Raises if two modules among the arguments share a Variable (or are one module)."""
     owner: dict[int, str] = {}
     for path, x in jax.tree_util.tree_flatten_with_path(parts)[0]:  # parts[i]: args[i]
         where = f"args{jax.tree_util.keystr(path)}"
-        for _, v in nnx.iter_graph(x.module) if is_part(x) and x.threads_state else ():
+        for _, v in nnx.iter_graph(x.module) if _is_nnx(x) else ():
             if isinstance(v, nnx.Variable) and owner.setdefault(id(v), where) != where:
                 raise ValueError(
                     f"{owner[id(v)]} and {where} share state (one Flax NNX module or "

@@ -1,6 +1,7 @@
 """Gradient accumulation across calls: an optax optimiser applied once every k calls."""
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -11,14 +12,17 @@ from jaxga import _checks, collectives
 
 
 class MultiStepsState(NamedTuple):
-    """State of :class:`MultiSteps`: optax's fields, a weighted mean and its weights.
+    """State of [`jaxga.MultiSteps`][jaxga.MultiSteps]: optax's fields, a weighted mean, weights.
 
     Attributes:
         mini_step: calls accumulated in the current group; 0 once a group completes.
+        gradient_step: groups applied so far: how many times the inner optimiser ran.
         acc_grads: the group's weighted mean gradient so far, in the accumulator dtype.
         weight_sum: the group's total weight so far (a call without ``weight`` weighs 1).
         weighted: whether the last call passed ``weight``.
+        inner_opt_state: the inner optimiser's state.
         applied: whether the last call ran the inner optimiser.
+        num_skipped: calls skipped so far (by the predicate, or a bad ``weight`` under `jit`).
         skip_state: the last report of ``should_skip_update_fn``; ``()`` without one.
     """
 
@@ -33,38 +37,77 @@ class MultiStepsState(NamedTuple):
     skip_state: Any = ()
 
 
-def skip_not_finite(updates: Any, gradient_step: Any, params: Any = None) -> tuple:
-    """Whether any leaf of ``updates`` holds an inf or a NaN: a ``should_skip_update_fn``.
+def _check_arrays(tree: Any, name: str, like: Any) -> None:
+    expected, got = jax.tree.structure(like), jax.tree.structure(tree)
+    if got != expected:
+        raise TypeError(f"`{name}` must have the params' tree structure, {expected}; got {got}.")
+    for (path, leaf), a in zip(jax.tree.leaves_with_path(tree), jax.tree.leaves(like)):
+        where = f"{name}{jax.tree_util.keystr(path)}"
+        if not hasattr(leaf, "dtype") and not isinstance(leaf, int | float | complex):
+            expected = "an array or a number" if path else "a pytree of arrays"
+            got = f"{leaf!r:.60} of type {type(leaf).__name__}"
+            raise TypeError(f"`{where}` must be {expected}; got {got}.")
+        if getattr(getattr(leaf, "dtype", None), "kind", "") in tuple("OSUMm"):  # not for JAX
+            raise TypeError(f"`{where}` must hold numbers or bools; got dtype {leaf.dtype}.")
+        if jnp.shape(leaf) != jnp.shape(a):
+            raise ValueError(f"`{where}` must have shape {jnp.shape(a)}; got {jnp.shape(leaf)}.")
 
-    Example:
-        >>> import jax.numpy as jnp, jaxga
-        >>> skip, info = jaxga.skip_not_finite({"w": jnp.array([1.0, jnp.nan])}, 0)
-        >>> bool(skip), int(info["num_not_finite"])
-        (True, 1)
-    """
-    del gradient_step, params
-    count = lambda g: collectives.psum_varying(jnp.sum(~jnp.isfinite(g), dtype=jnp.int32))
-    num_not_finite = sum(map(count, jax.tree.leaves(updates)), jnp.zeros((), jnp.int32))
-    should_skip = num_not_finite > 0
-    return should_skip, {"should_skip": should_skip, "num_not_finite": num_not_finite}
 
-
-def _check_state(state: Any, grads: Any = None) -> None:
+def _check_state(state: Any) -> MultiStepsState:
     if not isinstance(state, MultiStepsState):
         kind = type(state)
         library = "a" if kind.__module__ == "builtins" else f"{kind.__module__.split('.')[0]}'s"
         raise TypeError(f"`state` must be a jaxga.MultiStepsState; got {library} {kind.__name__}.")
-    expected, got = jax.tree.structure(state.acc_grads), jax.tree.structure(grads)
-    if grads is not None and got != expected:
-        raise TypeError(f"`grads` must have the params' tree structure, {expected}; got {got}.")
-    for (path, g), a in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(state.acc_grads)):
-        if jnp.shape(g) != jnp.shape(a):
-            name = f"grads{jax.tree_util.keystr(path)}"
-            raise ValueError(f"`{name}` must have shape {jnp.shape(a)}; got {jnp.shape(g)}.")
+    return state
 
 
-def _as_weight(weight: Any, state: MultiStepsState) -> tuple[jax.Array, jax.Array]:
-    """``weight`` as a float32 scalar (1 for ``None``), and whether it is valid."""
+def skip_not_finite(updates: Any, gradient_step: Any, params: Any = None) -> tuple[Any, dict]:
+    """Says whether any leaf of ``updates`` holds an inf or a NaN: a ``should_skip_update_fn``.
+
+    Args:
+        updates: a call's gradient, a pytree of arrays.
+        gradient_step: the state's ``gradient_step`` (unused; optax's signature).
+        params: the parameters (unused; optax's signature).
+
+    Returns:
+        ``(should_skip, report)``: a bool scalar, and a dict of it and ``num_not_finite``.
+
+    Examples:
+        >>> import jax.numpy as jnp, jaxga
+        >>> jaxga.skip_not_finite({"w": jnp.array([1.0, jnp.nan])}, 0)[1]
+        {'should_skip': Array(True, dtype=bool), 'num_not_finite': Array(1, dtype=int32)}
+    """
+    _check_arrays(updates, "updates", like=updates)
+    counts = [jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in jax.tree.leaves(updates)]
+    num_not_finite = sum(map(collectives.psum_varying, counts), jnp.zeros((), jnp.int32))  # by leaf
+    should_skip = num_not_finite > 0
+    return should_skip, {"should_skip": should_skip, "num_not_finite": num_not_finite}
+
+
+def _never_skip(grads: Any, gradient_step: Any, params: Any) -> tuple[jax.Array, tuple]:
+    return jnp.zeros((), jnp.bool_), ()
+
+
+def _init(params: Any, *, inner: Any, sum_dtype: Any, should_skip: Any) -> MultiStepsState:
+    _check_arrays(params, "params", like=params)
+    out = jax.eval_shape(should_skip, params, jnp.zeros((), jnp.int32), params)
+    pair = isinstance(out, tuple) and len(out) == 2
+    if not pair or jnp.shape(out[0]) != () or jnp.result_type(out[0]) != jnp.bool_:
+        raise TypeError(f"`should_skip_update_fn` must return (a bool, a report); got {out}.")
+    return MultiStepsState(
+        mini_step=jnp.int32(0),
+        gradient_step=jnp.int32(0),
+        acc_grads=jax.tree.map(lambda z: jnp.zeros_like(z, sum_dtype(jnp.result_type(z))), params),
+        weight_sum=jnp.float32(0),
+        weighted=jnp.bool_(False),
+        inner_opt_state=optax.with_extra_args_support(inner).init(params),
+        applied=jnp.bool_(False),
+        num_skipped=jnp.int32(0),
+        skip_state=optax.tree.zeros_like(out[1]),
+    )
+
+
+def _accumulate(grads, state, params, weight, should_skip, /):
     mixed = (state.mini_step > 0) & (state.weighted != (weight is not None))
     if not isinstance(mixed, jax.core.Tracer) and mixed:  # known eagerly
         got = "none after weighted calls" if weight is None else "one after unweighted calls"
@@ -78,64 +121,11 @@ def _as_weight(weight: Any, state: MultiStepsState) -> tuple[jax.Array, jax.Arra
     valid = jnp.isfinite(w) & (w >= 0)
     if not isinstance(valid, jax.core.Tracer) and not valid:
         raise ValueError(f"`weight` must be finite and non-negative; got {float(w)}.")
-    return w.astype(jnp.float32), valid
-
-
-def _apply_inner(inner, apply, acc_grads, grads, state, params, extra_args):
-    """``inner``'s updates of the mean and new state if ``apply``, else zeros and the same."""
-    grad_types = jax.tree.map(jax.typeof, grads)  # not `grads` themselves: no cond operand
-
-    def run(acc_grads, inner_state):
-        mean = optax.tree.cast_like(acc_grads, grad_types)
-        updates, new_state = inner.update(mean, inner_state, params, **extra_args)
-        return updates, optax.tree.cast_like(new_state, inner_state)
-
-    # a zero XLA cannot see is constant, so never merged with other zeros of a parameter's shape
-    zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))
-    shapes = jax.eval_shape(run, acc_grads, state.inner_opt_state)[0]
-    hold = lambda _, kept: (jax.tree.map(lambda s: jax.lax.full_like(s, zero), shapes), kept)
-    return jax.lax.cond(apply, run, hold, acc_grads, state.inner_opt_state)
-
-
-def _init(inner, accumulator_dtype, should_skip_update_fn, params: Any) -> MultiStepsState:
-    skip_state = ()
-    if should_skip_update_fn is not None:
-        out = jax.eval_shape(should_skip_update_fn, params, jnp.zeros((), jnp.int32), params)
-        pair = isinstance(out, tuple) and len(out) == 2
-        if not pair or jnp.shape(out[0]) != () or jnp.result_type(out[0]) != jnp.bool_:
-            raise TypeError(
-                f"`should_skip_update_fn` must return a pair (a bool scalar, a report), as "
-                f"optax's predicates do; it returned {out!r}."
-            )
-        skip_state = optax.tree.zeros_like(out[1])
-    accumulator = lambda z: z.astype(_checks.sum_dtype(accumulator_dtype, z.dtype))
-    return MultiStepsState(
-        mini_step=jnp.int32(0),
-        gradient_step=jnp.int32(0),
-        acc_grads=jax.tree.map(accumulator, optax.tree.zeros_like(params)),
-        weight_sum=jnp.float32(0),
-        weighted=jnp.bool_(False),
-        inner_opt_state=inner.init(params),
-        applied=jnp.bool_(False),
-        num_skipped=jnp.int32(0),
-        skip_state=skip_state,
-    )
-
-
-def _update(inner, every_k, skip_fn, grads, state, params=None, *args, weight=None, **extra):
-    if args:
-        raise TypeError(
-            f"MultiSteps.update takes (grads, state, params) by position; got {3 + len(args)} "
-            f"positional arguments: pass `weight` by keyword, update(..., weight=w)."
-        )
-    _check_state(state, grads)
-    w, keep = _as_weight(weight, state)
-    skip, skip_state = jnp.zeros((), jnp.bool_), ()
-    if skip_fn is not None:  # its output was checked by `init`
-        skip, report = skip_fn(grads, state.gradient_step, params)
-        report = optax.tree.cast_like(jax.tree.map(jnp.asarray, report), state.skip_state)
-        skip, skip_state = collectives.psum_varying((jnp.asarray(skip), report))  # devices agree
-    keep = keep & ~skip  # a call with a traced invalid weight is skipped: it cannot raise
+    w = w.astype(jnp.float32)
+    skip, report = should_skip(grads, state.gradient_step, params)
+    report = optax.tree.cast_like(jax.tree.map(jnp.asarray, report), state.skip_state)
+    skip, report = collectives.psum_varying((jnp.asarray(skip), report))  # devices agree
+    keep = valid & ~skip  # a traced invalid weight skips: it cannot raise
     prior = jnp.where(state.mini_step == 0, 0.0, state.weight_sum)  # 0 for a new group
     weight_sum = prior + w
     ratio = jnp.where(weight_sum > 0, w / weight_sum, 0.0)  # 0: no items, its 0 / 0 stays out
@@ -143,103 +133,109 @@ def _update(inner, every_k, skip_fn, grads, state, params=None, *args, weight=No
     def add(acc, g):
         dtype = jnp.promote_types(jnp.promote_types(acc.dtype, g.dtype), jnp.float32)
         a, g = acc.astype(dtype), g.astype(dtype)
-        # a new group overwrites the last group's mean by a select (it may hold an inf)
-        new = jnp.where(prior > 0, a + ratio.astype(dtype) * (g - a), g)
+        new = jnp.where(prior > 0, a + ratio.astype(dtype) * (g - a), g)  # select: no old inf
         return jnp.where(keep & (ratio > 0), new.astype(acc.dtype), acc)
 
-    acc_grads = jax.tree.map(add, state.acc_grads, grads)
-    weight_sum = jnp.where(keep, weight_sum, state.weight_sum)
-    mini_step = state.mini_step + keep.astype(jnp.int32)
-    k = jnp.asarray(every_k(state.gradient_step) if callable(every_k) else every_k)
+    return state._replace(
+        mini_step=state.mini_step + keep.astype(jnp.int32),
+        acc_grads=jax.tree.map(add, state.acc_grads, grads),
+        weight_sum=jnp.where(keep, weight_sum, state.weight_sum),
+        weighted=jnp.asarray(weight is not None),
+        num_skipped=state.num_skipped + (~keep).astype(jnp.int32),
+        skip_state=report,
+    ), keep
+
+
+def _update(grads, state, params=None, *, inner, every_k, should_skip, weight=None, **extra_args):
+    _check_arrays(grads, "grads", like=_check_state(state).acc_grads)
+    with jax.named_scope("accumulate"):
+        group, keep = _accumulate(grads, state, params, weight, should_skip)
+    k = jnp.asarray(every_k(state.gradient_step) if callable(every_k) else every_k)  # group size
     is_int = k.shape == () and jnp.issubdtype(k.dtype, jnp.integer)
     if not is_int or (not isinstance(k, jax.core.Tracer) and k < 1):  # traced: taken as >= 1
-        raise (ValueError if is_int else TypeError)(
-            f"The `every_k` schedule must return an int scalar >= 1; it returned {k!r}."
-        )
-    done = keep & (mini_step >= jnp.maximum(k, 1))
-    apply = done & (weight_sum > 0)  # a group without weight holds no items
-    updates, inner_state = _apply_inner(inner, apply, acc_grads, grads, state, params, extra)
-    return updates, MultiStepsState(
-        mini_step=jnp.where(done, 0, mini_step),
+        error = ValueError if is_int else TypeError
+        raise error(f"The `every_k` schedule must return an int scalar >= 1; got {k!r}.")
+    done = keep & (group.mini_step >= jnp.maximum(k, 1))
+    apply = done & (group.weight_sum > 0)  # a group without weight holds no items
+    inner = optax.with_extra_args_support(inner)
+    grad_types = jax.tree.map(jax.typeof, grads)  # not `grads` themselves: no cond operand
+
+    def run(acc_grads, inner_state):
+        mean = optax.tree.cast_like(acc_grads, grad_types)
+        updates, new_state = inner.update(mean, inner_state, params, **extra_args)
+        return updates, optax.tree.cast_like(new_state, inner_state)
+
+    # a zero XLA cannot see is constant (made outside the cond, an operand of it), so never
+    # merged with other zeros of a parameter's shape into buffers that stay live
+    zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))
+
+    def hold(acc_grads, inner_state):
+        update_types, _ = jax.eval_shape(run, acc_grads, inner_state)
+        return jax.tree.map(lambda t: jax.lax.full_like(t, zero), update_types), inner_state
+
+    with jax.named_scope("inner_update"):
+        updates, opt_state = jax.lax.cond(apply, run, hold, group.acc_grads, group.inner_opt_state)
+    return updates, group._replace(
+        mini_step=jnp.where(done, 0, group.mini_step),
         gradient_step=state.gradient_step + apply.astype(jnp.int32),
-        acc_grads=acc_grads,
-        weight_sum=weight_sum,
-        weighted=jnp.asarray(weight is not None),
-        inner_opt_state=inner_state,
+        inner_opt_state=opt_state,
         applied=apply,
-        num_skipped=state.num_skipped + (~keep).astype(jnp.int32),
-        skip_state=skip_state,
     )
 
 
-@jax.tree_util.register_static  # configuration, not data: no leaves
-class MultiSteps(optax.GradientTransformationExtraArgs):
+class MultiStepsTransformation(optax.GradientTransformationExtraArgs):
+    """What [`jaxga.MultiSteps`][jaxga.MultiSteps] returns: a GradientTransformationExtraArgs."""
+
+    __slots__ = ()
+
+    def has_updated(self, state: MultiStepsState) -> jax.Array:
+        """``state.applied``: whether the call that returned ``state`` ran the inner optimiser."""
+        return _check_state(state).applied
+
+    def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+        """Returns ``optax.GradientTransformationExtraArgs(self.init, self.update)``, as optax's."""
+        return optax.GradientTransformationExtraArgs(self.init, self.update)
+
+
+def MultiSteps(
+    inner: optax.GradientTransformation,
+    every_k: int | Callable[[jax.Array], Any] | None = None,
+    *,
+    every_k_schedule: int | Callable[[jax.Array], Any] | None = None,
+    accumulator_dtype: Any = None,
+    should_skip_update_fn: Callable[..., tuple[Any, Any]] | None = None,
+) -> MultiStepsTransformation:
     """Accumulates gradients over ``every_k`` calls, then applies ``inner`` to their mean.
 
-    The call completing a group returns ``inner``'s updates of its weighted mean gradient
-    Σwᵢgᵢ / Σwᵢ, the others zeros. Weigh every call of a group (``weight=w``, finite, ≥ 0) or none.
-
     Args:
+        inner: the optimiser to apply once per group, e.g. `optax.adamw(1e-3)` or a chain.
         every_k: calls per group: a positive int, or a function of ``gradient_step``.
         every_k_schedule: optax's name for ``every_k``; give one of the two.
         accumulator_dtype: the accumulator's dtype; ``None`` keeps at least float32.
-        should_skip_update_fn: ``(grads, gradient_step, params) -> (skip, report)``, e.g.
-            :func:`skip_not_finite`; a skipped call leaves the accumulation as it was.
+        should_skip_update_fn: ``(grads, gradient_step, params) -> (skip, report)``.
 
-    Example:
+    Returns:
+        A `MultiStepsTransformation`: zero updates, or at a group's end `inner`'s of Σwᵢgᵢ / Σwᵢ.
+
+    Examples:
         >>> import jax.numpy as jnp, optax, jaxga
         >>> tx = jaxga.MultiSteps(optax.sgd(1.0), every_k=2)
         >>> _, state = tx.update(jnp.array([1.0, 2.0]), tx.init(jnp.zeros(2)), weight=1)
-        >>> updates, state = tx.update(jnp.array([4.0, 0.0]), state, weight=3)  # token counts
-        >>> updates.tolist(), bool(tx.has_updated(state))
-        ([-3.25, -0.5], True)
+        >>> tx.update(jnp.array([4.0, 0.0]), state, weight=3)[0].tolist()  # token counts
+        [-3.25, -0.5]
     """
-
-    def __new__(
-        cls,
-        inner: optax.GradientTransformation,
-        every_k: Any = None,
-        *,
-        every_k_schedule: Any = None,
-        accumulator_dtype: Any = None,
-        should_skip_update_fn: Any = None,
-    ):
-        if (every_k is None) == (every_k_schedule is None):
-            raise TypeError(
-                f"Pass `every_k` or optax's spelling `every_k_schedule`, once; got "
-                f"every_k={every_k!r}, every_k_schedule={every_k_schedule!r}."
-            )
-        _checks.check_optimizer(inner, "inner")
-        if should_skip_update_fn is not None:
-            signature = "`(grads, gradient_step, params) -> (skip, report)` or None"
-            _checks.check_arity(should_skip_update_fn, "should_skip_update_fn", 3, signature)
-        every_k = every_k if every_k_schedule is None else every_k_schedule
-        if callable(every_k):
-            _checks.check_arity(every_k, "every_k", 1, "`every_k(step)` of `gradient_step`")
-        else:
-            expected = "a positive int or a function of `gradient_step` returning at least 1"
-            every_k = _checks.positive_int(every_k, "every_k", expected)
-        dtype = _checks.float_dtype(accumulator_dtype)
-        wrapped = optax.with_extra_args_support(inner)
-        init = functools.partial(_init, wrapped, dtype, should_skip_update_fn)
-        update = functools.partial(_update, wrapped, every_k, should_skip_update_fn)
-        self = super().__new__(cls, init, update)
-        self.inner_opt, self._options = inner, dict(every_k=every_k, accumulator_dtype=dtype)
-        self._options["should_skip_update_fn"] = should_skip_update_fn
-        return self
-
-    def has_updated(self, state: MultiStepsState) -> jax.Array:
-        """Returns whether the call that produced ``state`` ran the inner optimiser."""
-        _check_state(state)
-        return state.applied
-
-    def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
-        """Returns this transformation as a plain ``optax.GradientTransformationExtraArgs``."""
-        return optax.GradientTransformationExtraArgs(self.init, self.update)
-
-    def __repr__(self) -> str:
-        options = ", ".join(f"{k}={getattr(v, '__name__', v)!s}" for k, v in self._options.items())
-        return f"MultiSteps({options})"
-
-    def __reduce__(self):  # copies rebuild from the arguments: a tuple's would pass (init, update)
-        return functools.partial(MultiSteps, self.inner_opt, **self._options), ()
+    _checks.check_optimizer(inner, "inner")
+    should_skip = _never_skip if should_skip_update_fn is None else should_skip_update_fn
+    _checks.check_arity(should_skip, "should_skip_update_fn", 3, "`(grads, gradient_step, params)`")
+    if (every_k is None) == (every_k_schedule is None):
+        got = f"{every_k=}, {every_k_schedule=}"
+        raise TypeError(f"Pass one of `every_k` and `every_k_schedule`; got {got}.")
+    every_k = every_k if every_k_schedule is None else every_k_schedule
+    if callable(every_k):
+        _checks.check_arity(every_k, "every_k", 1, "`every_k(step)` of `gradient_step`")
+    else:
+        every_k = _checks.positive_int(every_k, "every_k", "a positive int or a schedule")
+    options = {"inner": inner, "should_skip": should_skip}
+    sum_dtype = functools.partial(_checks.sum_dtype, _checks.float_dtype(accumulator_dtype))
+    init = functools.partial(_init, sum_dtype=sum_dtype, **options)
+    return MultiStepsTransformation(init, functools.partial(_update, every_k=every_k, **options))

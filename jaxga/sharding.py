@@ -1,5 +1,6 @@
 """Train states and batches on a mesh: layouts (ZeRO-1, FSDP...) and the sharded loop."""
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -7,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, collectives
@@ -23,8 +24,10 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
 
 
-def _is_sharding(x: Any) -> bool:
-    return isinstance(x, jax.sharding.Sharding)
+def _laid_out_as(x: Any, sharding: NamedSharding) -> bool:
+    now = getattr(x, "sharding", None)  # None: a host array or a bare shape struct
+    on_mesh = isinstance(now, NamedSharding) and now.mesh == sharding.mesh
+    return on_mesh and now.is_equivalent_to(sharding, x.ndim)
 
 
 def check_mesh(mesh: Any, axis_name: Any = None, concrete: bool = False) -> None:
@@ -37,7 +40,6 @@ def check_mesh(mesh: Any, axis_name: Any = None, concrete: bool = False) -> None
 
 
 def check_strategy(strategy: Any) -> None:
-    """Raises for a strategy name that is not one of [`STRATEGIES`][jaxga.sharding.STRATEGIES]."""
     if isinstance(strategy, str) and strategy not in STRATEGIES:
         raise ValueError(
             f"`strategy` must be one of {', '.join(map(repr, STRATEGIES))} or a tree of "
@@ -59,12 +61,9 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
     shards = int(np.prod([mesh.local_mesh.shape[a] for a in collectives.axes(axis_name)]))
 
     def place(path, x):
-        if isinstance(x, jax.Array) and x.ndim:  # global rows already: keep or reshard
-            same_mesh = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
-            if same_mesh and x.sharding.is_equivalent_to(sharding, x.ndim):
-                return x
-            if not x.is_fully_addressable:
-                return jax.device_put(x, sharding)
+        on_devices = isinstance(x, jax.Array) and x.ndim > 0  # global rows: keep or reshard
+        if on_devices and (_laid_out_as(x, sharding) or not x.is_fully_addressable):
+            return jax.device_put(x, sharding)
         shape = np.shape(x)
         if not shape or shape[0] % shards:
             raise ValueError(
@@ -79,8 +78,7 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
 def replicate(tree: Any, mesh: Mesh) -> Any:
     """Places ``tree`` on every device of ``mesh`` (every process passes the same values)."""
     check_mesh(mesh, concrete=True)
-    replicated = NamedSharding(mesh, P())
-    return put(tree, jax.tree.map(lambda _: replicated, tree))
+    return put(tree, NamedSharding(mesh, P()))
 
 
 def put(tree: Any, sharding: Any) -> Any:
@@ -100,14 +98,12 @@ def put(tree: Any, sharding: Any) -> Any:
         >>> jaxga.sharding.put({"w": jnp.ones(2)}, where)["w"].sharding.spec
         P()
     """
-    if isinstance(sharding, jax.sharding.Sharding):
+    if isinstance(sharding, Sharding):
         sharding = jax.tree.map(lambda _: sharding, tree)
-    shardings = jax.tree.leaves(sharding, is_leaf=_is_sharding)
-    same_tree = jax.tree.structure(sharding, is_leaf=_is_sharding) == jax.tree.structure(tree)
-    if not (same_tree and all(map(_is_sharding, shardings))):
+    leaves, treedef = jax.tree.flatten(sharding, is_leaf=lambda x: isinstance(x, Sharding))
+    if treedef != jax.tree.structure(tree) or not all(isinstance(x, Sharding) for x in leaves):
         raise TypeError(
-            f"`sharding` must be a jax.sharding.Sharding, or a tree of them shaped as `tree`; "
-            f"got {sharding!r}."
+            f"`sharding` must be a Sharding or a tree of them like `tree`; got {sharding!r}."
         )
 
     def one(x, where):
@@ -121,22 +117,14 @@ def put(tree: Any, sharding: Any) -> Any:
     return jax.tree.map(one, tree, sharding)
 
 
-def _path_keys(path: Any) -> tuple[str, ...]:
-    return tuple(jax.tree_util.keystr(path, simple=True, separator="/").split("/"))
-
-
 def _optimizer_leaves(state: Any) -> list[bool]:
-    """Which leaves `offload` moves.
-
-    Those under an ``opt_state`` key (a train state's, an NNX optimiser's; all if none is),
-    but not a MultiSteps' accumulator, used by every call: what its ``inner_opt_state``
-    does not hold.
-    """
-    paths = [_path_keys(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    scoped = any("opt_state" in p for p in paths)
+    """Which leaves `offload` moves: under ``opt_state``, but not a MultiSteps' accumulator."""
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    paths = [tuple(jax.tree_util.keystr(p, simple=True, separator="/").split("/")) for p, _ in flat]
+    scoped = any("opt_state" in p for p in paths)  # a train state's or optimiser's; else all
     groups = {p[:i] for p in paths for i, k in enumerate(p) if k == "inner_opt_state"}
 
-    def accumulator(p: tuple[str, ...]) -> bool:
+    def accumulator(p: tuple[str, ...]) -> bool:  # what a MultiSteps' inner_opt_state does not hold
         return any(p[: len(g)] == g and p[len(g)] != "inner_opt_state" for g in groups)
 
     return [("opt_state" in p or not scoped) and not accumulator(p) for p in paths]
@@ -163,22 +151,18 @@ def offload(state: Any, memory_kind: str = "pinned_host") -> Any:
             return jax.device_put(x, _SPACES[memory_kind])
         now = getattr(x, "sharding", None)  # None: a host array or a bare shape struct
         where = (now or SingleDeviceSharding(jax.local_devices()[0])).with_memory_kind(memory_kind)
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return x.update(sharding=where)
-        return x if now and now.memory_kind == memory_kind else jax.device_put(x, where)
+        return x if now and now.memory_kind == memory_kind else put(x, where)
 
     return jax.tree.unflatten(treedef, [move(x) if m else x for x, m in zip(leaves, moved)])
 
 
 def check_on_device(state: Any) -> None:
-    """Raises if a leaf of ``state`` is in host memory (another step offloaded it)."""
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
         if kind in ("pinned_host", "unpinned_host"):
             raise ValueError(
-                f"`state`{jax.tree_util.keystr(path)} is in host memory ({kind}), as a step "
-                f"with offload=True leaves it: its state is in host memory: pass offload=True, "
-                f"or move it back with jaxga.sharding.offload(state, 'device')."
+                f"`state`{jax.tree_util.keystr(path)} is in host memory ({kind}): pass "
+                f"offload=True, or move it back with jaxga.sharding.offload(state, 'device')."
             )
 
 
@@ -193,53 +177,15 @@ def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:
 def fsdp_specs(tree: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
     """[`fsdp_spec`][jaxga.sharding.fsdp_spec] of every leaf of `tree` over `mesh`'s `axis_name`."""
     check_mesh(mesh, axis_name)
-    size = mesh.shape[axis_name]
-    return jax.tree.map(lambda x: fsdp_spec(jnp.shape(x), size, axis_name), tree)
+    return jax.tree.map(lambda x: fsdp_spec(jnp.shape(x), mesh.shape[axis_name], axis_name), tree)
 
 
-def state_specs(
-    state: Any, mesh: Mesh, strategy: Any = "data_parallel", *, axis_name: Any = "data"
-) -> Any:
-    """The PartitionSpec of every leaf of a train state under ``strategy``.
-
-    ``strategy``: ``"data_parallel"`` (all replicated), ``"zero1"`` (optimiser state
-    sharded), ``"fsdp"`` or ``"zero3"`` (parameters too, by
-    [`fsdp_spec`][jaxga.sharding.fsdp_spec]), or a tree
-    of parameter specs (optimiser state shaped like the parameters follows them).
-
-    Examples:
-        >>> import jax, jax.numpy as jnp, optax, jaxga
-        >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
-        >>> state = jaxga.TrainState.create(params={"w": jnp.zeros((8, 16))}, tx=optax.adam(0.1))
-        >>> specs = jaxga.sharding.state_specs(state, mesh, "fsdp")
-        >>> tuple(specs.params["w"]), tuple(specs.step)
-        ((None, 'data'), ())
-    """
-    check_mesh(mesh, axis_name)
-    check_strategy(strategy)
-    if not (hasattr(state, "params") and hasattr(state, "opt_state")):
-        raise TypeError(
-            f"`state` must be a train state with `params` and `opt_state` (jaxga.TrainState "
-            f"or Flax's); got {type(state).__name__}."
-        )
-    specs = jax.tree.map(lambda _: P(), state)
-
-    def shard(tree: Any) -> Any:
-        return fsdp_specs(tree, mesh, axis_name)
-
-    if strategy == "data_parallel":
-        return specs
-    if isinstance(strategy, str):
-        params = shard(state.params) if strategy in ("fsdp", "zero3") else specs.params
-        return specs.replace(params=params, opt_state=shard(state.opt_state))
-    got, want = jax.tree.structure(strategy, is_leaf=_is_spec), jax.tree.structure(state.params)
+def _check_param_specs(specs: Any, params: Any, axis_name: Any, size: int) -> None:
+    got, want = jax.tree.structure(specs, is_leaf=_is_spec), jax.tree.structure(params)
     if got != want:
-        raise ValueError(
-            f"`strategy`, a tree of PartitionSpecs, must have the params' tree {want}; got {got}."
-        )
-    size = mesh.shape[axis_name]
-
-    def check(path, spec, x):
+        raise ValueError(f"`strategy`'s specs must have the params' tree {want}; got {got}.")
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    for (path, x), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=_is_spec)):
         where, shape = f"The spec for params{jax.tree_util.keystr(path)}", jnp.shape(x)
         if not _is_spec(spec) or len(spec) > len(shape) or set(spec) - {None, axis_name}:
             raise ValueError(
@@ -253,7 +199,35 @@ def state_specs(
                     f"{size} devices of {axis_name!r}, which do not divide it."
                 )
 
-    jax.tree_util.tree_map_with_path(check, strategy, state.params, is_leaf=_is_spec)
+
+def state_specs(
+    state: Any, mesh: Mesh, strategy: Any = "data_parallel", *, axis_name: Any = "data"
+) -> Any:
+    """The PartitionSpec of every leaf of a train state under ``strategy``.
+
+    ``strategy``: ``"data_parallel"`` (all replicated), ``"zero1"`` (optimiser state sharded),
+    ``"fsdp"`` or ``"zero3"`` (parameters too, by [`fsdp_spec`][jaxga.sharding.fsdp_spec]), or a
+    tree of parameter specs (optimiser state shaped like the parameters follows them).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, jaxga
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        >>> state = jaxga.TrainState.create(params={"w": jnp.zeros((8, 16))}, tx=optax.adam(0.1))
+        >>> jaxga.sharding.state_specs(state, mesh, "fsdp").params["w"]
+        P(None, 'data')
+    """
+    check_mesh(mesh, axis_name)
+    check_strategy(strategy)
+    if not (hasattr(state, "params") and hasattr(state, "opt_state")):
+        kind = type(state).__name__
+        raise TypeError(f"`state` must be a train state with `params`, `opt_state`; got {kind}.")
+    specs = jax.tree.map(lambda _: P(), state)
+    shard = functools.partial(fsdp_specs, mesh=mesh, axis_name=axis_name)
+    if isinstance(strategy, str):
+        params = shard(state.params) if strategy in ("fsdp", "zero3") else specs.params
+        opt_state = specs.opt_state if strategy == "data_parallel" else shard(state.opt_state)
+        return specs.replace(params=params, opt_state=opt_state)
+    _check_param_specs(strategy, state.params, axis_name, mesh.shape[axis_name])
 
     def follow(_: Any, spec: P) -> P:  # optimiser state shaped like the parameters
         return spec
@@ -274,8 +248,7 @@ def state_shardings(
 
 def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
     """``tree`` constrained to ``specs`` on ``mesh`` (resharded on a mesh of explicit axes)."""
-    explicit = AxisType.Explicit in mesh.axis_types
-    move = jax.reshard if explicit else jax.lax.with_sharding_constraint
+    move = jax.reshard if AxisType.Explicit in mesh.axis_types else jax.lax.with_sharding_constraint
     return jax.tree.map(lambda x, spec: move(x, NamedSharding(mesh, spec)), tree, specs)
 
 
@@ -287,33 +260,21 @@ class MeshLayout(NamedTuple):
     strategy: Any  # a name of STRATEGIES, or a tree of the parameters' PartitionSpecs
 
 
-def _laid_out(state: Any, layout: MeshLayout) -> bool:
-    """Whether ``state``'s step and first parameter already have ``layout``'s shardings."""
-    mesh, strategy, axis_name = layout.mesh, layout.strategy, layout.axis_name
-    first = jax.tree.leaves(state.params)[:1]
-    if isinstance(strategy, str):
-        sharded = strategy in ("fsdp", "zero3")
-        specs = fsdp_specs(first, mesh, axis_name) if sharded else [P()]
-    else:
-        specs = jax.tree.leaves(strategy, is_leaf=_is_spec)[:1]
-
-    def there(x: Any, spec: P) -> bool:
-        now = getattr(x, "sharding", None)  # None: a host array or a bare shape struct
-        on_mesh = isinstance(now, NamedSharding) and now.mesh == mesh
-        return on_mesh and now.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
-
-    return all(map(there, [state.step, *first], [P(), *specs]))
-
-
 def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool) -> Any:
     """``state`` where a step keeps it: laid out on the mesh, optimiser state offloaded."""
-    if layout is not None and not _laid_out(state, layout):
-        shardings = state_shardings(state, layout.mesh, layout.strategy, axis_name=layout.axis_name)
-        state = put(state, shardings)
-    elif layout is None and offload_state:
+    if layout is None and offload_state:
         first = jax.tree.leaves(state)[0]
         if not getattr(first, "committed", True):
             state = jax.device_put(state, first.sharding)  # committed, as the step returns it
+    elif layout is not None:  # laid out already if its step and first parameter are
+        mesh, axis_name, strategy = layout
+        first = jax.tree.leaves(state.params)[:1]
+        specs = jax.tree.leaves(strategy, is_leaf=_is_spec)[:1]  # a tree of specs
+        if isinstance(strategy, str):
+            specs = fsdp_specs(first, mesh, axis_name) if strategy in ("fsdp", "zero3") else [P()]
+        wanted = [NamedSharding(mesh, spec) for spec in [P(), *specs]]
+        if not all(map(_laid_out_as, [state.step, *first], wanted)):
+            state = put(state, state_shardings(state, mesh, strategy, axis_name=axis_name))
     return offload(state) if offload_state else state
 
 
@@ -326,16 +287,12 @@ class OnMesh(NamedTuple):
     params: Any  # the parameters as the optimiser sees them, laid out as the gradients
 
 
-def _first_split_axis(spec: P) -> int | None:
-    return next((i for i, entry in enumerate(spec) if entry is not None), None)
-
-
 def _on_split_axes(fn: Callable[[Any, int], Any], tree: Any, specs: Any) -> Any:
-    """``fn(x, axis)`` on the leaves whose spec splits an axis; the others as they are."""
+    """``fn(x, axis=...)`` on the leaves whose spec splits an axis; the others as they are."""
 
     def apply(x, spec):
-        axis = _first_split_axis(spec)
-        return x if axis is None else fn(x, axis)
+        axis = next((i for i, entry in enumerate(spec) if entry is not None), None)
+        return x if axis is None else fn(x, axis=axis)
 
     return jax.tree.map(apply, tree, specs)
 
@@ -350,54 +307,39 @@ def accumulate_on_mesh(
     model_state: Any,
     rng: Any,
 ) -> OnMesh:
-    """The step's loop on a mesh: ``accumulate(loss)`` in a ``shard_map`` over the batch axis.
-
-    Parameters are gathered before the loop (ZeRO-3: in every micro-batch) and gradients
-    reduced once after it: summed (data parallel) or scattered (ZeRO-1, FSDP).
-    """
+    """``accumulate(loss)`` in a ``shard_map``: parameters gathered, gradients scattered after."""
     mesh, axis_name, strategy = layout
     accumulated_loss = accumulate(loss)
-    k = accumulated_loss.options.num_microbatches
-    size, devices = _checks.leading_size(batch, "batch", "batch"), mesh.shape[axis_name]
+    k, devices = accumulated_loss.options.num_microbatches, mesh.shape[axis_name]
+    size = _checks.leading_size(batch, "batch", "batch")
     if size is None:
         raise ValueError(f"`batch` has no array leaves to split over the devices; got {batch!r}.")
     if size % (devices * k):
         raise IndivisibleBatchError.of(size, k, devices, axis_name)
     specs = state_specs(state, mesh, strategy, axis_name=axis_name)
     state = place(mesh, state, specs)
-    grad_specs = specs.params
-    if strategy == "zero1":  # gradients sharded as the optimiser state
-        grad_specs = fsdp_specs(state.params, mesh, axis_name)
+    grad_specs = fsdp_specs(state.params, mesh, axis_name) if strategy == "zero1" else specs.params
     batch = place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))
+    gather = functools.partial(jax.lax.all_gather, axis_name=axis_name, tiled=True)
 
-    def gather(x, axis):
-        return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
+    def scatter(x, axis):
+        return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
 
-    def scatter(g, axis):
-        return jax.lax.psum_scatter(g, axis_name, scatter_dimension=axis, tiled=True)
-
-    def local_sums(x, _):  # summed through the loop, scattered after it
-        return collectives.varying(x, axis_name)
-
-    def loss_on_shards(shards, batch, *rest):  # ZeRO-3: gathered in every micro-batch
-        # tied to the micro-batch, so that XLA does not hoist the gather out of the loop
-        shards, batch = jax.lax.optimization_barrier((shards, batch))
-        return loss(_on_split_axes(gather, shards, specs.params), batch, *rest)
+    def loss_on_shards(shards, batch, model_state, rng):  # ZeRO-3: gathered per micro-batch
+        shards, batch = jax.lax.optimization_barrier((shards, batch))  # no hoisting of the gather
+        return loss(_on_split_axes(gather, shards, specs.params), batch, model_state, rng)
 
     def local(params, batch, model_state, rng):
         if strategy == "zero3":
             return accumulate(loss_on_shards)(params, batch, model_state, rng)
         full = _on_split_axes(gather, params, specs.params)
-        full = _on_split_axes(local_sums, full, grad_specs)
+        full = _on_split_axes(lambda x, axis: collectives.varying(x, axis_name), full, grad_specs)
         acc = accumulated_loss(full, batch, model_state, rng)
         return acc._replace(grads=_on_split_axes(scatter, acc.grads, grad_specs))
 
     in_specs = (specs.params, P(axis_name), P(), P())
     out_specs = Accumulated(mean=P(), grads=grad_specs, aux=P(), state=P())
     run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    return OnMesh(
-        accumulated=run(state.params, batch, model_state, rng),
-        state=state,
-        specs=specs,
-        params=place(mesh, state.params, grad_specs),
-    )
+    accumulated = run(state.params, batch, model_state, rng)
+    params = place(mesh, state.params, grad_specs)
+    return OnMesh(accumulated=accumulated, state=state, specs=specs, params=params)

@@ -401,8 +401,7 @@ def test_out_of_range_batch_argnums():
     params, batch = mlp_params(jax.random.key(0)), mlp_batch(jax.random.key(1))
     with pytest.raises(
         ValueError,
-        match=r"`batch_argnums`=\(3,\) refers to positional argument 3"
-        r", but the function was called with 2",
+        match=r"`batch_argnums`=\(3,\), but `fun` got 2 arguments\.",
     ):
         jaxga.value_and_grad(mlp_scalar_loss, num_microbatches=2, batch_argnums=3)(params, batch)
 
@@ -486,7 +485,7 @@ def test_tuple_output_without_has_aux_says_so():
 @pytest.mark.parametrize("batch", [None, {}, {"x": None}])
 def test_batch_without_arrays_is_rejected(batch):
     with pytest.raises(
-        ValueError, match=r"`batch_argnums` names args\[1\], which has no array leaves or no rows"
+        ValueError, match=r"`batch_argnums` names args\[1\], with no array leaves or rows"
     ):
         jaxga.value_and_grad(lambda w, b: w, num_microbatches=2)(1.0, batch)
 
@@ -504,7 +503,9 @@ def test_rng_argnums_must_point_at_keys():
     def loss(w, x, key):
         return jnp.mean(w * x)
 
-    with pytest.raises(TypeError, match=r"`rng_argnums` names args\[2\], but args\[2\] is not a"):
+    with pytest.raises(
+        TypeError, match=r"`rng_argnums` names args\[2\], 7 of type int; expected a PRNG key\."
+    ):
         jaxga.grad(loss, num_microbatches=2, rng_argnums=2)(1.0, jnp.ones(4), 7)
 
 

@@ -12,11 +12,20 @@ from jaxga.compiler import _GPU_OPTIONS
 def test_options_are_for_gpus_only():
     assert jaxga.compiler_options("cpu") == {}
     assert jaxga.compiler_options("tpu") == {}
-    # This jaxlib knows the option (jax 0.10 on): a GPU gets it, as a copy.
+    # A GPU gets them, as a copy.
     options = jaxga.compiler_options("gpu")
     assert options == _GPU_OPTIONS and options is not _GPU_OPTIONS
+    assert jaxga.compiler_options("cuda") == jaxga.compiler_options("rocm") == _GPU_OPTIONS
+    assert jaxga.compiler_options() == jaxga.compiler_options(jax.default_backend())
     with pytest.raises(TypeError, match=r"`backend` must be a platform name .* got 123"):
         jaxga.compiler_options(123)
+
+
+def test_this_jaxlib_compiles_with_the_gpu_options():
+    """Option names are checked on every backend: this one takes what a GPU would get."""
+    options = jaxga.compiler_options("gpu")
+    compiled = jax.jit(lambda x: x + 1, compiler_options=options).lower(1.0).compile()
+    assert compiled(1.0) == 2.0
 
 
 def test_options_change_no_result_of_a_scan_with_stacked_outputs():

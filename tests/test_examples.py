@@ -82,6 +82,22 @@ def test_train_lm_on_user_text(tmp_path):
     assert np.isfinite(result["losses"][0])
 
 
+def test_train_lm_plans_its_micro_batches(tmp_path, capsys):
+    """--microbatches auto: the plan is printed, and training runs with the count it chose,
+    as the explicit count's run does, bit for bit."""
+    common = [*TINY, "--steps", "2", "--batch-size", "8"]
+    auto = ["--microbatches", "auto", "--memory-budget", "400KiB"]  # k=4 fits, 2 does not
+    planned = train_lm.train(
+        train_lm.parse_args([*common, *auto, "--checkpoint-dir", str(tmp_path / "a")])
+    )
+    out = capsys.readouterr().out
+    k = int(out.split("jaxga.plan: ")[1].split(" micro-batch")[0])
+    explicit = ["--microbatches", str(k), "--checkpoint-dir", str(tmp_path / "b")]
+    fixed = train_lm.train(train_lm.parse_args([*common, *explicit]))
+    assert k > 1 and "<- chosen" in out
+    chex.assert_trees_all_equal(planned["params"], fixed["params"])
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -89,6 +105,9 @@ def test_train_lm_on_user_text(tmp_path):
         (["--data", "{empty}"], "holds no UTF-8 text"),
         (["--batch-size", "6", "--microbatches", "4"], "--batch-size 6 is not divisible by"),
         (["--devices", "999"], "--devices 999: this machine has"),
+        (["--microbatches", "auto"], "--microbatches auto: the cpu device reports no memory"),
+        (["--microbatches", "auto", "--memory-budget", "lots"], "'lots' is not a size"),
+        (["--microbatches", "auto", "--memory-budget", "1KiB"], "--memory-budget 1KiB: No"),
     ],
 )
 def test_train_lm_bad_input(tmp_path, capsys, extra, message):

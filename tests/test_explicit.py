@@ -84,7 +84,9 @@ def test_string_leaves_are_named():
     def loss(w, x):
         return jnp.mean(w * x), {"tag": "train"}
 
-    with pytest.raises(TypeError, match=r"aux\['tag'\], 'train' of type str; aux leaves must be"):
+    with pytest.raises(
+        TypeError, match=r"aux\['tag'\], 'train' of type str; expected arrays or numbers"
+    ):
         jaxga.value_and_grad(loss, has_aux=True, num_microbatches=2)(1.0, jnp.ones(4))
 
 
@@ -153,7 +155,7 @@ def test_an_extra_collection_is_named():
     state = jaxga.TrainState.create(
         params=params, tx=optax.sgd(0.1), model_state={"batch_stats": stats}
     )
-    with pytest.raises(TypeError, match=r"extra: \['intermediates'\], missing: \[\]"):
+    with pytest.raises(TypeError, match=r"extra keys \['intermediates'\] and missing keys \[\]"):
         jaxga.make_train_step(loss, 4)(state, x)
 
 
@@ -182,7 +184,7 @@ def test_a_train_step_is_an_object_with_its_options():
 
 
 def test_sharding_put_names_a_bad_sharding():
-    with pytest.raises(TypeError, match=r"`sharding` must be a jax.sharding.Sharding.*got None"):
+    with pytest.raises(TypeError, match=r"`sharding` must be a Sharding or a tree .*got None"):
         jaxga.sharding.put({"w": jnp.ones(2)}, None)
 
 
@@ -228,3 +230,108 @@ def test_nnx_train_step_trains_what_a_lora_optimizer_updates():
 
     assert frozen_kernel_grads(nnx.ModelAndOptimizer(model, optax.sgd(0.1), wrt=nnx.LoRAParam)) == 0
     assert frozen_kernel_grads(nnx.ModelAndOptimizer(model, optax.sgd(0.1), wrt=nnx.Param)) > 0
+
+
+def test_count_counts_items_for_every_kind_of_loss():
+    """A scalar loss is a mean over its micro-batch's rows: count is the batch's rows, and a
+    MultiSteps weighs each call by them (a last, smaller batch weighs less)."""
+    x = jnp.arange(12.0).reshape(12, 1)
+
+    def scalar(w, x):
+        return jnp.mean(w * x)
+
+    acc = jaxga.accumulate(scalar, num_microbatches=4)(2.0, x)
+    assert float(acc.mean.count) == 12.0
+    np.testing.assert_allclose(acc.mean.value, 2.0 * jnp.mean(x), rtol=1e-6)
+    np.testing.assert_allclose(acc.grads, jnp.mean(x), rtol=1e-6)
+    acc = jaxga.accumulate(
+        lambda w, x: jaxga.Mean.of(w * x[:, 0], where=x[:, 0] > 3), num_microbatches=4
+    )
+    assert float(acc(2.0, x).mean.count) == 8.0
+
+    def train_loss(params, batch, model_state, rng):
+        return jnp.mean((batch @ params) ** 2), model_state
+
+    state = jaxga.TrainState.create(params=jnp.ones(1), tx=optax.sgd(0.1))
+    _, metrics = jaxga.make_train_step(train_loss, 4, donate=False)(state, x)
+    assert int(metrics["count"]) == 12
+    tx = jaxga.MultiSteps(optax.sgd(1.0), every_k=2)
+    state = jaxga.TrainState.create(params=jnp.ones(1), tx=tx)
+    step = jaxga.make_train_step(train_loss, 2, donate=False)
+    state, _ = step(state, x)  # 12 rows
+    state, _ = step(state, x[:4])  # 4 rows
+    grads = [jax.grad(lambda p, b: jnp.mean((b @ p) ** 2))(jnp.ones(1), b) for b in (x, x[:4])]
+    expected = 1.0 - (12 * grads[0] + 4 * grads[1]) / 16  # the mean over the 16 rows
+    np.testing.assert_allclose(state.params, expected, rtol=1e-5)
+
+
+class AxisBN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.BatchNorm(use_running_average=False, momentum=0.5, axis_name="batch")(x)
+        return nn.Dense(2)(x)
+
+
+def test_a_named_batchnorm_axis_runs_on_one_device():
+    """Flax's ImageNet ResNet names its BatchNorm axis: without a mesh the step says to pass
+    axis_name, and with it runs on a one-device mesh, as a Python loop over the strided
+    micro-batches (each normalised by its own rows, the statistics threaded)."""
+    model = AxisBN()
+    x = jax.random.normal(jax.random.key(1), (16, 3))
+    init = AxisBN().init  # binding "batch" needs a map: initialise under vmap's axis
+    variables = jax.vmap(init, axis_name="batch", in_axes=(None, 0))(jax.random.key(0), x[None])
+    variables = jax.tree.map(lambda v: v[0], variables)
+
+    def loss(params, batch, model_state, rng):
+        y, updates = model.apply({"params": params, **model_state}, batch, mutable=["batch_stats"])
+        return jnp.mean(y**2), updates
+
+    state = jaxga.TrainState.create(
+        params=variables["params"],
+        tx=optax.sgd(0.1),
+        model_state={"batch_stats": variables["batch_stats"]},
+    )
+    with pytest.raises(NameError) as error:
+        jaxga.make_train_step(loss, 2, donate=False)(state, x)
+    assert "axis_name=NAME" in "".join(error.value.__notes__)
+    new, _ = jaxga.make_train_step(loss, 2, donate=False, axis_name="batch")(state, x)
+
+    def on_axis(fn):  # the reference binds the axis the same way, on one "device"
+        return jax.vmap(fn, axis_name="batch", in_axes=None, axis_size=1)
+
+    stats, grads = state.model_state, []
+    for micro in jaxga.split_microbatches(x, 2):
+        (_, stats), g = on_axis(jax.value_and_grad(loss, has_aux=True))(
+            state.params, micro, stats, None
+        )
+        stats, g = jax.tree.map(lambda v: v[0], (stats, g))
+        grads.append(g)
+    expected = jax.tree.map(lambda p, a, b: p - 0.1 * (a + b) / 2, state.params, *grads)
+    chex.assert_trees_all_close(new.params, expected, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(new.model_state, stats, rtol=1e-5, atol=1e-6)
+
+
+class TwoKeys(train_state.TrainState):
+    dropout_key: jax.Array
+    noise_key: jax.Array
+
+
+def test_rng_field_chooses_between_two_key_fields():
+    state = TwoKeys.create(
+        apply_fn=None,
+        params=jnp.float32(1.0),
+        tx=optax.sgd(0.1),
+        dropout_key=jax.random.key(1),
+        noise_key=jax.random.key(2),
+    )
+
+    def loss(params, batch, model_state, rng):
+        return jnp.mean(batch * params * jax.random.uniform(rng)), model_state
+
+    with pytest.raises(ValueError, match=r"PRNG-key fields \['dropout_key', 'noise_key'\]"):
+        jaxga.make_train_step(loss, 2, donate=False)(state, jnp.ones((4, 2)))
+    step = jaxga.make_train_step(loss, 2, donate=False, rng_field="noise_key")
+    new, _ = step(state, jnp.ones((4, 2)))
+    key = jax.random.fold_in(state.noise_key, 0)
+    scale = [jax.random.uniform(jax.random.fold_in(key, i)) for i in range(2)]
+    np.testing.assert_allclose(new.params, 1.0 - 0.1 * np.mean(scale), rtol=1e-6)

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -109,8 +110,11 @@ def test_dot_flops_equal_xla_flops_for_loop_free_programs():
     k1, k2, x = jnp.ones((6, 3, 3, 3)), jnp.ones((4, 3, 3, 3)), jnp.ones((2, 3, 11, 10))
     report = jaxga.memory_report(conv_net, k1, k2, x)
     assert report.dot_flops == xla_flops(conv_net, k1, k2, x)
+
     # The gradient adds transposed convolutions (dilated inputs, batch groups).
-    loss = lambda k1, k2, x: jnp.sum(conv_net(k1, k2, x))
+    def loss(k1, k2, x):
+        return jnp.sum(conv_net(k1, k2, x))
+
     grads = jax.grad(loss, argnums=(0, 1, 2))
     assert jaxga.memory_report(grads, k1, k2, x).dot_flops == xla_flops(grads, k1, k2, x)
 
@@ -120,7 +124,10 @@ def test_dot_flops_count_every_scan_iteration():
     """A scan over L matmuls does the work of the unrolled Python loop; XLA counts one."""
     ws = jnp.ones((7, 16, 16))
     x = jnp.ones((5, 16))
-    scanned = lambda ws, x: jax.lax.scan(lambda x, w: (x @ w, None), x, ws)[0]
+
+    def scanned(ws, x):
+        return jax.lax.scan(lambda x, w: (x @ w, None), x, ws)[0]
+
     report = jaxga.memory_report(scanned, ws, x)
     unrolled = xla_flops(matmul_chain, list(ws), x)
     assert report.dot_flops == unrolled
@@ -135,7 +142,9 @@ def test_dot_flops_count_rematerialised_recomputation():
     matmul = 2 * rows * dim * dim
 
     def grad_flops(policy):
-        apply = lambda ws, x: jaxga.remat_scan(lambda w, x: jnp.tanh(x @ w), ws, x, policy=policy)
+        def apply(ws, x):
+            return jaxga.remat_scan(lambda w, x: jnp.tanh(x @ w), ws, x, policy=policy)
+
         step = jax.grad(lambda ws, x: jnp.sum(apply(ws, x)), argnums=(0, 1))
         return jaxga.memory_report(step, ws, x).dot_flops
 
@@ -145,10 +154,16 @@ def test_dot_flops_count_rematerialised_recomputation():
 
 def test_while_loop_is_flagged_and_cond_counts_its_costliest_branch():
     x = jnp.ones((4, 4))
-    body = lambda c: (c[0] @ c[0], c[1] + 1)
+
+    def body(c):
+        return (c[0] @ c[0], c[1] + 1)
+
     looped = jaxga.memory_report(lambda x: jax.lax.while_loop(lambda c: c[1] < 3, body, (x, 0)), x)
     assert (looped.dot_flops, looped.dot_flops_exact) == (2 * 4**3, False)
-    branches = lambda p, x: jax.lax.cond(p, lambda x: x @ x @ x, lambda x: x, x)
+
+    def branches(p, x):
+        return jax.lax.cond(p, lambda x: x @ x @ x, lambda x: x, x)
+
     assert jaxga.memory_report(branches, True, x).dot_flops == xla_flops(lambda x: x @ x @ x, x)
 
 
@@ -168,6 +183,26 @@ def test_error_on_fn_not_callable(fn, got):
     expected = rf"^`fn` must be a function; got {got}\.$"
     with pytest.raises(TypeError, match=expected):
         jaxga.memory_report(fn, A)
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+@pytest.mark.parametrize("wrong", ["x", (32, 8), [32, 8]])
+def test_error_on_a_name_or_a_shape_in_place_of_an_argument(jitted, wrong):
+    fn = jax.jit(matmul_and_sum) if jitted else matmul_and_sum
+    got = re.escape(repr(wrong))
+    expected = rf"^memory_report's args\[1\] is {got}; pass an array or jax\.ShapeDtypeStruct\.$"
+    with pytest.raises(TypeError, match=expected):
+        jaxga.memory_report(fn, A, wrong)
+    with pytest.raises(TypeError, match=rf"^memory_report's kwargs\['b'\] is {got}; "):
+        jaxga.memory_report(fn, A, b=wrong)
+
+
+def test_static_arguments_may_be_shapes_and_names():
+    def zeros(x, shape, mode):
+        return jnp.zeros(shape) + jnp.sum(x) * (mode == "train")
+
+    fn = jax.jit(zeros, static_argnums=(1, 2))
+    assert jaxga.memory_report(fn, A, (32, 8), "train").output_bytes == 32 * 8 * 4
 
 
 def test_nnx_jit_step_is_reported_as_its_jax_jit_twin():

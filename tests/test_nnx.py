@@ -235,7 +235,7 @@ def test_filter_that_selects_nothing_is_rejected():
 
 def test_returning_the_module_is_rejected():
     model, batch = make_net(), make_batch()
-    with pytest.raises(TypeError, match=r"returned a Flax NNX graph node .* in its value or aux"):
+    with pytest.raises(TypeError, match=r"returned an NNX graph node in its value or aux"):
         jaxga.value_and_grad(lambda m, b: (loss(m, b), m), num_microbatches=2, has_aux=True)(
             model, batch
         )
@@ -243,7 +243,7 @@ def test_returning_the_module_is_rejected():
 
 def test_module_as_keyword_argument_is_rejected():
     batch = make_batch()
-    with pytest.raises(TypeError, match=r"Keyword argument 'model' holds a Flax NNX graph node"):
+    with pytest.raises(TypeError, match=r"kwargs\['model'\] holds a Flax NNX graph node"):
         jaxga.value_and_grad(lambda w, b, model: w * loss(model, b), num_microbatches=2)(
             1.0, batch, model=make_net()
         )

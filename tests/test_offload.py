@@ -126,7 +126,7 @@ def test_offload_moves_everything_but_a_multisteps_accumulator():
 def test_a_step_without_offload_names_an_offloaded_state():
     state = train(optax.adam(0.05), None, "data_parallel", offload=True, steps=1)
     step = jaxga.make_train_step(loss, 2)
-    with pytest.raises(ValueError, match=r"its state is in host memory: pass offload=True"):
+    with pytest.raises(ValueError, match=r"is in host memory \(pinned_host\): pass offload=True"):
         step(state, make_batch(1))
     resumed, _ = step(jaxga.sharding.offload(state, "device"), make_batch(1))
     expected = train(optax.adam(0.05), None, "data_parallel", offload=False, steps=2)

@@ -203,7 +203,7 @@ def test_batch_argnums_names_every_batch_argument():
     assert [c.num_microbatches for c in p.candidates] == [1, 2, 4, 8]
     assert p.batch_size == BATCH
     short = jax.ShapeDtypeStruct((BATCH // 2, 16, 1), jnp.float32)
-    with pytest.raises(ValueError, match=r"args\[1\]: 8, args\[2\]: 4.*\(`batch_argnums`=\(1, 2\)"):
+    with pytest.raises(ValueError, match=r"leading sizes \(args\[1\]: 8, args\[2\]: 4\)"):
         jaxga.plan(split_build, STATE, BATCH_SHAPES["x"], short, batch_argnums=(1, 2), **options)
 
 
@@ -230,12 +230,12 @@ def test_parse_bytes(text, expected):
         (
             "512 parsecs",
             ValueError,
-            r"^`budget`='512 parsecs' is not a size such as '512MiB', '1\.5GiB' or '2GB'\.$",
+            r"^`budget`='512 parsecs' is not a size such as '512MiB' or '1\.5GB'\.$",
         ),
         ("MiB", ValueError, r"`budget`='MiB' is not a size"),
         (-1, ValueError, r"`budget` must be a number of bytes in \[0, 2\*\*63\); got -1\."),
-        (1.5, TypeError, r"`budget` must be an int number of bytes or a string.*float"),
-        (True, TypeError, r"`budget` must be an int.*got True of type bool"),
+        (1.5, TypeError, r"`budget` must be an int number of bytes or a string; got 1\.5\.$"),
+        (True, TypeError, r"`budget` must be an int.*; got True\.$"),
     ],
 )
 def test_parse_bytes_errors_name_the_argument(value, error, message):
@@ -247,7 +247,9 @@ BATCH_ARGNUMS = r"`batch_argnums` must be a non-negative int or a tuple of them;
 
 
 def test_batch_argnums_is_rejected_as_value_and_grad_rejects_it():
-    loss = lambda w, x: jnp.mean(x @ w)
+    def loss(w, x):
+        return jnp.mean(x @ w)
+
     with pytest.raises(TypeError, match=r"^" + BATCH_ARGNUMS):
         jaxga.value_and_grad(loss, num_microbatches=2, batch_argnums=-1)
     with pytest.raises(TypeError, match=r"^" + BATCH_ARGNUMS):
@@ -259,7 +261,7 @@ def test_batch_argnums_is_rejected_as_value_and_grad_rejects_it():
     "options, error, message",
     [
         ({"batch_argnums": 2}, ValueError, r"^`batch_argnums`=2 goes past the 2 arguments\.$"),
-        ({"batch_argnums": 0}, ValueError, r"args\[0\].*scalar.*`batch_argnums`=0"),
+        ({"batch_argnums": 0}, ValueError, r"args\[0\].*scalar.*leading batch axis"),
         ({"batch_argnums": (1, 1.0)}, TypeError, BATCH_ARGNUMS + r"got \(1, 1.0\)\.$"),
         (
             {"batch_argnums": ()},
@@ -284,7 +286,7 @@ def test_batch_argnums_is_rejected_as_value_and_grad_rejects_it():
         ({"time_top": -1}, ValueError, r"`time_top` must be a non-negative int; got -1"),
         ({"repeats": 0}, ValueError, r"^`repeats` must be a positive int; got 0\b"),
         ({"time_top": 2.5}, TypeError, r"`time_top` must be a non-negative int; got 2.5"),
-        ({"exhaustive": "yes"}, TypeError, r"^`exhaustive` must be a bool; got 'yes'\.$"),
+        ({"exhaustive": "yes"}, TypeError, r"^`exhaustive` must be a bool; got 'yes' of type"),
         ({"remat": ()}, ValueError, r"`remat` must hold at least one value"),
         ({"budget": "lots"}, ValueError, r"`budget`='lots' is not a size"),
     ],
@@ -297,6 +299,8 @@ def test_plan_errors_name_the_argument(options, error, message):
 def test_a_budget_among_the_arguments_is_named_and_numpy_ints_are_byte_counts():
     with pytest.raises(TypeError, match=r"^plan's args\[2\] is the string '1GiB'; pass `budget`"):
         jaxga.plan(build, *ARGS, "1GiB")
+    with pytest.raises(ValueError, match=r"^plan needs the step's arguments \(arrays or jax"):
+        jaxga.plan(build, budget="1GiB")
     assert jaxga.parse_bytes(np.int64(5)) == 5 and type(jaxga.parse_bytes(np.int64(5))) is int
 
 
@@ -329,7 +333,8 @@ def test_build_as_a_partial_or_with_defaults_is_accepted():
 
 
 def test_build_must_return_a_step():
-    with pytest.raises(TypeError, match=r"build\(1, 'none'\) returned int"):
+    returned = r"`fn` must be a function; got 3 of type int\.\n\(jaxga\.plan, building "
+    with pytest.raises(TypeError, match=returned):
         jaxga.plan(lambda k, r: 3, *ARGS, budget="1GiB")
     with pytest.raises(
         TypeError, match=r"`build` must be callable as build\(.*; got .step. of type str"

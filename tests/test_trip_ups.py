@@ -30,7 +30,8 @@ def test_a_key_argument_gets_a_key_per_microbatch_by_default():
 def test_a_raw_key_argument_is_named_with_what_to_pass():
     vg = jaxga.value_and_grad(dropout_loss, num_microbatches=2, has_aux=True)
     with pytest.raises(
-        TypeError, match=r"args\[2\] holds a uint32\[2\] .* rng_argnums=2 .* rng_argnums=\(\)"
+        TypeError,
+        match=r"args\[2\] holds a uint32\[2\] PRNG key: pass rng_argnums=2, or \(\)\.",
     ):
         vg(2.0, jnp.ones((4, 3)), jax.random.PRNGKey(0))
     shared = jaxga.value_and_grad(
@@ -51,7 +52,7 @@ def test_a_raw_key_argument_is_named_with_what_to_pass():
         ),
         (
             {"x": jnp.ones((0, 2))},
-            r"`batch_argnums` names args\[1\], which has no array leaves or no rows",
+            r"`batch_argnums` names args\[1\], with no array leaves or rows",
         ),
     ],
 )
@@ -124,7 +125,8 @@ def test_bad_loss_outputs_are_named(out, message):
 def test_a_batch_read_from_a_closure_is_told_to_pass_the_batch():
     batch = jnp.ones(4)
     with pytest.raises(
-        ValueError, match=r"called with 1 positional .* Pass the batch as an argument"
+        ValueError,
+        match=r"`batch_argnums`=\(1,\), but `fun` got 1 arguments\. Pass the batch as an argument",
     ):
         jaxga.grad(lambda w: jnp.mean(w * batch), num_microbatches=2)(1.0)
 
@@ -285,6 +287,6 @@ def test_plan_names_a_batch_no_candidate_divides():
         raise jaxga.microbatch.IndivisibleBatchError.of(4, k, 8, "data")
 
     with pytest.raises(
-        ValueError, match=r"IndivisibleBatchError for every candidate: .* the batch of 4"
+        ValueError, match=r"^No num_microbatches splits the batch: The batch size 4 "
     ):
         jaxga.plan(build, jnp.ones(3), jnp.ones((4, 3)), budget="1MiB", remat=(None,))

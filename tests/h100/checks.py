@@ -187,7 +187,9 @@ def test_h100_multisteps_peak_against_optax_mlp(mlp, program, setting):
     assert ratio <= MULTISTEPS[program, setting] + TOLERANCE, ratio
 
 
-def keeping_both_accumulators(tx: jaxga.MultiSteps) -> optax.GradientTransformationExtraArgs:
+def keeping_both_accumulators(
+    tx: jaxga.MultiStepsTransformation,
+) -> optax.GradientTransformationExtraArgs:
     """A worse ``tx``: the old accumulator is read once the new one is written (reversed,
     so not in place), so both are alive together, as in a regression of issue 24."""
 

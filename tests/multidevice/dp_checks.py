@@ -807,6 +807,31 @@ def test_plan_fits_a_sharded_state_per_device():
         jaxga.plan(build("data_parallel"), state, batches[0], **options)
 
 
+def test_auto_microbatches_with_fsdp_plan_per_device():
+    """num_microbatches="auto" on 8 devices with FSDP: the fewest count (dividing each
+    device's rows) whose explicit step's per-device peak fits, then that step bit for bit."""
+    params, loss, batches = wide_setup()
+    state = jaxga.TrainState.create(params=params, tx=optax.adam(1e-3))
+    counts = [k for k in range(1, LOCAL + 1) if LOCAL % k == 0]
+    peaks = {
+        k: jaxga.memory_report(
+            jaxga.make_train_step(loss, k, mesh=MESH, strategy="fsdp"), state, batches[0]
+        ).peak_bytes
+        for k in counts
+    }
+    budget = sorted(peaks.values())[len(peaks) // 2]
+    expected = min(k for k, peak in peaks.items() if peak <= budget)
+    step = jaxga.make_train_step(loss, "auto", memory_budget=budget, mesh=MESH, strategy="fsdp")
+    explicit = jaxga.make_train_step(loss, expected, mesh=MESH, strategy="fsdp")
+    ours, theirs = state, jaxga.TrainState.create(params=params, tx=optax.adam(1e-3))
+    for batch in batches[:2]:
+        ours, _ = step(ours, batch)
+        theirs, _ = explicit(theirs, batch)
+    assert step.plan.num_microbatches == expected
+    assert step.plan.report.peak_bytes == peaks[expected]
+    chex.assert_trees_all_equal(jax.device_get(ours.params), jax.device_get(theirs.params))
+
+
 def test_sharded_checkpoint_restores_on_four_devices_and_continues(tmp_path):
     """Saved from 8 devices (FSDP), restored onto 4 with orbax, resharded on restore: the
     next step equals the one the 8 devices take."""
@@ -849,7 +874,7 @@ def test_bad_sharding_strategies_are_named():
         (
             {"w1": P("data")},
             ValueError,
-            r"^`strategy`, a tree of PartitionSpecs, must have the params. tree PyTreeDef\(.*\); "
+            r"^`strategy`.s specs must have the params. tree PyTreeDef\(.*\); "
             r"got PyTreeDef\(",
         ),
         (
