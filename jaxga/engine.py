@@ -75,6 +75,7 @@ def fold_keys(tree: Any, index: Any, *, raw: bool = True) -> Any:
 
 
 def prepare(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+    """Phase 1: checks a call's arguments and binds them into a `Call`."""
     rows = arguments.check_call(options, args, kwargs)
     parts = {
         i: modules.take_apart(arg, f"args[{i}]", options.filters.get(i))
@@ -109,6 +110,8 @@ def prepare(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 
 def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callable[..., Any]:
+    """``fun`` on one micro-batch: ``(primals, batches, index, threaded) -> (total, micro)``."""
+
     def loss(primals, batches, index, threaded):
         given = dict(zip(options.argnums, primals))
         given |= dict(zip(options.batch_argnums, batches))
@@ -138,6 +141,7 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
 
 
 def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry, Any]:
+    """Phase 2: this device's sums over its micro-batches (a `Carry`), and aux `[k, ...]`."""
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
     def body(carry: Carry, batches: tuple) -> tuple[Carry, Any]:
@@ -179,6 +183,7 @@ def _sum_mean(x: Any) -> Any:
 
 
 def finish_aux(loss: Callable[..., Any], options: Options, call: Call, aux: Any) -> Any:
+    """``aux``, stacked by the scan, as the whole batch gives it (``options.aux``)."""
     if options.aux == "stack":
         return jax.tree.map(_sum_mean, aux, is_leaf=_is_mean)
     batches = tuple(merge_microbatches(m) for m in call.microbatches)
@@ -226,6 +231,7 @@ def _reduce_threaded(threaded: Threaded, call: Call, axis_name: Any) -> Threaded
 
 
 def finish(sums: Carry, options: Options, call: Call, *, aux: Any) -> Accumulated:
+    """Phase 3: one reduction across devices, one division, modules' state written back."""
     summed, threaded = (sums.grads, sums.total, sums.count), sums.threaded
     if options.axis_name is not None:  # a leaf varying over an axis is not summed over it
         summed = collectives.psum_invariant(summed, (call.primals, 0.0, 0.0), options.axis_name)
