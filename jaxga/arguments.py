@@ -146,7 +146,11 @@ def rng_positions(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
     return tuple(found)
 
 
-def check_call(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+def check_call(
+    options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[int, collectives.Route]:
+    """The batch's rows (this device's, under a manual route) and the call's `Route`."""
+    k = options.num_microbatches
     for name in ("argnums", "batch_argnums", "rng_argnums", "state_argnums"):
         positions = getattr(options, name) or ()
         if positions and max(positions) >= len(args):
@@ -163,17 +167,12 @@ def check_call(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         if not size:  # None: no leaves
             raise ValueError(f"`batch_argnums` names args[{i}], with no array leaves or rows.")
     rows = rows[0] if rows else 0
-    batches = jax.tree.leaves([args[i] for i in options.batch_argnums])
-    axes = sorted(set().union(*map(collectives.varying_axes, batches)), key=str)
-    if options.axis_name is None and axes:
-        raise ValueError(f"The batch varies over mesh axes {axes}: pass axis_name={axes[0]!r}.")
-    if options.axis_name is not None:
-        collectives.check_axis_bound(options.axis_name)
-        if rows % options.num_microbatches:  # name the global batch
-            devices = jax.lax.axis_size(options.axis_name)
-            k = options.num_microbatches
-            raise IndivisibleBatchError.of(rows * devices, k, devices, options.axis_name)
-    return rows  # this device's batch rows
+    route = collectives.find_route(options.axis_name, [args[i] for i in options.batch_argnums])
+    devices = collectives.axis_size(route)
+    local = rows if route.kind == "manual" else rows // devices
+    if route.axes and (rows % (1 if route.kind == "manual" else devices) or local % k):
+        raise IndivisibleBatchError.of(local * devices, k, devices, route.axes)
+    return rows, route
 
 
 def note_unsplit(error: Exception, options: Options, args: tuple[Any, ...], rows: int) -> None:

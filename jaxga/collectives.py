@@ -1,11 +1,27 @@
-"""What runs inside ``shard_map`` over a named mesh axis: varying casts and reductions."""
+"""Reductions across devices: which axes a call's batch is split over, and one reduction after."""
 
-from typing import Any
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["axes", "check_axis_bound", "psum_invariant", "psum_varying", "varying", "varying_axes"]
+__all__ = [
+    "Route",
+    "axes",
+    "find_route",
+    "gathered",
+    "inside_loop",
+    "psum_invariant",
+    "psum_varying",
+    "reduce_after",
+    "varying",
+    "varying_axes",
+    "zeros_like_sums",
+]
 
 
 def axes(axis_name: Any) -> tuple[Any, ...]:
@@ -20,15 +36,6 @@ def varying_axes(x: Any) -> frozenset:
 
 def _invariant(x: Any, axis_name: Any) -> tuple[Any, ...]:
     return tuple(a for a in axes(axis_name) if a not in varying_axes(x))
-
-
-def check_axis_bound(axis_name: Any) -> None:
-    """Raises a ``ValueError`` unless ``axis_name`` is bound by an enclosing map."""
-    try:
-        jax.lax.axis_index(axis_name)
-    except NameError:
-        message = "is not bound: call it inside a jax.shard_map over it, or pass axis_name=None."
-        raise ValueError(f"`axis_name`={axis_name!r} {message}") from None
 
 
 def varying(tree: Any, axis_name: Any) -> Any:
@@ -67,3 +74,111 @@ def psum_varying(tree: Any) -> Any:
         return jax.lax.psum(x, over)
 
     return jax.tree.map(reduce, tree)
+
+
+class Route(NamedTuple):
+    """Where one call's gradient sums are kept partial in the micro-batch loop, and reduced.
+
+    ``kind``: ``"local"`` (the loop sees every row it is given: no reduction of jaxga's);
+    ``"manual"`` (inside a ``shard_map`` over ``axes``: the sums vary over them, one
+    ``psum`` after the loop); ``"opened"`` (jit's global view of a batch split over the
+    Explicit or Auto ``axes`` of ``mesh``: jaxga opens a ``shard_map`` over them itself,
+    and runs the manual route inside).
+    """
+
+    kind: str
+    axes: tuple[Any, ...]
+    mesh: Any = None  # the abstract mesh of an "opened" route
+
+
+def _kind_of(axis: Any) -> str:
+    mesh = jax.sharding.get_abstract_mesh()
+    if axis in mesh.axis_names:
+        return "manual" if mesh._name_to_type[axis] == AxisType.Manual else "opened"
+    try:  # bound without a mesh: jax.pmap
+        jax.lax.axis_index(axis)
+    except NameError:
+        message = (
+            "is not bound: call it inside jax.shard_map over it, under jax.set_mesh(mesh) of a "
+            "mesh that has it, or pass axis_name=None."
+        )
+        raise ValueError(f"`axis_name`={axis!r} {message}") from None
+    return "manual"
+
+
+def _split_axes(leaf: Any) -> tuple[Any, ...]:
+    """The Explicit mesh axes ``leaf``'s leading axis is split over (its type says)."""
+    sharding = getattr(jax.typeof(leaf), "sharding", None)
+    if not isinstance(sharding, NamedSharding) or not getattr(leaf, "ndim", 0):
+        return ()
+    types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
+    return tuple(a for a in axes(sharding.spec[0] or ()) if types.get(a) == AxisType.Explicit)
+
+
+def find_route(axis_name: Any, batch: Any) -> Route:
+    """The `Route` of a call on ``batch``: over the axes ``axis_name`` names, else JAX's.
+
+    ``axis_name=None`` reads them from the batch: the axes it varies over inside a
+    ``shard_map``, else those its type splits its rows over (Explicit axes); ``()``: none.
+    """
+    leaves = jax.tree.leaves(batch)
+    if axis_name is not None:
+        named = axes(axis_name)
+        kinds = {a: _kind_of(a) for a in named}
+        if len(set(kinds.values())) > 1:
+            raise ValueError(f"`axis_name`={axis_name!r} mixes kinds of mesh axes: {kinds}.")
+        kind = kinds[named[0]] if named else "local"
+        return Route(kind, named, jax.sharding.get_abstract_mesh() if kind == "opened" else None)
+    if manual := sorted(set().union(*map(varying_axes, leaves)), key=str):
+        return Route("manual", tuple(manual))
+    split = {_split_axes(x) for x in leaves} - {()}
+    if len(split) > 1:
+        raise ValueError(f"The batch's leaves are split over different mesh axes: {split}.")
+    if not split:
+        return Route("local", ())
+    mesh = next(jax.typeof(x).sharding.mesh for x in leaves if _split_axes(x))
+    return Route("opened", split.pop(), mesh)
+
+
+def axis_size(route: Route) -> int:
+    """The number of devices the route's axes hold (1 for a local route)."""
+    if route.kind == "manual":
+        return jax.lax.axis_size(route.axes)
+    return math.prod(route.mesh.shape[a] for a in route.axes)
+
+
+def gathered(tree: Any, over: tuple[Any, ...]) -> Any:
+    """``tree`` with what its Explicit-axes types split over the axes ``over`` gathered."""
+
+    def gather(x: Any) -> Any:
+        sharding = jax.typeof(x).sharding
+        if not isinstance(sharding, NamedSharding) or not set(over) & set(sharding.mesh.axis_names):
+            return x
+        kept = [tuple(a for a in axes(e or ()) if a not in over) or None for e in sharding.spec]
+        spec = P(*kept)
+        return x if spec == sharding.spec else jax.reshard(x, NamedSharding(sharding.mesh, spec))
+
+    return jax.tree.map(gather, tree)
+
+
+def inside_loop(primals: Any, route: Route) -> Any:
+    """``primals`` as the loop differentiates them: manual, varying (their sums stay partial)."""
+    return varying(primals, route.axes) if route.kind == "manual" else primals
+
+
+def zeros_like_sums(primals: Any, dtype: Callable[[Any], Any], route: Route) -> Any:
+    """Zeros of ``dtype(primal)``, laid out as each primal, to sum its gradients in."""
+
+    def zero(x):
+        sharding = jax.typeof(x).sharding
+        typed = AxisType.Explicit in getattr(getattr(sharding, "mesh", None), "axis_types", ())
+        where = getattr(x, "sharding", sharding) if typed else None  # concrete if it can
+        return jnp.zeros(jnp.shape(x), dtype(x), out_sharding=where)
+
+    zeros = jax.tree.map(zero, primals)
+    return varying(zeros, route.axes) if route.kind == "manual" else zeros
+
+
+def reduce_after(sums: Any, like: Any, route: Route) -> Any:
+    """``sums`` reduced once over a manual route's axes, but for those ``like`` varies over."""
+    return psum_invariant(sums, like, route.axes) if route.kind == "manual" else sums

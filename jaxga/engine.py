@@ -1,10 +1,11 @@
-"""The engine: one pass over the micro-batches in three phases, prepare, scan and finish."""
+"""The engine: one pass over the micro-batches in phases: prepare, scan, reduce and finish."""
 
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, arguments, collectives, modules
 from jaxga.arguments import Options
@@ -45,7 +46,8 @@ class Call(NamedTuple):
     microbatches: tuple[Any, ...]  # the batch arguments, split: leaves [k, B // k, ...]
     rows: int  # rows of one micro-batch (on this device)
     rng_argnums: tuple[int, ...]  # the PRNG key arguments, a key per micro-batch
-    device: Any  # this device's index along `axis_name`; 0 without one
+    device: Any  # this device's index along a manual route's axes; 0 otherwise
+    route: collectives.Route  # how the sums stay partial in the loop and are reduced after
     sum_dtype: Any  # the dtype loss totals and counts are summed in
     threaded: Threaded  # before the first micro-batch
 
@@ -76,7 +78,7 @@ def fold_keys(tree: Any, index: Any, *, raw: bool = True) -> Any:
 
 def prepare(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     """Phase 1: checks a call's arguments and binds them into a `Call`."""
-    rows = arguments.check_call(options, args, kwargs)
+    rows, route = arguments.check_call(options, args, kwargs)
     parts = {
         i: modules.take_apart(arg, f"args[{i}]", options.filters.get(i))
         for i, arg in enumerate(args)
@@ -89,13 +91,9 @@ def prepare(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     microbatches = tuple(
         split_microbatches(args[i], k, name=f"args[{i}]") for i in options.batch_argnums
     )
-    device = 0 if options.axis_name is None else jax.lax.axis_index(options.axis_name)
-    module_state = modules.rest_of(parts)
-    if options.axis_name is not None:  # NNX Rngs: a stream of their own on each device
-        module_state = fold_keys(module_state, device, raw=False)
     user_state = jax.tree.map(jnp.asarray, tuple(args[i] for i in options.state_argnums))
     dtypes = [options.accumulator_dtype or jnp.float32, jnp.float32]
-    return Call(
+    call = Call(
         args=args,
         kwargs=kwargs,
         parts=parts,
@@ -103,10 +101,20 @@ def prepare(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         microbatches=microbatches,
         rows=rows // k,
         rng_argnums=arguments.rng_positions(options, args),
-        device=device,
+        device=0,
+        route=route,
         sum_dtype=jnp.result_type(*dtypes, *jax.tree.leaves(primals)),
-        threaded=Threaded(user=user_state, modules=module_state),
+        threaded=Threaded(user=user_state, modules=modules.rest_of(parts)),
     )
+    return on_device(call, route) if route.kind == "manual" else call
+
+
+def on_device(call: Call, route: collectives.Route) -> Call:
+    """``call`` as one device of a manual ``route`` runs it: its index, its own NNX streams."""
+    device = jax.lax.axis_index(route.axes)
+    modules_state = fold_keys(call.threaded.modules, device, raw=False)
+    threaded = call.threaded._replace(modules=modules_state)
+    return call._replace(device=device, route=route, threaded=threaded)
 
 
 def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callable[..., Any]:
@@ -145,7 +153,7 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
     def step(carry: Carry, batches: tuple) -> tuple[Carry, Any]:
-        primals = collectives.varying(call.primals, options.axis_name)  # reduced after the loop
+        primals = collectives.inside_loop(call.primals, call.route)  # reduced after the loop
         (total, micro), grads = grad_fn(primals, batches, carry.index, carry.threaded)
         new = Carry(
             index=carry.index + 1,
@@ -166,19 +174,19 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
         real = carry.index < options.num_real_microbatches
         return jax.lax.cond(real, step, skip, carry, batches)
 
-    def zeros(x):
-        dtype = _checks.sum_dtype(options.accumulator_dtype, jnp.result_type(x))
-        return jnp.zeros(jnp.shape(x), dtype)
+    def sum_dtype(x):
+        return _checks.sum_dtype(options.accumulator_dtype, jnp.result_type(x))
 
     zero = jnp.zeros((), call.sum_dtype)
     init = Carry(
         index=jnp.zeros((), jnp.int32),
-        grads=jax.tree.map(zeros, call.primals),
+        grads=collectives.zeros_like_sums(call.primals, sum_dtype, call.route),
         total=zero,
         count=zero,
         threaded=call.threaded,
     )
-    init = collectives.varying(init, options.axis_name)
+    if call.route.kind == "manual":
+        init = collectives.varying(init, call.route.axes)
     return jax.lax.scan(
         body, init, call.microbatches, length=options.num_microbatches, unroll=options.unroll
     )
@@ -216,8 +224,7 @@ def finish_aux(loss: Callable[..., Any], options: Options, call: Call, aux: Any)
     return jax.tree_util.tree_map_with_path(leaf, aux, whole.aux, is_leaf=_is_mean)
 
 
-def _reduce_threaded(threaded: Threaded, call: Call, axis_name: Any) -> Threaded:
-    axes = collectives.axes(axis_name)
+def _reduce_threaded(threaded: Threaded, call: Call, axes: tuple[Any, ...]) -> Threaded:
 
     def reduce(x, old):  # replicated again: floats averaged, the rest maxed
         over = tuple(a for a in axes if a not in collectives.varying_axes(old))
@@ -238,13 +245,29 @@ def _reduce_threaded(threaded: Threaded, call: Call, axis_name: Any) -> Threaded
     return reduced._replace(modules=jax.tree.map(callers_key, reduced.modules, given))
 
 
-def finish(sums: Carry, options: Options, call: Call, *, aux: Any) -> Accumulated:
-    """Phase 3: one reduction across devices, one division, modules' state written back."""
-    summed, threaded = (sums.grads, sums.total, sums.count), sums.threaded
-    if options.axis_name is not None:  # a leaf varying over an axis is not summed over it
-        summed = collectives.psum_invariant(summed, (call.primals, 0.0, 0.0), options.axis_name)
-        threaded = _reduce_threaded(threaded, call, options.axis_name)
-    grads, total, count = summed
+class Sums(NamedTuple):
+    """The sums over every micro-batch of every device, reduced: what the division needs."""
+
+    grads: Any
+    total: jax.Array
+    count: jax.Array
+    threaded: Threaded
+
+
+def reduce(sums: Carry, call: Call) -> Sums:
+    """Phase 3a: the one reduction across devices, after the loop (as the call's route says)."""
+    grads = collectives.reduce_after(sums.grads, call.primals, call.route)
+    total, count, threaded = sums.total, sums.count, sums.threaded
+    if call.route.kind == "manual":  # else totals and counts are the whole batch's already
+        axes = call.route.axes
+        total, count = collectives.psum_invariant((total, count), (0.0, 0.0), axes)
+        threaded = _reduce_threaded(threaded, call, axes)
+    return Sums(grads=grads, total=total, count=count, threaded=threaded)
+
+
+def finish(sums: Sums, options: Options, call: Call, *, aux: Any) -> Accumulated:
+    """Phase 3b: one division, modules' state written back."""
+    grads, total, count, threaded = sums
     if not isinstance(count, jax.core.Tracer) and not (jnp.isfinite(count) and count >= 0):
         raise ValueError(f"Mean counts summed to {float(count)} items; expected finite and >= 0.")
     grads = jax.tree.map(lambda g, p: (g / count).astype(jnp.result_type(p)), grads, call.primals)
@@ -257,13 +280,96 @@ def finish(sums: Carry, options: Options, call: Call, *, aux: Any) -> Accumulate
     )
 
 
-def run(fun: Callable[..., Any], options: Options, args: tuple, kwargs: dict) -> Accumulated:
-    """``fun``'s loss and gradients over the micro-batches of one call: the three phases."""
-    with jax.named_scope("jaxga.prepare"):
-        call = prepare(options, args, kwargs)
-        loss = micro_loss(fun, options, call)
+def scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> tuple[Sums, Any]:
+    """Phases 2 and 3a: the sums over the micro-batches, reduced once; aux as the batch's."""
+    loss = micro_loss(fun, options, call)
     with jax.named_scope("jaxga.scan"):
         sums, aux = scan(loss, options, call)
-    with jax.named_scope("jaxga.finish"):
+    with jax.named_scope("jaxga.reduce"):
         aux = finish_aux(loss, options, call, aux) if options.has_aux else None
+        return reduce(sums, call), aux
+
+
+def _stack_device(x: Any) -> Any:  # a Mean: summed over the devices; else this device's
+    if isinstance(x, Mean):
+        return jax.tree.map(lambda y: y[None], collectives.psum_varying(x))
+    return x[None]
+
+
+def _merge_devices(x: Any) -> Any:  # [devices, ...] from _stack_device, as the batch gives it
+    if isinstance(x, Mean):
+        return jax.tree.map(lambda y: y[0], x)
+    return x if x.ndim < 2 else jax.lax.collapse(x, 0, 2)
+
+
+class Given(NamedTuple):
+    """What a ``shard_map`` that jaxga opens gets of a call: all but the micro-batches whole."""
+
+    primals: tuple[Any, ...]
+    microbatches: tuple[Any, ...]  # split over the axes
+    threaded: Threaded
+    args: tuple[Any, ...]  # the call's, None where a module was
+    kwargs: dict[str, Any]
+
+
+_WHOLE = ("primals", "threaded", "args", "kwargs")
+
+
+def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple[Sums, Any]:
+    """`scan_and_reduce` in a ``shard_map`` that jaxga opens over the route's Auto axes.
+
+    The micro-batches go in split, the differentiated values whole (gathered over the
+    axes once), everything else closed over (replicated). Aux
+    comes out as the whole batch gives it: a `Mean` summed over the devices, rows the
+    batch's rows in order, any other leaf the devices' concatenated (`[devices · k, ...]`).
+    """
+    axes = call.route.axes
+    rows = call.rows // collectives.axis_size(call.route)
+    # what the loop reads goes in as arguments (JAX closes over no Explicit-axes arrays);
+    # a module's own object stays outside: the loop rebuilds it from its state
+    taken = {*call.parts, *options.argnums, *options.batch_argnums, *options.state_argnums}
+    plain = tuple(None if i in taken else arg for i, arg in enumerate(call.args))
+    given = Given(call.primals, call.microbatches, call.threaded, plain, call.kwargs)
+    whole = collectives.gathered(given._replace(microbatches=()), axes)  # replicated over axes
+    given = whole._replace(microbatches=call.microbatches)
+
+    def local(given: Given) -> tuple[Sums, Any]:
+        args = tuple(call.args[i] if i in taken else a for i, a in enumerate(given.args))
+        here = call._replace(
+            args=args,
+            kwargs=given.kwargs,
+            primals=given.primals,
+            microbatches=given.microbatches,
+            threaded=given.threaded,
+            rows=rows,
+        )
+        here = on_device(here, collectives.Route("manual", axes))
+        sums, aux = scan_and_reduce(fun, options, here)
+        return sums, jax.tree.map(_stack_device, aux, is_leaf=_is_mean)
+
+    in_specs = (given._replace(microbatches=P(None, axes), **dict.fromkeys(_WHOLE, P())),)
+    specs = {"in_specs": in_specs, "out_specs": (P(), P(axes)), "axis_names": set(axes)}
+    try:
+        sums, aux = jax.shard_map(local, **specs)(given)
+    except Exception as e:  # a loss naming the batch's axes in its own layout cannot run here
+        e.add_note(_OPENED_NOTE.format(axes=axes))
+        raise
+    return sums, jax.tree.map(_merge_devices, aux, is_leaf=_is_mean)
+
+
+_OPENED_NOTE = (
+    "jaxga: the loss ran in a shard_map over the batch's mesh axes {axes} (Manual there, so "
+    "that the gradient is reduced once, after the loop). If the loss names them in its own "
+    "sharding annotations, pass axis_name=() to run the loop in jit's global view instead "
+    "(exact; JAX then reduces the gradient in every micro-batch)."
+)
+
+
+def run(fun: Callable[..., Any], options: Options, args: tuple, kwargs: dict) -> Accumulated:
+    """``fun``'s loss and gradients over the micro-batches of one call: the phases in order."""
+    with jax.named_scope("jaxga.prepare"):
+        call = prepare(options, args, kwargs)
+    on_axes = call.route.kind == "opened"
+    sums, aux = (scan_on_axes if on_axes else scan_and_reduce)(fun, options, call)
+    with jax.named_scope("jaxga.finish"):
         return finish(sums, options, call, aux=aux)

@@ -66,7 +66,7 @@ class Mean:
         if not isinstance(ok, jax.core.Tracer) and not ok:  # traced: not known yet
             raise ValueError("Mean.of: `where` must hold a mask or finite, non-negative weights.")
         if segment_ids is not None or normalize != "token_mean":
-            ids = _segment_ids(segment_ids, values.shape)
+            ids = _segment_ids(segment_ids, values)
             weights = jnp.where(ids > 0, weights, 0)  # 0 or less: padding
             per_sequence, sequences = _sequences(weights, ids)
             if normalize == "sequence_mean":
@@ -79,12 +79,13 @@ class Mean:
 NORMALIZATIONS = ("token_mean", "sequence_mean", "sequence_sum")
 
 
-def _segment_ids(segment_ids: Any, shape: tuple[int, ...]) -> jax.Array:
-    """``segment_ids``, checked; ``None``: each row of the last axis is one sequence."""
+def _segment_ids(segment_ids: Any, like: jax.Array) -> jax.Array:
+    """``segment_ids`` for tokens ``like``, checked; ``None``: each row is one sequence."""
+    shape = like.shape
     if not shape:
         raise ValueError("`values` must have a tokens axis (the last) for sequences; got a scalar.")
     if segment_ids is None:
-        return jnp.ones(shape, jnp.int32)
+        return jnp.ones_like(like, jnp.int32)  # laid out as the tokens
     ids = _array(segment_ids, "`segment_ids`", "integer segment ids", (jnp.integer,))
     if ids.shape != shape:
         raise ValueError(f"`segment_ids` must have the tokens' shape {shape}; got {ids.shape}.")
@@ -97,10 +98,16 @@ def _segment_ids(segment_ids: Any, shape: tuple[int, ...]) -> jax.Array:
 def _sequences(weights: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Each token's sequence's weight, and the sequences with weight (NaN: an id out of range)."""
     tokens, rows = weights.shape[-1], math.prod(weights.shape[:-1])  # not -1: maybe no tokens
-    flat = (ids.reshape(rows, tokens) + (tokens + 1) * jnp.arange(rows)[:, None]).ravel()
-    sums = jax.ops.segment_sum(weights.ravel(), flat, num_segments=rows * (tokens + 1))
-    count = jnp.sum(sums.reshape(rows, tokens + 1)[:, 1:] > 0, dtype=weights.dtype)
-    return sums[flat].reshape(weights.shape), jnp.where(jnp.all(ids <= tokens), count, jnp.nan)
+    ids = ids.reshape(rows, tokens)
+
+    def row(weights: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        sums = jax.ops.segment_sum(weights, ids, num_segments=tokens + 1)  # ids <= 0: dropped
+        return sums[ids], jnp.sum(sums[1:] > 0, dtype=weights.dtype)
+
+    # row by row (a vmap): rows split over mesh axes stay where they are
+    per_token, counts = jax.vmap(row)(weights.reshape(rows, tokens), ids)
+    count = jnp.where(jnp.all(ids <= tokens), jnp.sum(counts), jnp.nan)
+    return per_token.reshape(weights.shape), count
 
 
 def _array(x, name, expected="an array of numbers", kinds=(jnp.number, jnp.bool), shape=None):
@@ -142,11 +149,14 @@ def token_cross_entropy(
     mask = _array(1 if mask is None else mask, "`mask`", shape=labels.shape)
     counted = mask != 0
     if segment_ids is not None:
-        counted &= _segment_ids(segment_ids, labels.shape) > 0
+        counted &= _segment_ids(segment_ids, labels) > 0
     labels = jnp.where(counted, labels, 0)  # tokens left out: their labels are not looked up
     vocab = logits.shape[-1]
     low, high = (labels.min(), labels.max()) if labels.size else (0, 0)
     if not isinstance(low, jax.core.Tracer) and not 0 <= low <= high < vocab:  # as in Mean.of
         raise ValueError(f"counted `labels` must be in [0, {vocab}); got {low} to {high}.")
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    # a one-hot, not a gather: it runs on logits sharded over the vocabulary (Explicit axes),
+    # and optax's one-hot cross-entropy is its integer one to the bit
+    one_hot = labels[..., None] == jnp.arange(vocab, dtype=labels.dtype)
+    losses = optax.softmax_cross_entropy(logits.astype(jnp.float32), one_hot)
     return Mean.of(losses, where=mask, normalize=normalize, segment_ids=segment_ids)

@@ -4,7 +4,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks
 
@@ -16,6 +17,9 @@ class IndivisibleBatchError(ValueError):
     def of(cls, size: int, num_microbatches: int, devices: int = 1, axis_name: Any = None):
         k, on, times = num_microbatches, "", ""
         if axis_name is not None:
+            axis_name = (
+                axis_name[0] if isinstance(axis_name, tuple) and len(axis_name) == 1 else axis_name
+            )
             on = f" ({size // devices} per device on {devices} devices of axis {axis_name!r})"
             times = f" × {devices} devices = {devices * k}"
         return cls(f"The batch size {size}{on} is not divisible by num_microbatches={k}{times}.")
@@ -33,8 +37,29 @@ def split_microbatches(batch: Any, num_microbatches: int, *, name: str = "batch"
     size = _checks.leading_size(batch, name, "batch") or 0  # 0: no leaves
     if size % k:
         raise IndivisibleBatchError.of(size, k)
-    # column-major: micro-batch i holds rows i, i + k, ... (a row-sharded batch stays sharded)
-    return optax.microbatching.reshape_batch_axis(jax.tree.map(jnp.asarray, batch), size // k)
+    return jax.tree.map(lambda x: _split(jnp.asarray(x), k), batch)
+
+
+def _reshaped(x: jax.Array, shape: tuple[int, ...], head: int, leading: tuple) -> jax.Array:
+    """``x`` reshaped; on Explicit axes, its first ``head`` axes' entries become ``leading``."""
+    sharding = jax.typeof(x).sharding
+    if not isinstance(sharding, NamedSharding) or AxisType.Explicit not in sharding.mesh.axis_types:
+        return jnp.reshape(x, shape)  # JAX infers the layout
+    mesh = getattr(getattr(x, "sharding", None), "mesh", sharding.mesh)  # concrete if it can
+    entries = (*sharding.spec.partitions, *[None] * x.ndim)[: x.ndim]
+    where = NamedSharding(mesh, P(*leading, *entries[head:]))
+    return jnp.reshape(x, shape, out_sharding=where)
+
+
+def _row_entry(x: jax.Array) -> Any:  # the mesh axes x's leading axis is split over
+    return (*jax.typeof(x).sharding.spec.partitions, None)[0]
+
+
+def _split(x: jax.Array, k: int) -> jax.Array:
+    # [B] -> [B // k, k] -> [k, B // k]: micro-batch i holds rows i, i + k, ..., and each
+    # device's rows of a batch split over a mesh axis stay on it (no communication)
+    shape = (x.shape[0] // k, k, *x.shape[1:])
+    return jnp.swapaxes(_reshaped(x, shape, 1, (_row_entry(x), None)), 0, 1)
 
 
 def merge_microbatches(tree: Any) -> Any:
@@ -47,4 +72,9 @@ def merge_microbatches(tree: Any) -> Any:
     """
     if short := [s for s in map(jnp.shape, jax.tree.leaves(tree)) if len(s) < 2]:
         raise ValueError(f"merge_microbatches: leaves must be [k, B // k, ...]; got {short[0]}.")
-    return jax.tree.map(lambda x: jax.lax.collapse(jnp.swapaxes(x, 0, 1), 0, 2), tree)
+    return jax.tree.map(_merge, tree)
+
+
+def _merge(x: jax.Array) -> jax.Array:
+    rows = jnp.swapaxes(x, 0, 1)
+    return _reshaped(rows, (-1, *x.shape[2:]), 2, (_row_entry(rows),))

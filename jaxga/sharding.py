@@ -1,6 +1,7 @@
 """Train states and batches on a mesh: layouts (ZeRO-1, FSDP...) and the sharded loop."""
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -13,7 +14,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, collectives, memory
 from jaxga.engine import Accumulated
-from jaxga.microbatch import IndivisibleBatchError
 
 STRATEGIES = ("data_parallel", "zero1", "fsdp", "zero3")
 _SPACES = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Device}
@@ -42,7 +42,7 @@ def check_mesh(mesh: Any, axis_name: Any = None, concrete: bool = False) -> None
 def check_strategy(strategy: Any) -> Any:
     if isinstance(strategy, str) and strategy not in STRATEGIES:
         names = ", ".join(map(repr, STRATEGIES))
-        expected = f"one of {names} or a tree of PartitionSpecs for the parameters"
+        expected = f"one of {names}, None (as placed) or a tree of PartitionSpecs for the params"
         raise ValueError(f"`strategy` must be {expected}; got {strategy!r}.")
     return strategy
 
@@ -176,24 +176,34 @@ def fsdp_specs(tree: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
     return jax.tree.map(lambda x: fsdp_spec(jnp.shape(x), mesh.shape[axis_name], axis_name), tree)
 
 
-def _check_param_specs(specs: Any, params: Any, axis_name: Any, size: int) -> None:
+def _check_param_specs(specs: Any, params: Any, mesh: Mesh) -> None:
     got, want = jax.tree.structure(specs, is_leaf=_is_spec), jax.tree.structure(params)
     if got != want:
         raise ValueError(f"`strategy`'s specs must have the params' tree {want}; got {got}.")
     leaves = jax.tree_util.tree_leaves_with_path(params)
     for (path, x), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=_is_spec)):
         where, shape = f"The spec for params{jax.tree_util.keystr(path)}", jnp.shape(x)
-        if not _is_spec(spec) or len(spec) > len(shape) or set(spec) - {None, axis_name}:
+        named = [a for entry in spec if entry is not None for a in collectives.axes(entry)]
+        if not _is_spec(spec) or len(spec) > len(shape) or set(named) - set(mesh.axis_names):
             raise ValueError(
                 f"{where} must be a PartitionSpec of at most {len(shape)} entries (its shape is "
-                f"{shape}), each None or the data axis {axis_name!r}; got {spec!r}."
+                f"{shape}), each None or axes of the mesh {mesh.axis_names}; got {spec!r}."
             )
         for dim, entry in enumerate(spec):
-            if entry is not None and shape[dim] % size:
+            size = math.prod(mesh.shape[a] for a in collectives.axes(entry or ()))
+            if shape[dim] % size:
                 raise ValueError(
                     f"{where}, {spec}, splits its axis {dim} of size {shape[dim]} over the "
-                    f"{size} devices of {axis_name!r}, which do not divide it."
+                    f"{size} devices of {entry!r}, which do not divide it."
                 )
+
+
+def _spec_of(x: Any, mesh: Mesh) -> P:
+    """``x``'s PartitionSpec on ``mesh``, as it is laid out; ``P()`` if it is not on it."""
+    now = getattr(x, "sharding", None)
+    if isinstance(now, NamedSharding) and now.mesh.axis_names == mesh.axis_names:
+        return P(*now.spec)
+    return P()
 
 
 def state_specs(
@@ -215,11 +225,13 @@ def state_specs(
         raise TypeError(f"`state` must be a train state with `params`, `opt_state`; got {kind}.")
     specs = jax.tree.map(lambda _: P(), state)
     shard = functools.partial(fsdp_specs, mesh=mesh, axis_name=axis_name)
-    if isinstance(strategy, str):
+    if strategy is None:  # as placed: the parameters' own layout, the optimiser's after it
+        strategy = jax.tree.map(functools.partial(_spec_of, mesh=mesh), state.params)
+    elif isinstance(strategy, str):
         params = shard(state.params) if strategy in ("fsdp", "zero3") else specs.params
         opt_state = specs.opt_state if strategy == "data_parallel" else shard(state.opt_state)
         return specs.replace(params=params, opt_state=opt_state)
-    _check_param_specs(strategy, state.params, axis_name, mesh.shape[axis_name])
+    _check_param_specs(strategy, state.params, mesh)
 
     def follow(_: Any, spec: P) -> P:  # optimiser state shaped like the parameters
         return spec
@@ -279,14 +291,40 @@ class OnMesh(NamedTuple):
     params: Any  # the parameters as the optimiser sees them, laid out as the gradients
 
 
-def _on_split_axes(fn: Callable[[Any, int], Any], tree: Any, specs: Any) -> Any:
-    """``fn(x, axis=...)`` on the leaves whose spec splits an axis; the others as they are."""
+def _gathered(spec: P, axis_name: Any) -> P:
+    """``spec`` with the batch's axes taken out: what is split over them gathered."""
+    batch_axes = set(collectives.axes(axis_name))
 
-    def apply(x, spec):
-        axis = next((i for i, entry in enumerate(spec) if entry is not None), None)
-        return x if axis is None else fn(x, axis=axis)
+    def entry(e: Any) -> Any:
+        kept = tuple(a for a in collectives.axes(e or ()) if a not in batch_axes)
+        return kept or None
 
-    return jax.tree.map(apply, tree, specs)
+    return P(*map(entry, spec))
+
+
+def _zero3(
+    loss: Callable[..., Any],
+    layout: MeshLayout,
+    specs: Any,
+    accumulate: Callable[[Callable[..., Any]], Callable[..., Accumulated]],
+) -> Callable[..., Accumulated]:
+    """The accumulated loss over parameter shards ``specs``, each gathered per micro-batch."""
+    axis_name = layout.axis_name
+
+    def gather(x, spec):
+        split = [i for i, entry in enumerate(spec) if axis_name in collectives.axes(entry or ())]
+        return jax.lax.all_gather(x, axis_name, axis=split[0], tiled=True) if split else x
+
+    def on_shards(shards, batch, model_state, rng):
+        shards, batch = jax.lax.optimization_barrier((shards, batch))  # no hoisting of the gather
+        return loss(jax.tree.map(gather, shards, specs), batch, model_state, rng)
+
+    return jax.shard_map(
+        accumulate(on_shards),
+        in_specs=(specs, P(axis_name), P(), P()),
+        out_specs=Accumulated(mean=P(), grads=specs, aux=P(), state=P()),
+        axis_names=set(collectives.axes(axis_name)),
+    )
 
 
 def accumulate_on_mesh(
@@ -299,37 +337,31 @@ def accumulate_on_mesh(
     model_state: Any,
     rng: Any,
 ) -> OnMesh:
-    """``accumulate(loss)`` in a ``shard_map``: parameters gathered, gradients scattered after."""
+    """``accumulate(loss)`` in jit's global view of ``layout.mesh``: one reduction, after.
+
+    The batch is split over ``layout.axis_name``; the engine keeps the gradient sums partial
+    over it, in a ``shard_map`` it opens over that axis alone, and reduces them once.
+    ``"fsdp"`` gathers the parameters once before the loop, ``"zero3"``
+    in every micro-batch; ``"zero1"`` scatters the gradients as the optimiser state.
+    """
     mesh, axis_name, strategy = layout
-    accumulated_loss = accumulate(loss)
-    k, devices = accumulated_loss.options.num_microbatches, mesh.shape[axis_name]
-    size = _checks.leading_size(batch, "batch", "batch") or 0  # 0: no leaves, as accumulate says
-    if size % (devices * k):
-        raise IndivisibleBatchError.of(size, k, devices, axis_name)
     specs = state_specs(state, mesh, strategy, axis_name=axis_name)
     state = place(mesh, state, specs)
-    grad_specs = fsdp_specs(state.params, mesh, axis_name) if strategy == "zero1" else specs.params
     batch = place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))
-    gather = functools.partial(jax.lax.all_gather, axis_name=axis_name, tiled=True)
-
-    def scatter(x, axis):
-        return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
-
-    def loss_on_shards(shards, batch, model_state, rng):  # ZeRO-3: gathered per micro-batch
-        shards, batch = jax.lax.optimization_barrier((shards, batch))  # no hoisting of the gather
-        return loss(_on_split_axes(gather, shards, specs.params), batch, model_state, rng)
-
-    def local(params, batch, model_state, rng):
-        if strategy == "zero3":
-            return accumulate(loss_on_shards)(params, batch, model_state, rng)
-        full = _on_split_axes(gather, params, specs.params)
-        full = _on_split_axes(lambda x, axis: collectives.varying(x, axis_name), full, grad_specs)
-        acc = accumulated_loss(full, batch, model_state, rng)
-        return acc._replace(grads=_on_split_axes(scatter, acc.grads, grad_specs))
-
-    in_specs = (specs.params, P(axis_name), P(), P())
-    out_specs = Accumulated(mean=P(), grads=grad_specs, aux=P(), state=P())
-    run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    accumulated = run(state.params, batch, model_state, rng)
-    params = place(mesh, state.params, grad_specs)
-    return OnMesh(accumulated=accumulated, state=state, specs=specs, params=params)
+    grad_specs = fsdp_specs(state.params, mesh, axis_name) if strategy == "zero1" else specs.params
+    if strategy == "zero3":  # gathered in every micro-batch, in a shard_map of the step's
+        accumulated = _zero3(loss, layout, specs.params, accumulate)(
+            state.params, batch, model_state, rng
+        )
+    else:  # gathered once, before the loop
+        gather = functools.partial(_gathered, axis_name=axis_name)
+        gathered = jax.tree.map(gather, specs.params, is_leaf=_is_spec)
+        params = place(mesh, state.params, gathered)
+        accumulated = accumulate(loss)(params, batch, model_state, rng)
+    grads = place(mesh, accumulated.grads, grad_specs)
+    return OnMesh(
+        accumulated=accumulated._replace(grads=grads),
+        state=state,
+        specs=specs,
+        params=place(mesh, state.params, grad_specs),
+    )

@@ -78,9 +78,16 @@ def _accumulate_state(loss, options, fields, state, batch, *, num_real) -> shard
     model_state, rng = fields.read(state), fields.step_key(state)
     try:  # the errors a train state's fields explain get a note
         if layout is not None:
-            return sharding.accumulate_on_mesh(
-                loss, layout, state, batch, accumulate=accumulated, model_state=model_state, rng=rng
-            )
+            with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
+                return sharding.accumulate_on_mesh(
+                    loss,
+                    layout,
+                    state,
+                    batch,
+                    accumulate=accumulated,
+                    model_state=model_state,
+                    rng=rng,
+                )
         acc = accumulated(loss)(state.params, batch, model_state, rng)
         return sharding.OnMesh(accumulated=acc, state=state, specs=None, params=state.params)
     except TypeError as e:

@@ -515,15 +515,19 @@ def test_bad_accumulator_dtype(dtype):
         jaxga.grad(mlp_scalar_loss, num_microbatches=2, accumulator_dtype=dtype)
 
 
-def test_forgetting_axis_name_inside_shard_map_says_which_axis():
+def test_inside_shard_map_the_axis_is_read_from_the_batch():
+    """No axis_name: the batch varies over 'data', so the sums are reduced over it, once."""
     mesh = jax.make_mesh((1,), ("data",))
-    grad_fn = jaxga.grad(lambda w, x: jnp.mean(w * x), num_microbatches=2)
+
+    def loss(w, x):
+        return jnp.mean(w * x**2)
+
+    grad_fn = jaxga.grad(loss, num_microbatches=2)
     step = jax.shard_map(
         lambda w, x: grad_fn(w, x), mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
     )
-    x = jaxga.sharding.shard_batch(jnp.ones(4), mesh)
-    with pytest.raises(ValueError, match=r"pass axis_name='data'"):
-        jax.jit(step)(1.0, x)
+    x = jaxga.sharding.shard_batch(jnp.arange(4.0), mesh)
+    np.testing.assert_allclose(jax.jit(step)(1.0, x), jax.grad(loss)(1.0, jnp.arange(4.0)))
 
 
 def test_explicit_accumulator_dtype_is_used_as_it_is():

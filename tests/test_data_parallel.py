@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxga
@@ -159,15 +160,21 @@ def test_unbound_axis_name_outside_shard_map():
         jax.jit(vg)(jnp.ones(3), small_batch(4))
     message = str(error.value)
     assert "`axis_name`='data' is not bound" in message
-    assert "shard_map" in message and "axis_name=None" in message
+    assert "shard_map" in message and "jax.set_mesh" in message and "axis_name=None" in message
 
 
-def test_unbound_axis_name_under_a_mesh_context():
-    """A mesh set with jax.set_mesh does not bind the axis: shard_map is still needed."""
-    mesh = jax.make_mesh((1,), ("data",))
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_axis_name_of_the_mesh_set_with_set_mesh(axis_type):
+    """Under jax.set_mesh, axis_name names the mesh axis to split the batch over (Explicit:
+    reduced types; Auto: a shard_map jaxga opens) and the result is the whole batch's."""
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(axis_type,))
     vg = jaxga.value_and_grad(mean_loss, num_microbatches=2, axis_name="data")
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match="is not bound"):
-        jax.jit(vg)(jnp.ones(3), small_batch(4))
+    batch, w = small_batch(4), jnp.arange(3.0)
+    with jax.set_mesh(mesh):
+        value, grads = jax.jit(vg)(w, batch)
+    expected = jax.value_and_grad(lambda w: mean_loss(w, batch).value)(w)
+    np.testing.assert_allclose(value, expected[0], rtol=2e-5)
+    np.testing.assert_allclose(grads, expected[1], rtol=2e-5, atol=1e-6)
 
 
 def test_one_device_mesh_matches_full_batch():

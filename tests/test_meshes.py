@@ -1,0 +1,275 @@
+"""On the meshes JAX builds: Explicit axes (jax.make_mesh's default), Auto axes and Manual
+axes (inside a shard_map), each on 8 host devices against the same step without jaxga.
+
+Exact to float32 rounding, and the compiled HLO has no gradient-sized reduction inside the
+micro-batch loop: the gradient is reduced once, after it.
+"""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxga
+from tests._hlo import hlo_collectives
+
+K = 4
+REDUCTIONS = ("all-reduce", "reduce-scatter")
+
+
+def mesh_of(kind: str) -> jax.sharding.Mesh:
+    axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+
+
+def host_data(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    batch = {
+        "x": rng.normal(size=(64, 32)).astype(np.float32),
+        "y": rng.integers(0, 8, size=64),
+        # skewed weights: a mean of micro-batch means would be wrong
+        "w": np.where(np.arange(64) % 5 == 0, 4.0, 0.5) * (rng.uniform(size=64) > 0.3),
+    }
+    params = {
+        "a": rng.normal(size=(32, 16)).astype(np.float32) / 6,
+        "bias": rng.normal(size=16).astype(np.float32),
+        "b": rng.normal(size=(16, 8)).astype(np.float32) / 4,
+    }
+    return params, jax.tree.map(np.asarray, batch)
+
+
+LAYOUT = {"a": P(None, "model"), "bias": P("model"), "b": P("model", None)}
+
+
+def contract(h, w):  # over the 'model' axis: Explicit axes want the result's layout said
+    explicit = AxisType.Explicit in jax.sharding.get_abstract_mesh().axis_types
+    return jnp.dot(h, w, out_sharding=P() if explicit else None)
+
+
+def loss(params, batch):  # a bias add: what JAX's reduced types cannot yet carry
+    h = jnp.tanh(batch["x"] @ params["a"] + params["bias"])
+    return jaxga.token_cross_entropy(contract(h, params["b"]), batch["y"], batch["w"])
+
+
+def reference(params, batch):
+    return jax.value_and_grad(lambda p: loss(p, batch).value)(params)
+
+
+def place(mesh, params, batch):
+    params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, LAYOUT)
+    return params, jax.device_put(batch, NamedSharding(mesh, P("data")))
+
+
+def loop_reductions(compiled, grads) -> list[str]:
+    """The reductions inside a loop with a result of a gradient's (local) shape."""
+    shapes = {"[" + ",".join(map(str, g.addressable_shards[0].data.shape)) + "]" for g in grads}
+    found = []
+    for c in hlo_collectives(compiled):
+        result = c.line.split("=", 1)[1].split(c.opcode)[0]  # "(f32[4,16]{1,0}, f32[4]{0})"
+        results = set(re.findall(r"\[[\d,]*\]", result))
+        if c.in_loop and c.opcode in REDUCTIONS and results & shapes:
+            found.append(c.line)
+    return found
+
+
+def assert_close(got, want):
+    value, grads = got
+    np.testing.assert_allclose(value, want[0], rtol=2e-6)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want[1])):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-7)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto", "manual"])
+def test_value_and_grad_in_jit_reduces_once_on_every_kind_of_axis(kind):
+    mesh = mesh_of("explicit" if kind == "explicit" else "auto")
+    host_params, host_batch = host_data()
+    with jax.set_mesh(mesh):
+        params, batch = place(mesh, host_params, host_batch)
+        if kind == "explicit":  # the batch's type says which axis: nothing to name
+            fn = jaxga.value_and_grad(loss, num_microbatches=K)
+        elif kind == "auto":  # Auto axes are not in the types: name the batch's axis
+            fn = jaxga.value_and_grad(loss, num_microbatches=K, axis_name="data")
+        else:  # inside the user's own shard_map: read from the batch (varying over "data")
+            vg = jaxga.value_and_grad(loss, num_microbatches=K)
+            specs = {"in_specs": (P(), P("data")), "out_specs": P(), "axis_names": {"data"}}
+            fn = jax.shard_map(vg, **specs)
+        step = jax.jit(fn)
+        got = step(params, batch)
+        compiled = step.lower(params, batch).compile()
+    assert_close(got, reference(host_params, host_batch))
+    assert not loop_reductions(compiled, jax.tree.leaves(got[1]))
+    for g, spec in zip(jax.tree.leaves(got[1]), jax.tree.leaves(LAYOUT)):  # where they were
+        assert g.sharding.is_equivalent_to(NamedSharding(mesh, spec), g.ndim)
+
+
+def test_global_view_is_exact_and_reduces_in_the_loop():
+    """axis_name=(): the loop in jit's global view (for a loss naming the batch's axis in its
+    own annotations). Exact too, but JAX reduces every micro-batch: the check above can fail."""
+    mesh = mesh_of("explicit")
+    host_params, host_batch = host_data()
+    with jax.set_mesh(mesh):
+        params, batch = place(mesh, host_params, host_batch)
+        step = jax.jit(jaxga.value_and_grad(loss, num_microbatches=K, axis_name=()))
+        got = step(params, batch)
+        compiled = step.lower(params, batch).compile()
+    assert_close(got, reference(host_params, host_batch))
+    assert loop_reductions(compiled, jax.tree.leaves(got[1]))
+
+
+def test_a_loss_naming_the_batch_axis_is_told_what_to_do():
+    mesh = mesh_of("explicit")
+    host_params, host_batch = host_data()
+
+    def annotated(params, batch):
+        h = jnp.tanh(batch["x"] @ params["a"] + params["bias"])
+        logits = jnp.dot(h, params["b"], out_sharding=P("data", None))  # names "data"
+        return jaxga.token_cross_entropy(logits, batch["y"], batch["w"])
+
+    with jax.set_mesh(mesh):
+        params, batch = place(mesh, host_params, host_batch)
+        with pytest.raises(ValueError) as error:
+            jax.jit(jaxga.value_and_grad(annotated, num_microbatches=K))(params, batch)
+        notes = " ".join(getattr(error.value, "__notes__", ()))
+        assert "pass axis_name=() to run the loop in jit's global view" in notes
+        got = jax.jit(jaxga.value_and_grad(annotated, num_microbatches=K, axis_name=()))(
+            params, batch
+        )
+    assert_close(got, reference(host_params, host_batch))
+
+
+@pytest.mark.parametrize("normalize", ["token_mean", "sequence_mean", "sequence_sum"])
+def test_token_cross_entropy_on_logits_split_over_the_vocabulary(normalize):
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(8, 6, 64)).astype(np.float32)
+    labels = rng.integers(0, 64, size=(8, 6))
+    mask = (rng.uniform(size=(8, 6)) > 0.3).astype(np.float32)
+    want = jaxga.token_cross_entropy(logits, labels, mask, normalize=normalize)
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"))  # Explicit axes
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(logits, P("fsdp", None, "tensor"))
+        rows = jax.device_put((labels, mask), P("fsdp"))
+        fn = jax.jit(lambda *a: jaxga.token_cross_entropy(*a, normalize=normalize))
+        got = fn(sharded, *rows)
+        grad = jax.jit(jax.grad(lambda x: fn(x, *rows).value))(sharded)
+    np.testing.assert_allclose(got.total, want.total, rtol=1e-6)
+    np.testing.assert_allclose(got.count, want.count)
+    assert grad.sharding.spec == P("fsdp", None, "tensor")
+    plain = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # the bits of optax's
+    np.testing.assert_array_equal(
+        jaxga.token_cross_entropy(logits, labels).total, jnp.sum(plain, dtype=jnp.float32)
+    )
+
+
+def test_split_microbatches_keeps_each_devices_rows():
+    mesh = jax.make_mesh((8,), ("data",))
+    x = jax.device_put(np.arange(64.0).reshape(32, 2), NamedSharding(mesh, P("data")))
+    split = jaxga.split_microbatches(x, 4)
+    assert split.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "data")), 3)
+    np.testing.assert_array_equal(split, np.arange(64.0).reshape(8, 4, 2).swapaxes(0, 1))
+    np.testing.assert_array_equal(jaxga.merge_microbatches(split), x)
+    assert jaxga.merge_microbatches(split).sharding.is_equivalent_to(x.sharding, 2)
+
+
+class TinyModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(6)(jnp.tanh(nn.Dense(12)(x)))  # no gradient shaped as an activation
+
+
+def linen_setup():
+    model = TinyModel()
+    _, batch = host_data(2)
+    params = model.init(jax.random.key(0), batch["x"][:2])["params"]
+
+    def step_loss(params, batch, model_state, rng):
+        logits = model.apply({"params": params}, batch["x"])
+        return jaxga.token_cross_entropy(logits, batch["y"] % 6, batch["w"]), model_state
+
+    return params, batch, step_loss
+
+
+def model_axis_specs(params):
+    def spec(path, x):  # Dense_0 is the outer layer: its outputs (the logits) over "model"
+        if "Dense_0" in jax.tree_util.keystr(path):
+            return P(None, "model") if x.ndim == 2 else P("model")
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+@pytest.mark.parametrize("strategy", ["data_parallel", "zero1", "fsdp", "zero3", "model axis"])
+def test_make_train_step_on_a_mesh_matches_one_device(kind, strategy):
+    if strategy == "zero3" and kind == "auto":
+        pytest.skip("zero3 gathers in every micro-batch on Explicit axes only")
+    params, batch, step_loss = linen_setup()
+    tx = optax.adam(0.05)
+    plain = jaxga.make_train_step(step_loss, 1)
+    want, _ = plain(jaxga.TrainState.create(params=params, tx=tx), batch)
+    mesh = mesh_of(kind)
+    layout = model_axis_specs(params) if strategy == "model axis" else strategy
+    step = jaxga.make_train_step(step_loss, K, mesh=mesh, strategy=layout)
+    state = jaxga.TrainState.create(params=params, tx=tx)
+    got, metrics = step(state, batch)
+    for g, w in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
+    if strategy == "model axis":  # the parameters stay where the layout put them
+        for x, spec in zip(jax.tree.leaves(got.params), jax.tree.leaves(layout)):
+            assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
+    if strategy != "zero3":  # ZeRO-3 reduce-scatters in every micro-batch, by design
+        compiled = step.lower(got, batch).compile()
+        assert not loop_reductions(compiled, jax.tree.leaves(got.params)), strategy
+    assert jnp.isfinite(metrics["loss"])
+
+
+class FSDPToy(nnx.Module):
+    """Flax's examples/nnx_toy_examples/10_fsdp_and_optimizer.py, its MLP: 'model' layout."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.w1 = nnx.Param(init(rngs.params(), (1, 32)), out_sharding=(None, "model"))
+        self.b1 = nnx.Param(jnp.zeros((32,)), out_sharding=("model",))
+        self.w2 = nnx.Param(init(rngs.params(), (32, 1)), out_sharding=("model", None))
+
+    def __call__(self, x):
+        return nnx.relu(x @ self.w1 + self.b1) @ self.w2
+
+
+def test_flax_fsdp_toy_example_ported_to_the_drop_in():
+    """As the example runs it: an Auto mesh, parameters laid out by their metadata."""
+    kind = "auto"
+    mesh = mesh_of(kind)
+    rng = np.random.default_rng(3)
+    x = rng.uniform(-2, 2, size=(32, 1)).astype(np.float32)
+    y = (0.8 * x**2 + 0.1).astype(np.float32)
+
+    def loss_fn(model, x, y):
+        return jnp.mean((y - model(x)) ** 2)
+
+    axis = {} if kind == "explicit" else {"axis_name": "data"}
+    ported = jaxga.value_and_grad(loss_fn, num_microbatches=K, batch_argnums=(1, 2), **axis)
+
+    def step(model, x, y, fn):
+        return nnx.jit(fn)(model, x, y)
+
+    with jax.set_mesh(mesh):
+        model = nnx.jit(lambda: FSDPToy(nnx.Rngs(0)))()
+        xs, ys = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+        want_loss, want = step(model, xs, ys, nnx.value_and_grad(loss_fn))
+        got_loss, got = step(model, xs, ys, ported)
+        graphdef, state = nnx.split(model)
+        compiled = (
+            jax.jit(lambda s, x, y: ported(nnx.merge(graphdef, s), x, y)).lower(state, xs, ys)
+        ).compile()
+    np.testing.assert_allclose(got_loss, want_loss, rtol=2e-6)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-7)
+        assert g.sharding.is_equivalent_to(w.sharding, g.ndim)  # the 'model' layout kept
+    assert not loop_reductions(compiled, jax.tree.leaves(got))
