@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from jaxga import _checks, arguments, collectives, modules
 from jaxga.arguments import Options
+from jaxga.convolution import canonical_convolutions, rewrites
 from jaxga.loss import Mean
 from jaxga.microbatch import merge_microbatches, split_microbatches
 
@@ -143,6 +144,8 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
 def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry, Any]:
     """Phase 2: this device's sums over its micro-batches (a `Carry`), and aux `[k, ...]`."""
     grad_fn = jax.value_and_grad(loss, has_aux=True)
+    if rewrites(options.canonical_convolutions):  # XLA:CPU, see docs/gpus.md
+        grad_fn = canonical_convolutions(grad_fn)
 
     def step(carry: Carry, batches: tuple) -> tuple[Carry, Any]:
         primals = collectives.varying(call.primals, options.axis_name)  # reduced after the loop
