@@ -4,6 +4,7 @@ from jaxga import collectives as collectives
 from jaxga import sharding
 from jaxga.accumulation import Accumulate, accumulate, grad, value_and_grad
 from jaxga.compiler import compiler_options
+from jaxga.convolution import canonical_convolutions
 from jaxga.engine import Accumulated
 from jaxga.loss import Mean, token_cross_entropy
 from jaxga.memory import MemoryReport, memory_report
@@ -32,6 +33,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "accumulate",
+    "canonical_convolutions",
     "checkpoint_policy",
     "compiler_options",
     "grad",

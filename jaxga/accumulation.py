@@ -6,7 +6,7 @@ from typing import Any
 
 from flax import nnx
 
-from jaxga import _checks, arguments, engine
+from jaxga import _checks, arguments, convolution, engine
 
 
 class Accumulate:
@@ -45,6 +45,7 @@ def accumulate(
     accumulator_dtype: Any = None,
     unroll: int | bool = 1,
     aux: str = "auto",
+    canonical_convolutions: bool | str = "auto",
 ) -> Accumulate:
     """Like [`jaxga.value_and_grad`][jaxga.value_and_grad], returning an `Accumulated`.
 
@@ -61,6 +62,7 @@ def accumulate(
         accumulator_dtype: the dtype gradients are summed in; `None`: at least float32.
         unroll: `lax.scan`'s; `1` keeps one micro-batch's activations at a time.
         aux: `"auto"`: a `Mean` or rows as the whole batch's, a scalar `[k]`; `"stack"`: `[k]`.
+        canonical_convolutions: the loop's convolutions NHWC/HWIO; `"auto"`: on CPU backends only.
 
     Returns:
         An [`Accumulate`][jaxga.Accumulate]: called as `fun`, it returns an `Accumulated`.
@@ -85,6 +87,7 @@ def accumulate(
         accumulator_dtype=_checks.float_dtype(accumulator_dtype),
         unroll=arguments.check_unroll(unroll),
         aux=arguments.check_aux(aux),
+        canonical_convolutions=convolution.check_option(canonical_convolutions),
     )
     return Accumulate(fun, options)
 

@@ -32,6 +32,7 @@ class Options(NamedTuple):
     unroll: int | bool
     aux: str
     num_real_microbatches: Any = None  # None: all; else an int (or traced int) in 1..k
+    canonical_convolutions: bool | str = "auto"  # True, False or "auto": on CPU backends only
 
 
 def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:

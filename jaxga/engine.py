@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, arguments, collectives, modules
 from jaxga.arguments import Options
+from jaxga.convolution import canonical_convolutions, rewrites
 from jaxga.loss import Mean
 from jaxga.microbatch import merge_microbatches, split_microbatches
 
@@ -151,6 +152,8 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
 def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry, Any]:
     """Phase 2: this device's sums over its micro-batches (a `Carry`), and aux `[k, ...]`."""
     grad_fn = jax.value_and_grad(loss, has_aux=True)
+    if rewrites(options.canonical_convolutions):  # XLA:CPU, see docs/gpus.md
+        grad_fn = canonical_convolutions(grad_fn)
 
     def step(carry: Carry, batches: tuple) -> tuple[Carry, Any]:
         primals = collectives.inside_loop(call.primals, call.route)  # reduced after the loop

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxga import convolution
 from jaxga._checks import check_arity, check_bool, leading_size, positive_int
 
 Policy = str | Sequence[str] | Callable[..., Any] | None
@@ -130,6 +131,7 @@ def remat_scan(
     policy: Policy = "full",
     segments: int | str = 1,
     unroll: bool = False,
+    canonical_convolutions: bool | str = False,
 ) -> Any:
     """Computes ``for p in stacked_params: x = layer_fn(p, x)``, rematerialised, in a ``lax.scan``.
 
@@ -140,6 +142,7 @@ def remat_scan(
         policy: each layer's policy, see [`checkpoint_policy`][jaxga.checkpoint_policy].
         segments: 1 (per layer), a divisor s of L (s checkpointed segments) or ``"sqrt"``.
         unroll: run the layers (of a segment) without a loop; only with ``policy="none"``/None.
+        canonical_convolutions: the backward's convolutions in NHWC/HWIO; reverse mode only.
 
     Returns:
         The last layer's output, like ``x``.
@@ -150,6 +153,10 @@ def remat_scan(
         >>> jaxga.remat_scan(lambda w, x: jnp.tanh(x @ w), w, x, segments="sqrt").shape
         (2, 4)
     """
+    if convolution.rewrites(canonical_convolutions):  # XLA:CPU, see docs/gpus.md
+        options = {"policy": policy, "segments": segments, "unroll": unroll}
+        plain = functools.partial(remat_scan, layer_fn, **options, canonical_convolutions=False)
+        return convolution.canonical_backward(plain)(stacked_params, x)
     num_layers = stack_length(stacked_params)
     save = checkpoint_policy(policy)
     num_segments = resolve_segments(segments, num_layers)
