@@ -6,8 +6,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from jaxga import _checks, modules, sharding, steps
+from jaxga import _checks, arguments, modules, sharding, steps
 from jaxga.accumulation import accumulate
 from jaxga.arguments import check_num_real
 from jaxga.state import unaliased
@@ -47,8 +48,11 @@ def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class NNXTrainStep(steps.JittedStep):
-    """`step(model, optimizer, batch, num_real_microbatches=None) -> metrics`, in place.
+    """`step(model, optimizer, batch, num_real_microbatches=None, *, rngs=None) -> metrics`.
 
+    It trains `optimizer.wrt` of `model` in place. `rngs`: an `nnx.Rngs` (its streams
+    advance in every micro-batch, and are folded with the device on a mesh) or a PRNG key
+    (`fold_in(key, g)` in global micro-batch `g`), handed to the loss as its third argument.
     `num_real_microbatches` and `step.plan`: as for a [`jaxga.TrainStep`][jaxga.TrainStep].
 
     Examples:
@@ -57,65 +61,102 @@ class NNXTrainStep(steps.JittedStep):
         True
     """
 
-    _arity, _static_argnums = 3, (0,)  # the model's graphdef is static
+    _arity, _static_argnums = 3, (0,)  # the graphdef of the model, optimizer (and rngs)
 
-    def _arguments(self, model: Any, optimizer: Any, batch: Any, num_real_microbatches=None):
-        if not isinstance(optimizer, nnx.Optimizer):
-            got = type(optimizer).__name__
-            raise TypeError(f"`optimizer` must be an nnx.Optimizer; got {got}.")
-        if not modules.is_graph_node(model):
-            got = type(model).__name__
-            raise TypeError(f"`model` must be the NNX module `optimizer` updates; got {got}.")
-        if isinstance(optimizer, nnx.ModelAndOptimizer) and optimizer.model is not model:
-            raise ValueError("`optimizer` is a ModelAndOptimizer of another model: use its .model.")
-        for path, leaf in jax.tree.leaves_with_path(nnx.as_pure(nnx.state(model, optimizer.wrt))):
-            if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-                got = f"model{jax.tree_util.keystr(path)} of dtype {leaf.dtype}"
-                raise ValueError(f"`optimizer.wrt` must select floats; got {got}.")
-        graphdef, state = nnx.split((model, optimizer))
+    def _arguments(
+        self, model: Any, optimizer: Any, batch: Any, num_real_microbatches=None, rngs=None
+    ) -> tuple[Any, ...]:
+        _check_model(model, optimizer)
+        if not (rngs is None or isinstance(rngs, nnx.Rngs) or arguments.is_key(rngs)):
+            got = type(rngs).__name__
+            raise TypeError(f"`rngs` must be an nnx.Rngs, a PRNG key or None; got {got}.")
+        modules_ = (model, optimizer, *([rngs] if isinstance(rngs, nnx.Rngs) else []))
+        graphdef, state = nnx.split(modules_)
+        layout = self.options.layout
+        if layout is not None:  # where the model put it; on the mesh, replicated, if nowhere
+            state = sharding.onto(state, layout.mesh)
         state = sharding.lay_out(state, None, offload_state=self.options.offload)
         real = check_num_real(num_real_microbatches, self.options.num_microbatches)
-        return graphdef, state, batch, real
+        key = None if rngs is None or isinstance(rngs, nnx.Rngs) else rngs
+        return graphdef, state, batch, real, key
 
     def __call__(
-        self, model: Any, optimizer: Any, batch: Any, num_real_microbatches: Any = None
+        self,
+        model: Any,
+        optimizer: Any,
+        batch: Any,
+        num_real_microbatches: Any = None,
+        *,
+        rngs: Any = None,
     ) -> steps.Metrics:
         if (planned := self._planned((model, optimizer, batch, num_real_microbatches))) is not self:
-            return planned(model, optimizer, batch, num_real_microbatches)
-        args = self._arguments(model, optimizer, batch, num_real_microbatches)
-        graphdef, state, batch, real = args
+            return planned(model, optimizer, batch, num_real_microbatches, rngs=rngs)
+        args = self._arguments(model, optimizer, batch, num_real_microbatches, rngs)
+        graphdef, state, batch, real, key = args
         run = self._update if steps.traced(state) else self._jitted  # in a jit: inlined in it
         state = unaliased(state) if self.options.donate else state
-        state, metrics = run(graphdef, state, batch, real)
-        nnx.update((model, optimizer), state)
+        state, metrics = run(graphdef, state, batch, real, key)
+        nnx.update((model, optimizer, *([rngs] if isinstance(rngs, nnx.Rngs) else [])), state)
         return metrics
 
 
-def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[..., Any]:
-    checked = steps.loss_alone(loss, "`loss(model, batch)`", pair=False)
+def _check_model(model: Any, optimizer: Any) -> None:
+    if not isinstance(optimizer, nnx.Optimizer):
+        got = type(optimizer).__name__
+        raise TypeError(f"`optimizer` must be an nnx.Optimizer; got {got}.")
+    if not modules.is_graph_node(model):
+        got = type(model).__name__
+        raise TypeError(f"`model` must be the NNX module `optimizer` updates; got {got}.")
+    if isinstance(optimizer, nnx.ModelAndOptimizer) and optimizer.model is not model:
+        raise ValueError("`optimizer` is a ModelAndOptimizer of another model: use its .model.")
+    for path, leaf in jax.tree.leaves_with_path(nnx.as_pure(nnx.state(model, optimizer.wrt))):
+        if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+            got = f"model{jax.tree_util.keystr(path)} of dtype {leaf.dtype}"
+            raise ValueError(f"`optimizer.wrt` must select floats; got {got}.")
 
-    def train_step(graphdef: Any, state: Any, batch: Any, num_real=None) -> tuple[Any, Any]:
+
+def _accumulated(loss: Callable[..., Any], options: steps.StepOptions, wrt: Any, **kwargs: Any):
+    layout = options.layout
+    return accumulate(  # the gradient of what the optimizer updates, and only that
+        loss,
+        nnx.DiffState(0, wrt),
+        has_aux=options.has_aux,
+        num_microbatches=options.num_microbatches,
+        axis_name=None if layout is None else layout.axis_name,
+        accumulator_dtype=options.accumulator_dtype,
+        unroll=options.unroll,
+        **kwargs,
+    )
+
+
+def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[..., Any]:
+    checked = steps.loss_alone(loss, "`loss(model, batch)`", pair=False, aux=options.has_aux)
+
+    def train_step(graphdef: Any, state: Any, batch: Any, num_real=None, key=None) -> tuple:
         if options.offload:
             state = sharding.offload(state, "device")
-        model, optimizer = nnx.merge(graphdef, state)
-        acc = accumulate(  # the gradient of what the optimizer updates, and only that
-            checked,
-            nnx.DiffState(0, optimizer.wrt),
-            num_microbatches=options.num_microbatches,
-            num_real_microbatches=num_real,
-            accumulator_dtype=options.accumulator_dtype,
-            unroll=options.unroll,
-        )(model, batch)
+        model, optimizer, *streams = nnx.merge(graphdef, state)  # streams: [an nnx.Rngs] or []
+        rngs = streams or ([] if key is None else [key])
+        accumulated = _accumulated(checked, options, optimizer.wrt, num_real_microbatches=num_real)
+        if options.layout is None:
+            acc = accumulated(model, batch, *rngs)
+        else:  # jit's global view of the mesh: the batch over its axis, the model as laid out
+            mesh, axis_name = options.layout.mesh, options.layout.axis_name
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                batch = sharding.place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))
+                acc = accumulated(model, batch, *rngs)
 
         def apply_tx(state, grads):
-            model, optimizer = nnx.merge(graphdef, state)
+            model, optimizer, *streams = nnx.merge(graphdef, state)
             held = isinstance(optimizer, nnx.ModelAndOptimizer)
             optimizer.update(*(() if held else (model,)), grads, **steps.weight(optimizer.tx, acc))
-            return nnx.state((model, optimizer))
+            return nnx.state((model, optimizer, *streams))
 
-        state = steps.apply_update(acc, apply_tx, nnx.state((model, optimizer)))
-        _, after = nnx.merge(graphdef, state)  # `optimizer` still holds the state before
+        state = steps.apply_update(acc, apply_tx, nnx.state((model, optimizer, *streams)))
+        _, after, *_ = nnx.merge(graphdef, state)  # `optimizer` still holds the state before
         metrics = steps.metrics(acc, nnx.as_pure(optimizer.opt_state), nnx.as_pure(after.opt_state))
+        if options.has_aux:
+            metrics["aux"] = acc.aux
         return (sharding.offload(state) if options.offload else state), metrics
 
     return train_step
@@ -125,6 +166,9 @@ def nnx_train_step(
     loss: Callable[..., Any],
     num_microbatches: int | str = 1,
     *,
+    has_aux: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    axis_name: str | None = None,
     memory_budget: int | str | None = None,
     accumulator_dtype: Any = None,
     donate: bool = True,
@@ -134,11 +178,18 @@ def nnx_train_step(
 ) -> NNXTrainStep:
     """Builds an NNX step `(model, optimizer, batch) -> metrics` training `optimizer.wrt` in place.
 
-    The keyword arguments are [`jaxga.make_train_step`][jaxga.make_train_step]'s.
+    The other keyword arguments are [`jaxga.make_train_step`][jaxga.make_train_step]'s.
 
     Args:
-        loss: `loss(model, batch) -> loss`, a [`jaxga.Mean`][jaxga.Mean] or a scalar mean.
+        loss: `loss(model, batch) -> loss`, a [`jaxga.Mean`][jaxga.Mean] or a scalar mean;
+            `loss(model, batch, rngs)` for a step called with `rngs=`.
         num_microbatches: micro-batches per step, or `"auto"`, as for `make_train_step`.
+        has_aux: whether the loss returns `(loss, aux)`; `metrics["aux"]` is the whole batch's
+            (as for [`jaxga.value_and_grad`][jaxga.value_and_grad]).
+        mesh: split the batch over this mesh's `axis_name`; the model stays where its
+            variables' sharding metadata put it (replicated where it says nothing), and the
+            gradient is reduced once per step.
+        axis_name: the batch's mesh axis (or axes); `None`: `"data"`.
 
     Returns:
         A [`jaxga.NNXTrainStep`][jaxga.NNXTrainStep].
@@ -151,9 +202,17 @@ def nnx_train_step(
         >>> int(step(model, optimizer, jnp.ones((8, 3)))["count"])
         8
     """
-    _checks.check_arity(loss, "loss", 2, "`loss(model, batch) -> loss`")
+    try:
+        _checks.check_arity(loss, "loss", 2, "`loss(model, batch)` or `loss(model, batch, rngs)`")
+    except TypeError:
+        _checks.check_arity(loss, "loss", 3, "`loss(model, batch)` or `loss(model, batch, rngs)`")
+    axis_name = "data" if axis_name is None else axis_name
+    if mesh is not None:
+        sharding.check_mesh(mesh, axis_name, concrete=True)
     options = steps.step_options(
         num_microbatches,
+        has_aux=_checks.check_bool(has_aux, "has_aux"),
+        layout=None if mesh is None else sharding.MeshLayout(mesh, axis_name, None),
         memory_budget=memory_budget,
         accumulator_dtype=accumulator_dtype,
         donate=donate,
@@ -161,4 +220,5 @@ def nnx_train_step(
         unroll=unroll,
         compiler_options=compiler_options,
     )
-    return NNXTrainStep(_nnx_step, loss, options)
+    devices = 1 if mesh is None else sharding.axes_size(mesh, axis_name)
+    return NNXTrainStep(_nnx_step, loss, options, devices)

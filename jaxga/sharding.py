@@ -75,6 +75,23 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
     return jax.tree_util.tree_map_with_path(place, batch)
 
 
+def axes_size(mesh: Any, axis_name: Any) -> int:
+    """How many devices ``mesh``'s axis (or axes) ``axis_name`` holds."""
+    return math.prod(mesh.shape[a] for a in collectives.axes(axis_name))
+
+
+def onto(tree: Any, mesh: Mesh) -> Any:
+    """``tree`` with every array not yet laid out on ``mesh`` replicated on it."""
+
+    def one(x: Any) -> Any:
+        now = getattr(x, "sharding", None)
+        if isinstance(now, NamedSharding) and now.mesh == mesh:
+            return x
+        return put(x, NamedSharding(mesh, P()))
+
+    return jax.tree.map(one, tree)
+
+
 def replicate(tree: Any, mesh: Mesh) -> Any:
     """Places ``tree`` on every device of ``mesh`` (every process passes the same values)."""
     check_mesh(mesh, concrete=True)

@@ -80,7 +80,9 @@ def weight(tx: Any, acc: Accumulated) -> dict[str, jax.Array]:
     return {"weight": acc.mean.count} if takes_extra_args else {}
 
 
-def loss_alone(loss: Callable[..., Any], signature: str, *, pair: bool) -> Callable[..., Any]:
+def loss_alone(
+    loss: Callable[..., Any], signature: str, *, pair: bool, aux: bool = False
+) -> Callable[..., Any]:
     @functools.wraps(loss)
     def checked(*args):
         out = loss(*args)
@@ -88,10 +90,14 @@ def loss_alone(loss: Callable[..., Any], signature: str, *, pair: bool) -> Calla
             got = type(out).__name__ if isinstance(out, Mean | tuple) else None
             got = got or f"an array of shape {jnp.shape(out)}"
             raise TypeError(f"{signature} must return a pair (loss, new_model_state); got {got}.")
-        value = out[0] if pair else out
+        value = out[0] if pair or aux else out
+        if aux and not (isinstance(out, tuple) and len(out) == 2):
+            got = type(out).__name__
+            raise TypeError(f"With has_aux=True, {signature} must return (loss, aux); got {got}.")
         if isinstance(value, tuple | list):
             got = f"{type(value).__name__} of length {len(value)}"
-            raise TypeError(f"{signature} must give the loss alone, no aux; got a {got}.")
+            hint = "; or build the step with has_aux=True" if not (pair or aux) else ""
+            raise TypeError(f"{signature} must give the loss alone, no aux; got a {got}{hint}.")
         return out  # the engine checks the new model state (state_argnums)
 
     return checked
@@ -125,6 +131,7 @@ class StepOptions:
     model_state_fields: str | tuple[str, ...] | None = None
     rng_field: str | None = None
     memory_budget: int | None = None
+    has_aux: bool = False  # NNX: the loss returns (loss, aux), given back as metrics["aux"]
 
 
 def step_options(num_microbatches: Any, **options: Any) -> StepOptions:

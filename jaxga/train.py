@@ -206,5 +206,5 @@ def make_train_step(
         model_state_fields=fields,
         rng_field=key,
     )
-    devices = 1 if mesh is None else mesh.shape[axis_name]
+    devices = 1 if mesh is None else sharding.axes_size(mesh, axis_name)
     return TrainStep(_state_step, loss, options, devices)

@@ -125,3 +125,28 @@ def hlo_collectives(compiled: str | jax.stages.Compiled) -> list[Collective]:
         for line in lines
         if (match := _COLLECTIVE.search(line))
     ]
+
+
+def loop_reductions(compiled: str | jax.stages.Compiled, grads: Any) -> list[str]:
+    """The all-reduces and reduce-scatters inside a loop with a result shaped as a gradient.
+
+    ``grads``: arrays laid out as the gradients (their first shard's shape is matched), so
+    that a reduction of activations (tensor parallelism) is not taken for one of gradients.
+    """
+    shapes = {
+        "[" + ",".join(map(str, g.addressable_shards[0].data.shape)) + "]"
+        for g in jax.tree.leaves(grads)
+    }
+    found = []
+    for c in hlo_collectives(compiled):
+        result = c.line.split("=", 1)[1].split(c.opcode)[0]  # "(f32[4,16]{1,0}, f32[4]{0})"
+        if (
+            c.in_loop
+            and c.opcode in _REDUCTIONS
+            and set(re.findall(r"\[[\d,]*\]", result)) & shapes
+        ):
+            found.append(c.line)
+    return found
+
+
+_REDUCTIONS = ("all-reduce", "reduce-scatter")

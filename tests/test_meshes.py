@@ -5,8 +5,6 @@ Exact to float32 rounding, and the compiled HLO has no gradient-sized reduction 
 micro-batch loop: the gradient is reduced once, after it.
 """
 
-import re
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,10 +16,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxga
-from tests._hlo import hlo_collectives
+from tests._hlo import loop_reductions
 
 K = 4
-REDUCTIONS = ("all-reduce", "reduce-scatter")
 
 
 def mesh_of(kind: str) -> jax.sharding.Mesh:
@@ -65,18 +62,6 @@ def reference(params, batch):
 def place(mesh, params, batch):
     params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, LAYOUT)
     return params, jax.device_put(batch, NamedSharding(mesh, P("data")))
-
-
-def loop_reductions(compiled, grads) -> list[str]:
-    """The reductions inside a loop with a result of a gradient's (local) shape."""
-    shapes = {"[" + ",".join(map(str, g.addressable_shards[0].data.shape)) + "]" for g in grads}
-    found = []
-    for c in hlo_collectives(compiled):
-        result = c.line.split("=", 1)[1].split(c.opcode)[0]  # "(f32[4,16]{1,0}, f32[4]{0})"
-        results = set(re.findall(r"\[[\d,]*\]", result))
-        if c.in_loop and c.opcode in REDUCTIONS and results & shapes:
-            found.append(c.line)
-    return found
 
 
 def assert_close(got, want):
@@ -273,3 +258,79 @@ def test_flax_fsdp_toy_example_ported_to_the_drop_in():
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-7)
         assert g.sharding.is_equivalent_to(w.sharding, g.ndim)  # the 'model' layout kept
     assert not loop_reductions(compiled, jax.tree.leaves(got))
+
+
+class NNXTensorParallel(nnx.Module):
+    """Its outer layer's outputs (the logits) over "model", by its variables' metadata."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(32, 12, rngs=rngs)
+        init = nnx.initializers.lecun_normal()
+        self.w = nnx.Param(init(rngs.params(), (12, 6)), out_sharding=(None, "model"))
+        self.b = nnx.Param(jnp.zeros((6,)), out_sharding=("model",))
+
+    def __call__(self, x):
+        return jnp.tanh(self.hidden(x)) @ self.w + self.b
+
+
+def nnx_loss(model, batch):
+    return jaxga.token_cross_entropy(model(batch["x"]), batch["y"] % 6, batch["w"])
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_nnx_train_step_on_a_mesh_keeps_the_models_layout(kind):
+    _, batch = host_data(4)
+    mesh = mesh_of(kind)
+    with jax.set_mesh(mesh):  # the reference: the whole batch in one micro-batch, no split
+        want_model = nnx.jit(lambda: NNXTensorParallel(nnx.Rngs(0)))()
+        want_opt = nnx.Optimizer(want_model, optax.adam(0.05), wrt=nnx.Param)
+        jaxga.nnx_train_step(nnx_loss, 1)(want_model, want_opt, batch)
+        model = nnx.jit(lambda: NNXTensorParallel(nnx.Rngs(0)))()
+        optimizer = nnx.Optimizer(model, optax.adam(0.05), wrt=nnx.Param)
+    step = jaxga.nnx_train_step(nnx_loss, K, mesh=mesh)
+    metrics = step(model, optimizer, batch)
+    for got, want in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(want_model))):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    assert model.w.value.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
+    assert model.b.value.sharding.is_equivalent_to(NamedSharding(mesh, P("model")), 1)
+    graphdef, state = nnx.split((model, optimizer))
+    compiled = step._jitted.lower(graphdef, state, batch, None, None).compile()
+    assert not loop_reductions(compiled, jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert jnp.isfinite(metrics["loss"])
+
+
+class Dropped(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(32, 6, rngs=rngs)
+        self.drop = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs=None):
+        return self.linear(self.drop(x, rngs=rngs))
+
+
+def test_nnx_train_step_gives_aux_and_takes_rngs():
+    """Gemma's step: the logits for its metrics from the same forward pass, and its own
+    nnx.Rngs handed to the model: a stream per micro-batch, advanced k times."""
+    _, batch = host_data(5)
+    batch["x"] = np.ones_like(batch["x"])  # every row alike: only the masks tell them apart
+
+    def loss(model, batch, rngs):
+        logits = model(batch["x"], rngs=rngs)
+        return jaxga.token_cross_entropy(logits, batch["y"] % 6, batch["w"]), {"logits": logits}
+
+    model = Dropped(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)  # nothing moves
+    rngs = nnx.Rngs(dropout=7)
+    step = jaxga.nnx_train_step(loss, K, has_aux=True)
+    metrics = step(model, optimizer, batch, rngs=rngs)
+    assert int(rngs.dropout.count.value) == K  # one draw per micro-batch
+    logits = metrics["aux"]["logits"]
+    assert logits.shape == (64, 6)
+    # the same rows in every micro-batch: one key for all would give them the same masks
+    per_microbatch = jaxga.split_microbatches(logits, K)
+    for i in range(1, K):
+        assert not np.allclose(per_microbatch[0], per_microbatch[i])
+    with pytest.raises(TypeError, match="has_aux=True"):
+        jaxga.nnx_train_step(loss, K)(model, optimizer, batch, rngs=rngs)
+    key_metrics = step(model, optimizer, batch, rngs=jax.random.key(3))  # a key: folded
+    assert key_metrics["aux"]["logits"].shape == (64, 6)
