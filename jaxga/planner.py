@@ -87,7 +87,7 @@ class Plan(Candidate):
     budget: int  # in bytes
     batch_size: int  # the examples per step
     candidates: tuple[Candidate, ...]  # those built, in the order built
-    num_skipped: int = 0  # those not built, as the search stopped at the first that fits
+    num_skipped: int = 0  # those not built: the search stopped at the first fit, or skipped them
     step: Callable[..., Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
