@@ -5,7 +5,7 @@ import itertools
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,7 @@ from jaxga.sharding import check_strategy
 _SEARCHED = ("strategy", "offload")  # plan's axes given to build as keywords
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # lower case
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_TOLERANCE = 0.05  # of the budget: a count predicted further over it is not built
 _SIZE = re.compile(r"\s*(\d+\.?\d*|\.\d+)(e[+-]?\d{1,4})?\s*([a-z]*)\s*", re.IGNORECASE)
 
 
@@ -85,8 +86,8 @@ class Plan(Candidate):
 
     budget: int  # in bytes
     batch_size: int  # the examples per step
-    candidates: tuple[Candidate, ...]  # those built, in search order
-    num_skipped: int = 0  # those not built, as the search stopped at the first that fits
+    candidates: tuple[Candidate, ...]  # those built, in the order built
+    num_skipped: int = 0  # those not built: the search stopped at the first fit, or skipped them
     step: Callable[..., Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
@@ -174,34 +175,57 @@ def _values(name: str, value: Any) -> tuple[Any, ...]:  # its items, or itself
     return values
 
 
-def _search(
-    build: Callable[..., Any], args: tuple, configs: list, *, budget: int, every: bool, strict: bool
-) -> tuple[list[Candidate], tuple[int, Any], int]:
-    """The candidates built, the first that fits (its index, its step) and how many were not."""
-    candidates, chosen = [], None
-    for i, (k, size, remat, keywords) in enumerate(configs):
-        if chosen and not every:
-            return candidates, chosen, len(configs) - i
-        if any(c.num_microbatches == k and c.report is None for c in candidates):
-            continue  # the devices do not divide k micro-batches, whatever the rest
-        try:
-            step = build(k, remat, **keywords)
-            report = memory_report(step, *args)
-            fits = report.peak_bytes <= budget
-            reason = "fits; an earlier one is the choice" if fits else "over the budget"
-        except IndivisibleBatchError as e:  # k micro-batches a device do not divide its rows
-            if strict:  # the user asked for k: it must compile
-                raise
-            report, fits, reason = None, False, str(e)
-        except Exception as e:
-            e.add_note(f"(jaxga.plan, building num_microbatches={k}, remat={remat!r}, {keywords})")
+class _Config(NamedTuple):
+    """One configuration of the search: what `build` is given, and the micro-batch size."""
+
+    num_microbatches: int
+    microbatch_size: int
+    remat: Any
+    keywords: dict[str, Any]  # the searched axes given to build: strategy, offload
+
+
+class _Built(NamedTuple):
+    """One configuration built and compiled: its verdict, and what `build` returned."""
+
+    candidate: Candidate
+    step: Any  # None if build raised IndivisibleBatchError
+
+
+def _build_one(
+    build: Callable[..., Any], args: tuple, config: _Config, *, budget: int, strict: bool
+) -> _Built:
+    """Builds and compiles one configuration."""
+    k, size, remat, keywords = config
+    try:
+        step = build(k, remat, **keywords)
+        report = memory_report(step, *args)
+    except IndivisibleBatchError as e:  # k micro-batches a device do not divide its rows
+        if strict:  # the user asked for k: it must compile
             raise
-        if fits and chosen is None:  # the others' steps, and their compiled programs, are freed
-            chosen = (len(candidates), step)
-        candidates.append(Candidate(k, size, remat, report, fits, reason, **keywords))
+        return _Built(Candidate(k, size, remat, None, False, str(e), **keywords), None)
+    except Exception as e:
+        e.add_note(f"(jaxga.plan, building num_microbatches={k}, remat={remat!r}, {keywords})")
+        raise
+    fits = report.peak_bytes <= budget
+    reason = "fits; an earlier one is the choice" if fits else "over the budget"
+    return _Built(Candidate(k, size, remat, report, fits, reason, **keywords), step)
+
+
+class _Searched(NamedTuple):
+    """What a search built, in the order built, and its choice."""
+
+    candidates: list[Candidate]
+    chosen: int  # the choice's index in candidates
+    step: Any  # what build returned for it
+    num_skipped: int  # configurations not built
+
+
+def _chosen(candidates: list[Candidate], budget: int) -> int:
+    """The index of the fitting candidate first in the search order; raises if none fits."""
     if all(c.report is None for c in candidates):
         raise ValueError(f"No num_microbatches splits the batch: {candidates[0].reason}")
-    if chosen is None:
+    fitting = [i for i, c in enumerate(candidates) if c.fits]  # as built: in order for each k
+    if not fitting:
         smallest = min((c for c in candidates if c.report), key=lambda c: c.report.peak_bytes)
         peak = smallest.report.peak_bytes
         raise InfeasibleBudgetError(
@@ -209,7 +233,93 @@ def _search(
             f" the smallest peak, {format_bytes(peak)} ({peak} bytes), has {smallest}.",
             tuple(candidates),
         )
-    return candidates, chosen, 0
+    return min(fitting, key=lambda i: candidates[i].num_microbatches)
+
+
+def _search(
+    build: Callable[..., Any],
+    args: tuple,
+    configs: list[_Config],
+    *,
+    budget: int,
+    every: bool,
+    strict: bool,
+) -> _Searched:
+    """Builds the configurations in order until one fits (all of them if ``every``)."""
+    candidates, step = [], None
+    for i, config in enumerate(configs):
+        if step is not None and not every:
+            return _Searched(candidates, _chosen(candidates, budget), step, len(configs) - i)
+        if any(
+            c.num_microbatches == config.num_microbatches and c.report is None for c in candidates
+        ):
+            continue  # the devices do not divide k micro-batches, whatever the rest
+        built = _build_one(build, args, config, budget=budget, strict=strict)
+        if built.candidate.fits and step is None:  # the others' steps and programs are freed
+            step = built.step
+        candidates.append(built.candidate)
+    return _Searched(candidates, _chosen(candidates, budget), step, 0)
+
+
+class _Line(NamedTuple):
+    """A compiled peak as a fixed part plus a part per row of a micro-batch."""
+
+    fixed: float  # bytes
+    per_row: float  # bytes per row of a micro-batch
+
+    @classmethod
+    def through(cls, a: Candidate, b: Candidate) -> "_Line":
+        rise = a.report.peak_bytes - b.report.peak_bytes
+        per_row = rise / (a.microbatch_size - b.microbatch_size)
+        return cls(a.report.peak_bytes - per_row * a.microbatch_size, per_row)
+
+    def peak(self, rows: int) -> float:
+        return self.fixed + self.per_row * rows
+
+
+def _next_count(
+    configs: list[_Config], built: Mapping[int, Candidate], line: _Line | None, *, limit: float
+) -> int | None:
+    """The index of the next count to build: of those not built before the fewest that fits,
+    the first whose predicted peak is within ``limit``; None if there is none."""
+    fewest = min((i for i, c in built.items() if c.fits), default=len(configs))
+    unbuilt = (i for i in range(fewest) if i not in built)
+    return next(
+        (i for i in unbuilt if line is None or line.peak(configs[i].microbatch_size) <= limit), None
+    )
+
+
+def _predict(
+    build: Callable[..., Any], args: tuple, configs: list[_Config], *, budget: int, strict: bool
+) -> _Searched:
+    """The ordered search, but for the counts that a line through the peaks of the first and
+    the last count puts further over the budget than a tolerance: those are not built."""
+    built: dict[int, Candidate] = {}  # by index in configs, in the order built
+    steps: dict[int, Any] = {}  # of the fewest count that fits so far
+    line, error = None, 0.0  # error: the line's largest, on the counts built since
+
+    def measure(i: int) -> Candidate:
+        result = _build_one(build, args, configs[i], budget=budget, strict=strict)
+        built[i] = result.candidate
+        if result.candidate.fits and all(i < j for j in steps):
+            steps.clear()  # the step of a count that fits is kept until a smaller one fits
+            steps[i] = result.step
+        return result.candidate
+
+    first, last = measure(0), len(configs) - 1
+    while line is None and not first.fits and first.report is not None and last > 0:
+        if measure(last).report is not None:  # the last count the devices divide
+            line = _Line.through(first, built[last])
+        last -= 1
+    limit = budget + budget * _TOLERANCE
+    while (i := _next_count(configs, built, line, limit=limit)) is not None:
+        report = measure(i).report
+        if line is not None and report is not None:
+            error = max(error, abs(report.peak_bytes - line.peak(configs[i].microbatch_size)))
+        limit = budget + max(budget * _TOLERANCE, 2 * error)
+    candidates = list(built.values())
+    best = _chosen(candidates, budget)
+    return _Searched(candidates, best, steps[list(built)[best]], len(configs) - len(built))
 
 
 def plan(
@@ -222,6 +332,7 @@ def plan(
     offload: Sequence[bool] | None = None,
     batch_argnums: int | Sequence[int] | None = None,
     exhaustive: bool = False,
+    search: str = "ordered",
 ) -> Plan:
     """Returns the first configuration, least sequential work first, that fits a memory budget.
 
@@ -235,6 +346,9 @@ def plan(
         offload: if given, the candidate ``offload`` values, e.g. ``(False, True)``.
         batch_argnums: the position(s) of the batch in ``args``; default: the last.
         exhaustive: compile every candidate instead of stopping at the first that fits.
+        search: ``"ordered"``, candidates in order until one fits, or ``"predict"``: the
+            counts a line through the first and last counts' peaks says fit (one remat,
+            strategy and offload value only); see docs/planner.md for what it guarantees.
 
     Returns:
         The chosen [`Plan`][jaxga.Plan]; raises `InfeasibleBudgetError` if none fits.
@@ -258,13 +372,23 @@ def plan(
     offloads = () if offload is None else _values("offload", offload)
     by_offload = [{"offload": check_bool(value, "offload")} for value in offloads] or [{}]
     order = itertools.product(counts, by_strategy, _values("remat", remat), by_offload)
-    configs = [(k, batch_size // k, r, s | o) for k, s, r, o in order]
-    keywords = list(configs[0][3])  # the names of those searched
+    configs = [_Config(k, batch_size // k, r, s | o) for k, s, r, o in order]
+    keywords = list(configs[0].keywords)  # the names of those searched
     signature = "".join(f", {n}=..." for n in keywords)
     check_arity(build, "build", 2, f"build(num_microbatches, remat{signature}) -> step", keywords)
     options = {"budget": budget, "strict": num_microbatches is not None}  # strict: k asked for
     every = check_bool(exhaustive, "exhaustive")
-    candidates, (best, step), num_skipped = _search(build, args, configs, every=every, **options)
-    candidates[best] = dataclasses.replace(candidates[best], reason="")
-    sizes = {"budget": budget, "batch_size": batch_size, "num_skipped": num_skipped}
-    return Plan(**vars(candidates[best]), **sizes, candidates=tuple(candidates), step=step)
+    if search not in ("ordered", "predict"):
+        raise ValueError(f"`search` must be 'ordered' or 'predict'; got {search!r}.")
+    if search == "predict" and len(configs) > len(counts):
+        many = len(configs) // len(counts)
+        raise ValueError(f"`search`='predict' needs one configuration per count; got {many}.")
+    if search == "predict" and not every:
+        found = _predict(build, args, configs, **options)
+    else:
+        found = _search(build, args, configs, every=every, **options)
+    candidates = list(found.candidates)
+    candidates[found.chosen] = dataclasses.replace(candidates[found.chosen], reason="")
+    sizes = {"budget": budget, "batch_size": batch_size, "num_skipped": found.num_skipped}
+    chosen = vars(candidates[found.chosen])
+    return Plan(**chosen, **sizes, candidates=tuple(candidates), step=found.step)

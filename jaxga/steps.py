@@ -167,6 +167,7 @@ class JittedStep:
 
     _arity: int  # a call's arguments, the batch last, before `num_real_microbatches`
     _static_argnums: tuple[int, ...] = ()  # of the jitted function's arguments
+    plan_search = "predict"  # how "auto" plans: jaxga.plan's `search`
 
     def __init__(self, build: Callable[..., Any], loss: Any, options: StepOptions, devices=1):
         self.options = options
@@ -209,7 +210,12 @@ class JittedStep:
         counts = [k for k in range(1, local + 1) if local % k == 0]
         start, budget = time.perf_counter(), self.options.memory_budget
         plan = planner.plan(
-            self._fixed, *args, budget=budget, num_microbatches=counts, remat=(None,)
+            self._fixed,
+            *args,
+            budget=budget,
+            num_microbatches=counts,
+            remat=(None,),
+            search=self.plan_search,
         )
         _LOG.info(
             f"jaxga: planned {plan.num_microbatches} micro-batch(es) of {plan.microbatch_size} "

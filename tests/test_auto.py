@@ -56,8 +56,17 @@ def test_the_fewest_count_that_fits_is_chosen_and_trains_as_it(target):
     chex.assert_trees_all_equal(ours.params, theirs.params)  # bit for bit
     chex.assert_trees_all_equal(ours.opt_state, theirs.opt_state)
     chex.assert_trees_all_equal(metrics, expected_metrics)
-    # compiled: the counts up to the chosen one, fewest first, and no more
-    assert [c.num_microbatches for c in step.plan.candidates] == [k for k in peaks if k <= target]
+    # compiled: the fewest count, the most, and the count a line through their peaks predicts
+    built = [c.num_microbatches for c in step.plan.candidates]
+    assert len(built) <= 3 and built[: 2 if target > 1 else 1] == [1, BATCH][: len(built)]
+    # plan_search="ordered": the counts up to the chosen one, fewest first, and no more
+    ordered = jaxga.make_train_step(loss, "auto", memory_budget=budget)
+    ordered.plan_search = "ordered"
+    ordered.trace(state, batch)
+    assert ordered.plan.num_microbatches == target
+    assert [c.num_microbatches for c in ordered.plan.candidates] == [
+        k for k in peaks if k <= target
+    ]
 
 
 def test_a_new_batch_size_replans_and_plans_are_bounded(caplog):

@@ -277,6 +277,12 @@ def test_batch_argnums_is_rejected_as_value_and_grad_rejects_it():
         ({"exhaustive": "yes"}, TypeError, r"^`exhaustive` must be a bool; got 'yes' of type"),
         ({"remat": ()}, ValueError, r"`remat` must hold at least one value"),
         ({"budget": "lots"}, ValueError, r"`budget`='lots' is not a size"),
+        ({"search": "bisect"}, ValueError, r"^`search` must be 'ordered' or 'predict'; got 'bis"),
+        (
+            {"search": "predict", "remat": ("none", "full")},
+            ValueError,
+            r"^`search`='predict' needs one configuration per count; got 2\.$",
+        ),
     ],
 )
 def test_plan_errors_name_the_argument(options, error, message):
@@ -328,6 +334,107 @@ def test_build_must_return_a_step():
         TypeError, match=r"`build` must be callable as build\(.*; got .step. of type str"
     ):
         jaxga.plan("step", *ARGS, budget="1GiB")
+
+
+# ------------------------------------------------------------------ search="predict"
+
+
+def fake_plan(peaks, budget, search):
+    """jaxga.plan over counts whose compiled peaks are ``peaks[k]``: build returns k and the
+    report is looked up, so any table, monotone or not, can be searched. The chosen count
+    (None if none fits) and the counts built, in the order built."""
+    batch = jax.ShapeDtypeStruct((max(peaks), 1), jnp.float32)
+
+    def report(step, *args):
+        return jaxga.MemoryReport(0, 0, 0, 0, peaks[step], 0, 0, True, "fake")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(jaxga.planner, "memory_report", report)
+        try:
+            p = jaxga.plan(lambda k, r: k, batch, budget=budget, remat=(None,), search=search)
+        except InfeasibleBudgetError as e:
+            return None, [c.num_microbatches for c in e.candidates]
+    return p.num_microbatches, [c.num_microbatches for c in p.candidates]
+
+
+def budgets_across(peaks):
+    """Every peak, one byte under it, and room for everything."""
+    return sorted({b for peak in peaks.values() for b in (peak - 1, peak)})
+
+
+NOT_MONOTONE = {1: 1000, 2: 600, 4: 400, 8: 450, 16: 300}  # 8 micro-batches need more than 4
+
+
+@pytest.mark.parametrize(
+    "peaks",
+    [
+        {k: 1000 + 100 * 64 // k for k in (1, 2, 4, 8, 16, 32, 64)},  # a line
+        {k: 1000 + 100 * 64 // k + 300 * (k == 16) for k in (1, 2, 4, 8, 16, 32, 64)},
+        NOT_MONOTONE,
+        {1: 900, 2: 900, 4: 900, 8: 900},  # flat: nothing to gain
+    ],
+    ids=["line", "bump", "not-monotone", "flat"],
+)
+def test_predict_picks_what_the_ordered_search_picks(peaks):
+    for budget in budgets_across(peaks):
+        ordered, _ = fake_plan(peaks, budget, "ordered")
+        predicted, built = fake_plan(peaks, budget, "predict")
+        assert predicted == ordered, (budget, built)
+        assert len(built) == len(set(built))  # none built twice
+
+
+def test_predict_builds_three_counts_and_widens_its_tolerance_when_the_line_is_wrong():
+    line = {k: 1000 + 100 * 64 // k for k in (1, 2, 4, 8, 16, 32, 64)}
+    assert fake_plan(line, line[8], "predict") == (8, [1, 64, 8])
+    assert fake_plan(line, line[64], "predict") == (64, [1, 64])
+    assert fake_plan(line, line[1], "predict") == (1, [1])
+    # the line through 1 and 16 puts 2 at 627, 4 at 440 and 8 at 347; 8 needs 450: an error
+    # of 103 widens the tolerance from 5 % of the budget (20) to 207: 4 is built and fits
+    assert fake_plan(NOT_MONOTONE, 410, "predict") == (4, [1, 16, 8, 4])
+
+
+def test_predict_matches_the_ordered_search_when_peaks_stay_near_the_line():
+    """The documented guarantee, on random tables: if every count's peak is within 5 % of the
+    budget of the line through the first and last counts' peaks, the choice is the same."""
+    rng = np.random.default_rng(0)
+    checked = 0
+    for _ in range(40):
+        ks = [k for k in range(1, 33) if 32 % k == 0]
+        fixed, per_row, wiggle = rng.uniform(100, 1000), rng.uniform(1, 100), rng.uniform(0, 0.3)
+        peaks = {k: int(fixed + per_row * 32 / k * (1 + rng.uniform(-wiggle, wiggle))) for k in ks}
+        slope = (peaks[1] - peaks[32]) / 31
+        for budget in budgets_across(peaks):
+            near = all(abs(peaks[k] - peaks[32] - slope * (32 / k - 1)) <= budget / 20 for k in ks)
+            if near:
+                assert (
+                    fake_plan(peaks, budget, "predict")[0] == fake_plan(peaks, budget, "ordered")[0]
+                )
+                checked += 1
+    assert checked > 100
+
+
+def test_predict_can_miss_a_count_far_below_the_line():
+    """The limit of the guarantee: a count that fits far below a line through counts that do
+    not, with nothing built between to show the line wrong, is not built."""
+    dip = {1: 1000, 2: 200, 4: 900, 8: 900}
+    assert fake_plan(dip, 300, "ordered") == (2, [1, 2])
+    assert fake_plan(dip, 300, "predict") == (None, [1, 8])
+
+
+def test_predict_on_a_compiled_model_picks_the_first_fit(table):
+    """The residual MLP, no remat: the same choice as the exhaustive table's first fit, for
+    every budget; exhaustive=True builds every count whatever the search."""
+    peaks = {c.num_microbatches: c.report.peak_bytes for c in table if c.remat == "none"}
+    for budget in budgets_across(peaks)[1:]:
+        first = min(k for k, peak in peaks.items() if peak <= budget)
+        p = jaxga.plan(build, *ARGS, budget=budget, remat=("none",), search="predict")
+        assert p.num_microbatches == first
+        assert p.num_skipped == len(peaks) - len(p.candidates)
+        assert p.step is build(first, "none") and p.report.peak_bytes == peaks[first]
+    every = jaxga.plan(
+        build, *ARGS, budget="1GiB", remat=("none",), exhaustive=True, search="predict"
+    )
+    assert [c.num_microbatches for c in every.candidates] == list(peaks)
 
 
 # ------------------------------------------------------------------ examples/train_lm.py
