@@ -125,6 +125,7 @@ def _accumulated(loss: Callable[..., Any], options: steps.StepOptions, wrt: Any,
         axis_name=None if layout is None else layout.axis_name,
         accumulator_dtype=options.accumulator_dtype,
         unroll=options.unroll,
+        canonical_convolutions=options.canonical_convolutions,
         **kwargs,
     )
 
@@ -174,6 +175,7 @@ def nnx_train_step(
     donate: bool = True,
     offload: bool = False,
     unroll: int | bool = 1,
+    canonical_convolutions: bool | str = "auto",
     compiler_options: Mapping[str, Any] | None = None,
 ) -> NNXTrainStep:
     """Builds an NNX step `(model, optimizer, batch) -> metrics` training `optimizer.wrt` in place.
@@ -218,6 +220,7 @@ def nnx_train_step(
         donate=donate,
         offload=offload,
         unroll=unroll,
+        canonical_convolutions=canonical_convolutions,
         compiler_options=compiler_options,
     )
     devices = 1 if mesh is None else sharding.axes_size(mesh, axis_name)

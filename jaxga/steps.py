@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxga import _checks, planner, sharding
+from jaxga import _checks, convolution, planner, sharding
 from jaxga.arguments import check_unroll
 from jaxga.compiler import compiler_options
 from jaxga.engine import Accumulated
@@ -132,6 +132,7 @@ class StepOptions:
     rng_field: str | None = None
     memory_budget: int | None = None
     has_aux: bool = False  # NNX: the loss returns (loss, aux), given back as metrics["aux"]
+    canonical_convolutions: bool | str = "auto"  # the loop's convolutions NHWC/HWIO (XLA:CPU)
 
 
 def step_options(num_microbatches: Any, **options: Any) -> StepOptions:
@@ -157,6 +158,7 @@ def step_options(num_microbatches: Any, **options: Any) -> StepOptions:
         donate=_checks.check_bool(options.pop("donate"), "donate"),
         offload=_checks.check_bool(options.pop("offload"), "offload"),
         unroll=check_unroll(options.pop("unroll")),
+        canonical_convolutions=convolution.check_option(options.pop("canonical_convolutions")),
         compiler_options=dict(xla),
         **options,
     )

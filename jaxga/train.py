@@ -74,6 +74,7 @@ def _accumulate_state(loss, options, fields, state, batch, *, num_real) -> shard
         axis_name=None if layout is None else layout.axis_name,
         accumulator_dtype=options.accumulator_dtype,
         unroll=options.unroll,
+        canonical_convolutions=options.canonical_convolutions,
     )
     model_state, rng = fields.read(state), fields.step_key(state)
     try:  # the errors a train state's fields explain get a note
@@ -144,6 +145,7 @@ def make_train_step(
     donate: bool = True,
     offload: bool = False,
     unroll: int | bool = 1,
+    canonical_convolutions: bool | str = "auto",
     compiler_options: Mapping[str, Any] | None = None,
     model_state_fields: str | Sequence[str] | None = None,
     rng_field: str | None = None,
@@ -163,6 +165,8 @@ def make_train_step(
         donate: donate the state's buffers to the step.
         offload: keep the optimiser state in pinned host memory between steps (`sharding.offload`).
         unroll: the micro-batch loop's `lax.scan` `unroll`; `True` trades memory for speed.
+        canonical_convolutions: the loop's convolutions in XLA:CPU's fast layout; `"auto"`:
+            on CPU backends only (as for [`jaxga.accumulate`][jaxga.accumulate]).
         compiler_options: XLA options; `None`: [`jaxga.compiler_options()`][jaxga.compiler_options].
         model_state_fields: `state`'s model-state field(s); `None`: jaxga.TrainState's, or guessed.
         rng_field: `state`'s PRNG key field; `None`: jaxga.TrainState's, or guessed.
@@ -201,6 +205,7 @@ def make_train_step(
         donate=donate,
         offload=offload,
         unroll=unroll,
+        canonical_convolutions=canonical_convolutions,
         compiler_options=compiler_options,
         layout=None if mesh is None else sharding.MeshLayout(mesh, axis_name, strategy),
         model_state_fields=fields,

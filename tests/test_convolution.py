@@ -207,3 +207,14 @@ def test_a_constant_output_comes_back_as_an_array():
 
     value, grad = jaxga.canonical_convolutions(jax.value_and_grad(constant))(jnp.float32(2.0))
     assert isinstance(value, jax.Array) and float(value) == 1.0 and float(grad) == 0.0
+
+
+def test_the_train_steps_take_the_option():
+    def loss(params, batch, model_state, rng):
+        return jnp.mean(batch * params), model_state
+
+    assert jaxga.make_train_step(loss, 2).options.canonical_convolutions == "auto"
+    step = jaxga.nnx_train_step(lambda m, x: m(x).mean(), 2, canonical_convolutions=False)
+    assert step.options.canonical_convolutions is False
+    with pytest.raises(ValueError, match="`canonical_convolutions` must be True, False or 'auto'"):
+        jaxga.make_train_step(loss, 2, canonical_convolutions="yes")
