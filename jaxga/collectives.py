@@ -15,6 +15,7 @@ __all__ = [
     "find_route",
     "gathered",
     "inside_loop",
+    "laid_out_as",
     "psum_invariant",
     "psum_varying",
     "reduce_after",
@@ -159,6 +160,17 @@ def gathered(tree: Any, over: tuple[Any, ...]) -> Any:
         return x if spec == sharding.spec else jax.reshard(x, NamedSharding(sharding.mesh, spec))
 
     return jax.tree.map(gather, tree)
+
+
+def laid_out_as(tree: Any, like: Any) -> Any:
+    """``tree`` resharded as ``like``'s Explicit-axes types say (others as they are)."""
+
+    def lay(x: Any, y: Any) -> Any:
+        want = jax.typeof(y).sharding
+        typed = AxisType.Explicit in getattr(getattr(want, "mesh", None), "axis_types", ())
+        return jax.reshard(x, want) if typed and jax.typeof(x).sharding != want else x
+
+    return jax.tree.map(lay, tree, like)
 
 
 def inside_loop(primals: Any, route: Route) -> Any:

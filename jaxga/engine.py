@@ -357,6 +357,7 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
     except Exception as e:  # a loss naming the batch's axes in its own layout cannot run here
         e.add_note(_OPENED_NOTE.format(axes=axes))
         raise
+    sums = sums._replace(grads=collectives.laid_out_as(sums.grads, call.primals))  # FSDP: sliced
     return sums, jax.tree.map(_merge_devices, aux, is_leaf=_is_mean)
 
 
