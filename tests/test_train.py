@@ -302,7 +302,10 @@ def test_bad_arguments():
         TypeError, match=r"`loss\(params, batch, model_state, rng\)`; it takes \(p, b\)"
     ):
         jaxga.make_train_step(lambda p, b: (p, b), 2)
-    with pytest.raises(TypeError, match=r"`loss\(model, batch\) -> loss`; it takes \(model\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"`loss\(model, batch\)` or `loss\(model, batch, rngs\)`; it takes \(model\)",
+    ):
         jaxga.nnx_train_step(lambda model: 0.0, 2)
     with pytest.raises(TypeError, match=r"`mesh` must be a jax.sharding.Mesh .* got 'data'"):
         jaxga.make_train_step(lambda *a: a, 2, mesh="data")
