@@ -640,8 +640,12 @@ def test_copies_and_pickles_work_alike():
         for _ in range(3):
             updates, state = other.update(jnp.ones(2), state, params)
         assert bool(other.has_updated(state)) and updates.tolist() == [-1.0, -1.0]
-    with pytest.raises(AttributeError, match="Can't pickle local object"):
-        pickle.dumps(tx)  # optax's closures do not pickle, as for optax.chain itself
+    # optax's closures do not pickle, and the MultiSteps around them fails as they do (the
+    # same error type; its wording is CPython's, which changes between versions)
+    with pytest.raises(Exception) as inner_error:
+        pickle.dumps(optax.sgd(1.0))
+    with pytest.raises(type(inner_error.value)):
+        pickle.dumps(tx)
 
 
 def test_flax_train_state_holds_it_as_a_static_field():
