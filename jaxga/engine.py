@@ -365,7 +365,8 @@ _OPENED_NOTE = (
     "jaxga: the loss ran in a shard_map over the batch's mesh axes {axes} (Manual there, so "
     "that the gradient is reduced once, after the loop). If the loss names them in its own "
     "sharding annotations, pass axis_name=() to run the loop in jit's global view instead "
-    "(exact; JAX then reduces the gradient in every micro-batch)."
+    "(the train steps: reduce_once=False). Exact; JAX then reduces the gradient in every "
+    "micro-batch."
 )
 
 

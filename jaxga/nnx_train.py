@@ -122,7 +122,7 @@ def _accumulated(loss: Callable[..., Any], options: steps.StepOptions, wrt: Any,
         nnx.DiffState(0, wrt),
         has_aux=options.has_aux,
         num_microbatches=options.num_microbatches,
-        axis_name=None if layout is None else layout.axis_name,
+        axis_name=None if layout is None else layout.loop_axes,
         accumulator_dtype=options.accumulator_dtype,
         unroll=options.unroll,
         canonical_convolutions=options.canonical_convolutions,
@@ -174,6 +174,7 @@ def nnx_train_step(
     accumulator_dtype: Any = None,
     donate: bool = True,
     offload: bool = False,
+    reduce_once: bool = True,
     unroll: int | bool = 1,
     canonical_convolutions: bool | str = "auto",
     compiler_options: Mapping[str, Any] | None = None,
@@ -192,6 +193,8 @@ def nnx_train_step(
             variables' sharding metadata put it (replicated where it says nothing), and the
             gradient is reduced once per step.
         axis_name: the batch's mesh axis (or axes); `None`: `"data"`.
+        reduce_once: `False` runs the loop in jit's global view of `mesh` (for a model that
+            names `axis_name` in its own sharding annotations): exact; JAX reduces each time.
 
     Returns:
         A [`jaxga.NNXTrainStep`][jaxga.NNXTrainStep].
@@ -209,12 +212,13 @@ def nnx_train_step(
     except TypeError:
         _checks.check_arity(loss, "loss", 3, "`loss(model, batch)` or `loss(model, batch, rngs)`")
     axis_name = "data" if axis_name is None else axis_name
+    _checks.check_bool(reduce_once, "reduce_once")
     if mesh is not None:
         sharding.check_mesh(mesh, axis_name, concrete=True)
     options = steps.step_options(
         num_microbatches,
         has_aux=_checks.check_bool(has_aux, "has_aux"),
-        layout=None if mesh is None else sharding.MeshLayout(mesh, axis_name, None),
+        layout=None if mesh is None else sharding.MeshLayout(mesh, axis_name, None, reduce_once),
         memory_budget=memory_budget,
         accumulator_dtype=accumulator_dtype,
         donate=donate,

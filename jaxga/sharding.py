@@ -278,13 +278,19 @@ class MeshLayout(NamedTuple):
 
     mesh: Mesh
     axis_name: Any
-    strategy: Any  # a name of STRATEGIES, or a tree of the parameters' PartitionSpecs
+    strategy: Any  # a name of STRATEGIES, a tree of the parameters' PartitionSpecs, or None
+    reduce_once: bool = True  # False: the loop in jit's global view, JAX reducing each time
+
+    @property
+    def loop_axes(self) -> Any:
+        """The engine's ``axis_name``: the batch's axis, or ``()`` for jit's global view."""
+        return self.axis_name if self.reduce_once else ()
 
 
 def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool) -> Any:
     """``state`` where a step keeps it: laid out on the mesh, optimiser state offloaded."""
     if layout is not None:  # laid out already if its step and first parameter are
-        mesh, axis_name, strategy = layout
+        mesh, axis_name, strategy, _ = layout
         first = jax.tree.leaves(state.params)[:1]
         specs = jax.tree.leaves(strategy, is_leaf=_is_spec)[:1]  # a tree of specs
         if isinstance(strategy, str):
@@ -361,7 +367,7 @@ def accumulate_on_mesh(
     ``"fsdp"`` gathers the parameters once before the loop, ``"zero3"``
     in every micro-batch; ``"zero1"`` scatters the gradients as the optimiser state.
     """
-    mesh, axis_name, strategy = layout
+    mesh, axis_name, strategy, _ = layout
     specs = state_specs(state, mesh, strategy, axis_name=axis_name)
     state = place(mesh, state, specs)
     batch = place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))

@@ -71,7 +71,7 @@ def _accumulate_state(loss, options, fields, state, batch, *, num_real) -> shard
         batch_argnums=1,
         state_argnums=2,
         rng_argnums=3,
-        axis_name=None if layout is None else layout.axis_name,
+        axis_name=None if layout is None else layout.loop_axes,
         accumulator_dtype=options.accumulator_dtype,
         unroll=options.unroll,
         canonical_convolutions=options.canonical_convolutions,
@@ -144,6 +144,7 @@ def make_train_step(
     accumulator_dtype: Any = None,
     donate: bool = True,
     offload: bool = False,
+    reduce_once: bool = True,
     unroll: int | bool = 1,
     canonical_convolutions: bool | str = "auto",
     compiler_options: Mapping[str, Any] | None = None,
@@ -164,6 +165,9 @@ def make_train_step(
         accumulator_dtype: the gradient sums' dtype; `None`: at least float32.
         donate: donate the state's buffers to the step.
         offload: keep the optimiser state in pinned host memory between steps (`sharding.offload`).
+        reduce_once: `False` runs the loop in jit's global view of `mesh`, for a model that
+            names `axis_name` in its own sharding annotations (exact; JAX then reduces the
+            gradient in every micro-batch).
         unroll: the micro-batch loop's `lax.scan` `unroll`; `True` trades memory for speed.
         canonical_convolutions: the loop's convolutions in XLA:CPU's fast layout; `"auto"`:
             on CPU backends only (as for [`jaxga.accumulate`][jaxga.accumulate]).
@@ -198,6 +202,9 @@ def make_train_step(
     elif not (isinstance(strategy, str) and strategy == "data_parallel"):
         raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
     fields, key = check_field_names(model_state_fields, rng_field)
+    once = _checks.check_bool(reduce_once, "reduce_once")
+    if strategy == "zero3" and not once:
+        raise ValueError("`strategy`='zero3' gathers in a shard_map: it needs reduce_once=True.")
     options = steps.step_options(
         num_microbatches,
         memory_budget=memory_budget,
@@ -207,7 +214,7 @@ def make_train_step(
         unroll=unroll,
         canonical_convolutions=canonical_convolutions,
         compiler_options=compiler_options,
-        layout=None if mesh is None else sharding.MeshLayout(mesh, axis_name, strategy),
+        layout=None if mesh is None else sharding.MeshLayout(mesh, axis_name, strategy, once),
         model_state_fields=fields,
         rng_field=key,
     )

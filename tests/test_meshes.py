@@ -340,3 +340,62 @@ def test_nnx_train_step_gives_aux_and_takes_rngs():
         jaxga.nnx_train_step(loss, K)(model, optimizer, batch, rngs=rngs)
     key_metrics = step(model, optimizer, batch, rngs=jax.random.key(3))  # a key: folded
     assert key_metrics["aux"]["logits"].shape == (64, 6)
+
+
+class GemmaLike(nnx.Module):
+    """As Flax's Gemma example lays itself out: FSDP × tensor parameters, and activations
+    annotated with the batch's own axis ("fsdp"), which no shard_map over it can keep."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Param(init(rngs.params(), (8, 16)), out_sharding=("fsdp", "tensor"))
+        self.down = nnx.Param(init(rngs.params(), (16, 6)), out_sharding=("tensor", None))
+
+    def __call__(self, x):
+        h = jnp.einsum("btd,df->btf", x, self.up, out_sharding=P("fsdp", None, "tensor"))
+        return jnp.einsum("btf,fv->btv", jnp.tanh(h), self.down, out_sharding=P("fsdp"))
+
+
+def test_a_model_naming_the_batch_axis_trains_in_the_global_view():
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"))  # Explicit axes, as Gemma's example
+    rng = np.random.default_rng(6)
+    batch = {
+        "x": rng.normal(size=(32, 5, 8)).astype(np.float32),
+        "y": rng.integers(0, 6, size=(32, 5)),
+        "mask": (rng.uniform(size=(32, 5)) > 0.4).astype(np.float32),
+    }
+
+    def loss(model, batch):
+        logits = model(batch["x"])
+        mean = jaxga.token_cross_entropy(logits, batch["y"], batch["mask"])
+        return mean, {"per_sample": jnp.sum(logits, axis=(1, 2))}  # a row per example
+
+    def build():
+        model = GemmaLike(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(0.02), wrt=nnx.Param)
+
+    with jax.set_mesh(mesh):
+        want_model, want_opt = nnx.jit(build)()
+        want = jaxga.nnx_train_step(loss, 1, has_aux=True)(want_model, want_opt, batch)
+        model, optimizer = nnx.jit(build)()
+    kwargs = {"mesh": mesh, "axis_name": "fsdp", "has_aux": True}
+    with pytest.raises(Exception) as error:  # in a shard_map over "fsdp": JAX refuses
+        jaxga.nnx_train_step(loss, K, **kwargs)(model, optimizer, batch)
+    assert "reduce_once=False" in " ".join(getattr(error.value, "__notes__", ()))
+    got = jaxga.nnx_train_step(loss, K, reduce_once=False, **kwargs)(model, optimizer, batch)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=2e-6)
+    np.testing.assert_allclose(got["aux"]["per_sample"], want["aux"]["per_sample"], rtol=2e-5)
+    for g, w in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(want_model))):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
+    assert model.up.value.sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp", "tensor")), 2)
+
+
+def test_reduce_once_is_checked():
+    _, _, step_loss = linen_setup()
+    mesh = mesh_of("explicit")
+    with pytest.raises(TypeError, match="`reduce_once` must be a bool; got 'no'"):
+        jaxga.make_train_step(step_loss, K, mesh=mesh, reduce_once="no")
+    with pytest.raises(ValueError, match="'zero3' gathers in a shard_map: it needs reduce_once"):
+        jaxga.make_train_step(step_loss, K, mesh=mesh, strategy="zero3", reduce_once=False)
+    with pytest.raises(TypeError, match="`reduce_once` must be a bool"):
+        jaxga.nnx_train_step(nnx_loss, K, reduce_once=1)
