@@ -172,7 +172,8 @@ def check_call(
     devices = collectives.axis_size(route)
     local = rows if route.kind == "manual" else rows // devices
     if route.axes and (rows % (1 if route.kind == "manual" else devices) or local % k):
-        raise IndivisibleBatchError.of(local * devices, k, devices, route.axes)
+        size = rows * devices if route.kind == "manual" else rows  # the global batch's
+        raise IndivisibleBatchError.of(size, k, devices, route.axes)
     return rows, route
 
 

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 __all__ = [
     "Route",
     "axes",
+    "axis_size",
     "find_route",
     "gathered",
     "inside_loop",
@@ -19,6 +20,7 @@ __all__ = [
     "psum_invariant",
     "psum_varying",
     "reduce_after",
+    "split_over",
     "varying",
     "varying_axes",
     "zeros_like_sums",
@@ -95,7 +97,8 @@ class Route(NamedTuple):
 def _kind_of(axis: Any) -> str:
     mesh = jax.sharding.get_abstract_mesh()
     if axis in mesh.axis_names:
-        return "manual" if mesh._name_to_type[axis] == AxisType.Manual else "opened"
+        types = dict(zip(mesh.axis_names, mesh.axis_types))
+        return "manual" if types[axis] == AxisType.Manual else "opened"
     try:  # bound without a mesh: jax.pmap
         jax.lax.axis_index(axis)
     except NameError:
@@ -171,6 +174,22 @@ def laid_out_as(tree: Any, like: Any) -> Any:
         return jax.reshard(x, want) if typed and jax.typeof(x).sharding != want else x
 
     return jax.tree.map(lay, tree, like)
+
+
+def split_over(microbatches: Any, route: Route) -> Any:
+    """Micro-batches ``[k, B / k, ...]`` with their rows split over an opened route's axes."""
+
+    types = dict(zip(route.mesh.axis_names, route.mesh.axis_types))
+    if not any(types[a] == AxisType.Explicit for a in route.axes):
+        return microbatches  # Auto axes: the shard_map lays them out
+
+    def place(x: Any) -> Any:
+        sharding = jax.typeof(x).sharding
+        entries = (*sharding.spec, *[None] * x.ndim)[: x.ndim]
+        spec = P(entries[0], route.axes, *entries[2:])
+        return x if spec == sharding.spec else jax.reshard(x, NamedSharding(route.mesh, spec))
+
+    return jax.tree.map(place, microbatches)
 
 
 def inside_loop(primals: Any, route: Route) -> Any:

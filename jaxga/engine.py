@@ -5,6 +5,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, arguments, collectives, modules
@@ -203,28 +204,50 @@ def _sum_mean(x: Any) -> Any:
     return Mean(jnp.sum(x.total, 0), jnp.sum(x.count, 0)) if _is_mean(x) else x
 
 
-def finish_aux(loss: Callable[..., Any], options: Options, call: Call, aux: Any) -> Any:
-    """``aux``, stacked by the scan, as the whole batch gives it (``options.aux``)."""
+def aux_kinds(loss: Callable[..., Any], options: Options, call: Call, aux: Any) -> Any:
+    """How each leaf of ``aux`` (stacked by the scan) combines: a tree of `AUX_KINDS`.
+
+    ``"mean"``: summed; ``"rows"``: one row per example, merged into the batch's rows;
+    ``"stacked"``: one value per micro-batch, ``[k, ...]``; ``"once"``: ``k = 1``'s value.
+    """
     if options.aux == "stack":
-        return jax.tree.map(_sum_mean, aux, is_leaf=_is_mean)
+        return jax.tree.map(lambda x: "mean" if _is_mean(x) else "stacked", aux, is_leaf=_is_mean)
     batches = tuple(merge_microbatches(m) for m in call.microbatches)
     _, whole = jax.eval_shape(loss, call.primals, batches, 0, call.threaded)
     k, rows = options.num_microbatches, call.rows
 
-    def leaf(path, x, shape):  # x: [k, ...]; shape: the whole batch's
+    def kind(path, x, shape):  # x: [k, ...]; shape: the whole batch's
         if _is_mean(x):
-            return _sum_mean(x)
+            return "mean"
         if k == 1:
-            return x[0]
+            return "once"
         if jnp.shape(x)[1:2] == (rows,) and shape.shape == (k * rows, *x.shape[2:]):
-            return merge_microbatches(x)  # one row per example: the batch's rows, in order
+            return "rows"
         if shape.shape == ():
-            return x
+            return "stacked"
         expected = "a row per example, a scalar, a Mean or aux='stack' (state: `state_argnums`)"
         got = f"aux{jax.tree_util.keystr(path)} of shape {shape.shape} for the whole batch"
         raise TypeError(f"`fun` returned {got}; expected {expected}.")
 
-    return jax.tree_util.tree_map_with_path(leaf, aux, whole.aux, is_leaf=_is_mean)
+    return jax.tree_util.tree_map_with_path(kind, aux, whole.aux, is_leaf=_is_mean)
+
+
+def combine_aux(aux: Any, kinds: Any) -> Any:
+    """``aux``, stacked by the scan, combined as ``kinds`` (`aux_kinds`) say."""
+
+    def combine(x, kind):
+        if kind == "mean":
+            return _sum_mean(x)
+        if kind == "once":
+            return x[0]
+        return merge_microbatches(x) if kind == "rows" else x
+
+    return jax.tree.map(combine, aux, kinds, is_leaf=_is_mean)
+
+
+def finish_aux(loss: Callable[..., Any], options: Options, call: Call, aux: Any) -> Any:
+    """``aux``, stacked by the scan, as the whole batch gives it (``options.aux``)."""
+    return combine_aux(aux, aux_kinds(loss, options, call, aux))
 
 
 def _reduce_threaded(threaded: Threaded, call: Call, axes: tuple[Any, ...]) -> Threaded:
@@ -285,24 +308,27 @@ def finish(sums: Sums, options: Options, call: Call, *, aux: Any) -> Accumulated
 
 def scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> tuple[Sums, Any]:
     """Phases 2 and 3a: the sums over the micro-batches, reduced once; aux as the batch's."""
+    sums, aux, kinds = _scan_and_reduce(fun, options, call)
+    return sums, None if kinds is None else combine_aux(aux, kinds)
+
+
+def _scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> tuple:
     loss = micro_loss(fun, options, call)
     with jax.named_scope("jaxga.scan"):
         sums, aux = scan(loss, options, call)
     with jax.named_scope("jaxga.reduce"):
-        aux = finish_aux(loss, options, call, aux) if options.has_aux else None
-        return reduce(sums, call), aux
+        kinds = aux_kinds(loss, options, call, aux) if options.has_aux else None
+        return reduce(sums, call), aux, kinds
 
 
-def _stack_device(x: Any) -> Any:  # a Mean: summed over the devices; else this device's
+def _device_axis(x: Any) -> Any:  # [k, ...] with an axis for the devices at 1
     if isinstance(x, Mean):
-        return jax.tree.map(lambda y: y[None], collectives.psum_varying(x))
-    return x[None]
+        return jax.tree.map(lambda y: y[:, None], x)
+    return x[:, None] if x.ndim == 1 else x
 
 
-def _merge_devices(x: Any) -> Any:  # [devices, ...] from _stack_device, as the batch gives it
-    if isinstance(x, Mean):
-        return jax.tree.map(lambda y: y[0], x)
-    return x if x.ndim < 2 else jax.lax.collapse(x, 0, 2)
+def _drop_device_axis(x: Any) -> Any:  # a Mean's [k, devices]: summed over the devices
+    return jax.tree.map(lambda y: jnp.sum(y, axis=1), x) if isinstance(x, Mean) else x
 
 
 class Given(NamedTuple):
@@ -311,54 +337,60 @@ class Given(NamedTuple):
     primals: tuple[Any, ...]
     microbatches: tuple[Any, ...]  # split over the axes
     threaded: Threaded
-    args: tuple[Any, ...]  # the call's, None where a module was
-    kwargs: dict[str, Any]
-
-
-_WHOLE = ("primals", "threaded", "args", "kwargs")
+    arrays: list[Any]  # the array leaves of the call's other arguments and keywords
 
 
 def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple[Sums, Any]:
-    """`scan_and_reduce` in a ``shard_map`` that jaxga opens over the route's Auto axes.
+    """`scan_and_reduce` in a ``shard_map`` that jaxga opens over the route's axes.
 
-    The micro-batches go in split, the differentiated values whole (gathered over the
-    axes once), everything else closed over (replicated). Aux
+    The micro-batches go in split, the arrays the loop reads whole (gathered over the axes
+    once; JAX closes over no arrays of Explicit axes), everything else closed over. Aux
     comes out as the whole batch gives it: a `Mean` summed over the devices, rows the
-    batch's rows in order, any other leaf the devices' concatenated (`[devices · k, ...]`).
+    batch's rows in order; a value per micro-batch, one per micro-batch and device
+    (`[k, devices · ...]`).
     """
     axes = call.route.axes
     rows = call.rows // collectives.axis_size(call.route)
-    # what the loop reads goes in as arguments (JAX closes over no Explicit-axes arrays);
-    # a module's own object stays outside: the loop rebuilds it from its state
     taken = {*call.parts, *options.argnums, *options.batch_argnums, *options.state_argnums}
-    plain = tuple(None if i in taken else arg for i, arg in enumerate(call.args))
-    given = Given(call.primals, call.microbatches, call.threaded, plain, call.kwargs)
-    whole = collectives.gathered(given._replace(microbatches=()), axes)  # replicated over axes
-    given = whole._replace(microbatches=call.microbatches)
+    others = (tuple(None if i in taken else a for i, a in enumerate(call.args)), call.kwargs)
+    leaves, treedef = jax.tree.flatten(others)
+    dynamic = [isinstance(x, jax.Array | np.ndarray) for x in leaves]
+    arrays = [x for x, d in zip(leaves, dynamic) if d]
+    given = Given(call.primals, (), call.threaded, arrays)
+    microbatches = collectives.split_over(call.microbatches, call.route)
+    given = collectives.gathered(given, axes)._replace(microbatches=microbatches)
+    found = {}  # the aux kinds, known once the loss is traced inside
 
     def local(given: Given) -> tuple[Sums, Any]:
-        args = tuple(call.args[i] if i in taken else a for i, a in enumerate(given.args))
+        arrays = iter(given.arrays)
+        leaves_here = [next(arrays) if d else x for x, d in zip(leaves, dynamic)]
+        args, kwargs = jax.tree.unflatten(treedef, leaves_here)
+        args = tuple(call.args[i] if i in taken else a for i, a in enumerate(args))
         here = call._replace(
             args=args,
-            kwargs=given.kwargs,
+            kwargs=kwargs,
             primals=given.primals,
             microbatches=given.microbatches,
             threaded=given.threaded,
             rows=rows,
         )
         here = on_device(here, collectives.Route("manual", axes))
-        sums, aux = scan_and_reduce(fun, options, here)
-        return sums, jax.tree.map(_stack_device, aux, is_leaf=_is_mean)
+        sums, aux, found["kinds"] = _scan_and_reduce(fun, options, here)
+        return sums, jax.tree.map(_device_axis, aux, is_leaf=_is_mean)
 
-    in_specs = (given._replace(microbatches=P(None, axes), **dict.fromkeys(_WHOLE, P())),)
-    specs = {"in_specs": in_specs, "out_specs": (P(), P(axes)), "axis_names": set(axes)}
+    whole = {"primals": P(), "threaded": P(), "arrays": P()}
+    in_specs = (given._replace(microbatches=P(None, axes), **whole),)
+    specs = {"in_specs": in_specs, "out_specs": (P(), P(None, axes)), "axis_names": set(axes)}
     try:
-        sums, aux = jax.shard_map(local, **specs)(given)
-    except Exception as e:  # a loss naming the batch's axes in its own layout cannot run here
-        e.add_note(_OPENED_NOTE.format(axes=axes))
+        sums, aux = jax.shard_map(local, mesh=call.route.mesh, **specs)(given)
+    except Exception as e:
+        if "Manual" in str(e):  # JAX's word for a loss naming the axes in its own layout
+            e.add_note(_OPENED_NOTE.format(axes=axes))
         raise
     sums = sums._replace(grads=collectives.laid_out_as(sums.grads, call.primals))  # FSDP: sliced
-    return sums, jax.tree.map(_merge_devices, aux, is_leaf=_is_mean)
+    if found["kinds"] is None:
+        return sums, None
+    return sums, combine_aux(jax.tree.map(_drop_device_axis, aux, is_leaf=_is_mean), found["kinds"])
 
 
 _OPENED_NOTE = (

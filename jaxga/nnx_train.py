@@ -89,6 +89,8 @@ class NNXTrainStep(steps.JittedStep):
         *,
         rngs: Any = None,
     ) -> steps.Metrics:
+        if self.options.num_microbatches == "auto" and rngs is not None:
+            raise ValueError('`rngs` needs a fixed num_microbatches; "auto" plans without them.')
         if (planned := self._planned((model, optimizer, batch, num_real_microbatches))) is not self:
             return planned(model, optimizer, batch, num_real_microbatches, rngs=rngs)
         args = self._arguments(model, optimizer, batch, num_real_microbatches, rngs)
@@ -138,7 +140,13 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
             state = sharding.offload(state, "device")
         model, optimizer, *streams = nnx.merge(graphdef, state)  # streams: [an nnx.Rngs] or []
         rngs = streams or ([] if key is None else [key])
-        accumulated = _accumulated(checked, options, optimizer.wrt, num_real_microbatches=num_real)
+        accumulated = _accumulated(
+            checked,
+            options,
+            optimizer.wrt,
+            num_real_microbatches=num_real,
+            rng_argnums=None if key is None else 2,  # a key, typed or raw: folded
+        )
         if options.layout is None:
             acc = accumulated(model, batch, *rngs)
         else:  # jit's global view of the mesh: the batch over its axis, the model as laid out

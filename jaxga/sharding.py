@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, collectives, memory
 from jaxga.engine import Accumulated
+from jaxga.microbatch import IndivisibleBatchError
 
 STRATEGIES = ("data_parallel", "zero1", "fsdp", "zero3")
 _SPACES = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Device}
@@ -76,20 +77,36 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
 
 
 def axes_size(mesh: Any, axis_name: Any) -> int:
-    """How many devices ``mesh``'s axis (or axes) ``axis_name`` holds."""
+    """How many devices ``mesh``'s axis (or axes) ``axis_name`` holds.
+
+    Examples:
+        >>> import jax, jaxga
+        >>> jaxga.sharding.axes_size(jax.make_mesh((1, 1), ("data", "model")), ("data", "model"))
+        1
+    """
     return math.prod(mesh.shape[a] for a in collectives.axes(axis_name))
 
 
 def onto(tree: Any, mesh: Mesh) -> Any:
-    """``tree`` with every array not yet laid out on ``mesh`` replicated on it."""
+    """``tree`` with every array on one device replicated on ``mesh``; another mesh: an error.
 
-    def one(x: Any) -> Any:
+    Examples:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        >>> jaxga.sharding.onto({"w": jnp.ones(2)}, mesh)["w"].sharding.spec
+        P()
+    """
+
+    def one(path: Any, x: Any) -> Any:
         now = getattr(x, "sharding", None)
-        if isinstance(now, NamedSharding) and now.mesh == mesh:
-            return x
+        if isinstance(x, jax.core.Tracer) or (isinstance(now, NamedSharding) and now.mesh == mesh):
+            return x  # traced: laid out by the enclosing jit
+        if isinstance(now, NamedSharding) and now.mesh.size > 1:
+            where = f"{jax.tree_util.keystr(path)} is laid out on another mesh, {now.mesh}"
+            raise ValueError(f"The model's state{where}; expected `mesh` {mesh}.")
         return put(x, NamedSharding(mesh, P()))
 
-    return jax.tree.map(one, tree)
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
@@ -216,8 +233,8 @@ def _check_param_specs(specs: Any, params: Any, mesh: Mesh) -> None:
 
 
 def _spec_of(x: Any, mesh: Mesh) -> P:
-    """``x``'s PartitionSpec on ``mesh``, as it is laid out; ``P()`` if it is not on it."""
-    now = getattr(x, "sharding", None)
+    """``x``'s PartitionSpec on ``mesh``, as it is laid out (traced: as its type says)."""
+    now = jax.typeof(x).sharding if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
     if isinstance(now, NamedSharding) and now.mesh.axis_names == mesh.axis_names:
         return P(*now.spec)
     return P()
@@ -325,29 +342,25 @@ def _gathered(spec: P, axis_name: Any) -> P:
     return P(*map(entry, spec))
 
 
-def _zero3(
-    loss: Callable[..., Any],
-    layout: MeshLayout,
-    specs: Any,
-    accumulate: Callable[[Callable[..., Any]], Callable[..., Accumulated]],
-) -> Callable[..., Accumulated]:
-    """The accumulated loss over parameter shards ``specs``, each gathered per micro-batch."""
-    axis_name = layout.axis_name
+def _batch_part(spec: P, axis_name: Any) -> P:
+    """``spec`` as a ``shard_map`` over the batch's axes alone sees it: their entries only."""
+    batch_axes = set(collectives.axes(axis_name))
 
-    def gather(x, spec):
-        split = [i for i, entry in enumerate(spec) if axis_name in collectives.axes(entry or ())]
-        return jax.lax.all_gather(x, axis_name, axis=split[0], tiled=True) if split else x
+    def entry(e: Any) -> Any:
+        kept = tuple(a for a in collectives.axes(e or ()) if a in batch_axes)
+        return kept or None
 
-    def on_shards(shards, batch, model_state, rng):
-        shards, batch = jax.lax.optimization_barrier((shards, batch))  # no hoisting of the gather
-        return loss(jax.tree.map(gather, shards, specs), batch, model_state, rng)
+    return P(*map(entry, spec))
 
-    return jax.shard_map(
-        accumulate(on_shards),
-        in_specs=(specs, P(axis_name), P(), P()),
-        out_specs=Accumulated(mean=P(), grads=specs, aux=P(), state=P()),
-        axis_names=set(collectives.axes(axis_name)),
-    )
+
+def _on_split_axes(fn: Callable[..., Any], tree: Any, specs: Any) -> Any:
+    """``fn(x, axis=...)`` on the leaves whose (batch-axes) spec splits an axis; others as is."""
+
+    def apply(x: Any, spec: P) -> Any:
+        axis = next((i for i, entry in enumerate(spec) if entry is not None), None)
+        return x if axis is None else fn(x, axis=axis)
+
+    return jax.tree.map(apply, tree, specs, is_leaf=_is_spec)
 
 
 def accumulate_on_mesh(
@@ -360,31 +373,74 @@ def accumulate_on_mesh(
     model_state: Any,
     rng: Any,
 ) -> OnMesh:
-    """``accumulate(loss)`` in jit's global view of ``layout.mesh``: one reduction, after.
+    """``accumulate(loss)`` over ``layout.mesh``: the batch split over ``layout.axis_name``.
 
-    The batch is split over ``layout.axis_name``; the engine keeps the gradient sums partial
-    over it, in a ``shard_map`` it opens over that axis alone, and reduces them once.
-    ``"fsdp"`` gathers the parameters once before the loop, ``"zero3"``
-    in every micro-batch; ``"zero1"`` scatters the gradients as the optimiser state.
+    In a ``shard_map`` over the batch's axes alone (the mesh's other axes stay in jit's
+    global view): ``"fsdp"`` gathers the parameters once before the loop and reduce-scatters
+    the gradients once after it, ``"zero1"`` reduce-scatters them as the optimiser state,
+    ``"zero3"`` gathers in every micro-batch. ``reduce_once=False``: the loop in jit's global
+    view instead, the parameters gathered once, JAX reducing in every micro-batch.
     """
-    mesh, axis_name, strategy, _ = layout
+    mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
+    k, devices = accumulate(loss).options.num_microbatches, axes_size(mesh, axis_name)
+    size = _checks.leading_size(batch, "batch", "batch") or 0  # 0: no leaves, as accumulate says
+    if size % (devices * k):
+        raise IndivisibleBatchError.of(size, k, devices, axis_name)
     specs = state_specs(state, mesh, strategy, axis_name=axis_name)
     state = place(mesh, state, specs)
     batch = place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))
     grad_specs = fsdp_specs(state.params, mesh, axis_name) if strategy == "zero1" else specs.params
-    if strategy == "zero3":  # gathered in every micro-batch, in a shard_map of the step's
-        accumulated = _zero3(loss, layout, specs.params, accumulate)(
-            state.params, batch, model_state, rng
-        )
-    else:  # gathered once, before the loop
-        gather = functools.partial(_gathered, axis_name=axis_name)
-        gathered = jax.tree.map(gather, specs.params, is_leaf=_is_spec)
+    if not layout.reduce_once:
+        gathered = jax.tree.map(lambda s: _gathered(s, axis_name), specs.params, is_leaf=_is_spec)
         params = place(mesh, state.params, gathered)
         accumulated = accumulate(loss)(params, batch, model_state, rng)
-    grads = place(mesh, accumulated.grads, grad_specs)
+        grads = place(mesh, accumulated.grads, grad_specs)
+    else:
+        batch_part = functools.partial(_batch_part, axis_name=axis_name)
+        in_specs = jax.tree.map(batch_part, specs.params, is_leaf=_is_spec)
+        out_specs = jax.tree.map(batch_part, grad_specs, is_leaf=_is_spec)
+        local = _local_accumulation(loss, layout, in_specs, out_specs, accumulate)
+        accumulated = jax.shard_map(
+            local,
+            in_specs=(in_specs, P(axis_name), P(), P()),
+            out_specs=Accumulated(mean=P(), grads=out_specs, aux=P(), state=P()),
+            axis_names=set(collectives.axes(axis_name)),
+        )(state.params, batch, model_state, rng)
+        grads = place(mesh, accumulated.grads, grad_specs)
     return OnMesh(
         accumulated=accumulated._replace(grads=grads),
         state=state,
         specs=specs,
         params=place(mesh, state.params, grad_specs),
     )
+
+
+def _local_accumulation(
+    loss: Callable[..., Any],
+    layout: MeshLayout,
+    in_specs: Any,
+    out_specs: Any,
+    accumulate: Callable[[Callable[..., Any]], Callable[..., Accumulated]],
+) -> Callable[..., Accumulated]:
+    """One device's accumulation in `accumulate_on_mesh`'s ``shard_map`` (manual axes)."""
+    axis_name = layout.axis_name
+    gather = functools.partial(jax.lax.all_gather, axis_name=axis_name, tiled=True)
+
+    def scatter(x: jax.Array, axis: int) -> jax.Array:
+        return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
+
+    def varying(x: jax.Array, axis: int) -> jax.Array:  # summed by the scatter, not by the loop
+        return collectives.varying(x, axis_name)
+
+    def on_shards(shards, batch, model_state, rng):  # ZeRO-3: gathered per micro-batch
+        shards, batch = jax.lax.optimization_barrier((shards, batch))  # no hoisting of the gather
+        return loss(_on_split_axes(gather, shards, in_specs), batch, model_state, rng)
+
+    def local(params, batch, model_state, rng):
+        if layout.strategy == "zero3":
+            return accumulate(on_shards)(params, batch, model_state, rng)
+        full = _on_split_axes(varying, _on_split_axes(gather, params, in_specs), out_specs)
+        acc = accumulate(loss)(full, batch, model_state, rng)
+        return acc._replace(grads=_on_split_axes(scatter, acc.grads, out_specs))
+
+    return local

@@ -90,10 +90,10 @@ def loss_alone(
             got = type(out).__name__ if isinstance(out, Mean | tuple) else None
             got = got or f"an array of shape {jnp.shape(out)}"
             raise TypeError(f"{signature} must return a pair (loss, new_model_state); got {got}.")
-        value = out[0] if pair or aux else out
         if aux and not (isinstance(out, tuple) and len(out) == 2):
             got = type(out).__name__
             raise TypeError(f"With has_aux=True, {signature} must return (loss, aux); got {got}.")
+        value = out[0] if pair or aux else out
         if isinstance(value, tuple | list):
             got = f"{type(value).__name__} of length {len(value)}"
             hint = "; or build the step with has_aux=True" if not (pair or aux) else ""

@@ -338,8 +338,19 @@ def test_nnx_train_step_gives_aux_and_takes_rngs():
         assert not np.allclose(per_microbatch[0], per_microbatch[i])
     with pytest.raises(TypeError, match="has_aux=True"):
         jaxga.nnx_train_step(loss, K)(model, optimizer, batch, rngs=rngs)
-    key_metrics = step(model, optimizer, batch, rngs=jax.random.key(3))  # a key: folded
-    assert key_metrics["aux"]["logits"].shape == (64, 6)
+    for key in (jax.random.key(3), jax.random.PRNGKey(3)):  # a typed or raw key: folded
+        key_metrics = step(model, optimizer, batch, rngs=key)
+        per_microbatch = jaxga.split_microbatches(key_metrics["aux"]["logits"], K)
+        assert not np.allclose(per_microbatch[0], per_microbatch[1])
+    with pytest.raises(
+        TypeError, match=r"With has_aux=True, .* must return \(loss, aux\); got Mean"
+    ):
+        jaxga.nnx_train_step(lambda m, b, r: loss(m, b, r)[0], K, has_aux=True)(
+            model, optimizer, batch, rngs=rngs
+        )
+    with pytest.raises(ValueError, match='`rngs` needs a fixed num_microbatches; "auto"'):
+        auto = jaxga.nnx_train_step(loss, "auto", has_aux=True, memory_budget="1GiB")
+        auto(model, optimizer, batch, rngs=rngs)
 
 
 class GemmaLike(nnx.Module):
@@ -399,3 +410,32 @@ def test_reduce_once_is_checked():
         jaxga.make_train_step(step_loss, K, mesh=mesh, strategy="zero3", reduce_once=False)
     with pytest.raises(TypeError, match="`reduce_once` must be a bool"):
         jaxga.nnx_train_step(nnx_loss, K, reduce_once=1)
+
+
+@pytest.mark.parametrize("aux", ["auto", "stack"])
+def test_aux_and_keywords_come_back_alike_on_every_route(aux):
+    """A row per example, a Mean and (aux="stack") rows per micro-batch: the same shapes and
+    values in jaxga's shard_map and in jit's global view; a string keyword stays a string."""
+    mesh = mesh_of("explicit")
+    host_params, host_batch = host_data()
+
+    def with_aux(params, batch, *, mode):
+        assert mode == "train"  # a Python value, not traced
+        mean = loss(params, batch)
+        h = jnp.tanh(batch["x"] @ params["a"] + params["bias"])
+        return mean, {"rows": jnp.sum(h, axis=1), "mean": mean}
+
+    with jax.set_mesh(mesh):
+        params, batch = place(mesh, host_params, host_batch)
+        outs = [
+            jax.jit(
+                jaxga.value_and_grad(with_aux, has_aux=True, num_microbatches=K, aux=aux, **route),
+                static_argnames="mode",
+            )(params, batch, mode="train")
+            for route in ({}, {"axis_name": ()})
+        ]
+    (_, opened), _ = outs[0]
+    (_, global_view), _ = outs[1]
+    for a, b in zip(jax.tree.leaves(opened), jax.tree.leaves(global_view)):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
