@@ -331,24 +331,12 @@ class OnMesh(NamedTuple):
     params: Any  # the parameters as the optimiser sees them, laid out as the gradients
 
 
-def _gathered(spec: P, axis_name: Any) -> P:
-    """``spec`` with the batch's axes taken out: what is split over them gathered."""
+def _split_over(spec: P, axis_name: Any, *, batch: bool) -> P:
+    """``spec``'s entries naming the batch's axes (``batch``), or naming the others only."""
     batch_axes = set(collectives.axes(axis_name))
 
     def entry(e: Any) -> Any:
-        kept = tuple(a for a in collectives.axes(e or ()) if a not in batch_axes)
-        return kept or None
-
-    return P(*map(entry, spec))
-
-
-def _batch_part(spec: P, axis_name: Any) -> P:
-    """``spec`` as a ``shard_map`` over the batch's axes alone sees it: their entries only."""
-    batch_axes = set(collectives.axes(axis_name))
-
-    def entry(e: Any) -> Any:
-        kept = tuple(a for a in collectives.axes(e or ()) if a in batch_axes)
-        return kept or None
+        return tuple(a for a in collectives.axes(e or ()) if (a in batch_axes) == batch) or None
 
     return P(*map(entry, spec))
 
@@ -390,13 +378,18 @@ def accumulate_on_mesh(
     state = place(mesh, state, specs)
     batch = place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))
     grad_specs = fsdp_specs(state.params, mesh, axis_name) if strategy == "zero1" else specs.params
-    if not layout.reduce_once:
-        gathered = jax.tree.map(lambda s: _gathered(s, axis_name), specs.params, is_leaf=_is_spec)
+    gather = functools.partial(_split_over, axis_name=axis_name, batch=False)
+    gathered = jax.tree.map(gather, specs.params, is_leaf=_is_spec)
+    batch_axes = collectives.axes(axis_name)
+    others = [t for a, t in zip(mesh.axis_names, mesh.axis_types) if a not in batch_axes]
+    if strategy == "zero3" and (AxisType.Explicit in others or not layout.reduce_once):
+        raise ValueError(f"`strategy`='zero3' {_ZERO3_GATHERS}; got {mesh}.")
+    if not layout.reduce_once or AxisType.Explicit in others:  # gathered once; the engine's
+        # route reduces (all-reduced: jax 0.12 cannot reduce-scatter beside Explicit axes)
         params = place(mesh, state.params, gathered)
         accumulated = accumulate(loss)(params, batch, model_state, rng)
-        grads = place(mesh, accumulated.grads, grad_specs)
-    else:
-        batch_part = functools.partial(_batch_part, axis_name=axis_name)
+    else:  # gathered once, reduce-scattered once (ZeRO-3: gathered per micro-batch)
+        batch_part = functools.partial(_split_over, axis_name=axis_name, batch=True)
         in_specs = jax.tree.map(batch_part, specs.params, is_leaf=_is_spec)
         out_specs = jax.tree.map(batch_part, grad_specs, is_leaf=_is_spec)
         local = _local_accumulation(loss, layout, in_specs, out_specs, accumulate)
@@ -404,15 +397,22 @@ def accumulate_on_mesh(
             local,
             in_specs=(in_specs, P(axis_name), P(), P()),
             out_specs=Accumulated(mean=P(), grads=out_specs, aux=P(), state=P()),
-            axis_names=set(collectives.axes(axis_name)),
+            axis_names=set(batch_axes),
         )(state.params, batch, model_state, rng)
-        grads = place(mesh, accumulated.grads, grad_specs)
+    grads = place(mesh, accumulated.grads, grad_specs)
     return OnMesh(
         accumulated=accumulated._replace(grads=grads),
         state=state,
         specs=specs,
         params=place(mesh, state.params, grad_specs),
     )
+
+
+_ZERO3_GATHERS = (
+    "gathers in every micro-batch in a shard_map over the batch's axes, which needs "
+    "reduce_once=True and no other Explicit mesh axes (JAX 0.12 cannot differentiate the "
+    "gather beside them): use 'fsdp', or make the other axes Auto"
+)
 
 
 def _local_accumulation(

@@ -203,8 +203,6 @@ def make_train_step(
         raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
     fields, key = check_field_names(model_state_fields, rng_field)
     once = _checks.check_bool(reduce_once, "reduce_once")
-    if strategy == "zero3" and not once:
-        raise ValueError("`strategy`='zero3' gathers in a shard_map: it needs reduce_once=True.")
     options = steps.step_options(
         num_microbatches,
         memory_budget=memory_budget,
