@@ -124,6 +124,16 @@ def find_route(axis_name: Any, batch: Any) -> Route:
 
     ``axis_name=None`` reads them from the batch: the axes it varies over inside a
     ``shard_map``, else those its type splits its rows over (Explicit axes); ``()``: none.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> mesh = jax.make_mesh((1,), ("data",))  # Explicit axes
+        >>> batch = jax.device_put(jnp.ones((4, 2)), jax.NamedSharding(mesh, jax.P("data")))
+        >>> route = jaxga.collectives.find_route(None, {"x": batch})
+        >>> route.kind, route.axes, jaxga.collectives.axis_size(route)
+        ('opened', ('data',), 1)
+        >>> jaxga.collectives.find_route((), {"x": batch}).kind  # jit's global view
+        'local'
     """
     leaves = jax.tree.leaves(batch)
     if axis_name is not None:
