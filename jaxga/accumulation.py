@@ -46,6 +46,7 @@ def accumulate(
     unroll: int | bool = 1,
     aux: str = "auto",
     canonical_convolutions: bool | str = "auto",
+    state_reduction: str | Callable[[Any, tuple[Any, ...]], Any] = "mean",
 ) -> Accumulate:
     """Like [`jaxga.value_and_grad`][jaxga.value_and_grad], returning an `Accumulated`.
 
@@ -61,8 +62,12 @@ def accumulate(
         axis_name: the `shard_map` axis the batch is split over; sums are reduced once.
         accumulator_dtype: the dtype gradients are summed in; `None`: at least float32.
         unroll: `lax.scan`'s; `1` keeps one micro-batch's activations at a time.
-        aux: `"auto"`: a `Mean` or rows as the whole batch's, a scalar `[k]`; `"stack"`: `[k]`.
+        aux: how each aux leaf combines: `"auto"` (by a micro-batch's shapes: a `Mean`
+            summed, a row per example merged, a scalar `[k]`), or a kind (`"sum"`, `"rows"`,
+            `"stack"`: `[k, ...]`) for each subtree, a prefix of the aux (`{"logits": "rows"}`).
         canonical_convolutions: the loop's convolutions NHWC/HWIO; `"auto"`: on CPU backends only.
+        state_reduction: how threaded state is replicated over the devices after the loop:
+            `"mean"` (floats averaged, ints and keys maxed) or `(x, axes) -> x` per leaf.
 
     Returns:
         An [`Accumulate`][jaxga.Accumulate]: called as `fun`, it returns an `Accumulated`.
@@ -88,6 +93,7 @@ def accumulate(
         unroll=arguments.check_unroll(unroll),
         aux=arguments.check_aux(aux),
         canonical_convolutions=convolution.check_option(canonical_convolutions),
+        state_reduction=arguments.check_state_reduction(state_reduction),
     )
     return Accumulate(fun, options)
 

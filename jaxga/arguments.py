@@ -1,5 +1,7 @@
 """What an accumulated function was asked to do, and its arguments and output, checked."""
 
+import functools
+import inspect
 import itertools
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -30,9 +32,10 @@ class Options(NamedTuple):
     axis_name: Any
     accumulator_dtype: Any
     unroll: int | bool
-    aux: str
+    aux: Any  # "auto", or kinds (AUX_KINDS) as a prefix of the aux tree
     num_real_microbatches: Any = None  # None: all; else an int (or traced int) in 1..k
     canonical_convolutions: bool | str = "auto"  # True, False or "auto": on CPU backends only
+    state_reduction: Any = "mean"  # "mean" (engine.mean_over_devices) or (x, axes) -> x
 
 
 def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:
@@ -85,10 +88,53 @@ def check_unroll(unroll: Any) -> int | bool:
     return _checks.positive_int(unroll, "unroll", "a bool or a positive int, as lax.scan's")
 
 
-def check_aux(aux: Any) -> str:
-    if not (isinstance(aux, str) and aux in ("auto", "stack")):
-        raise ValueError(f"`aux` must be one of ('auto', 'stack'); got {aux!r}.")
+AUX_KINDS = ("auto", "sum", "rows", "stack")  # how an aux leaf combines over micro-batches
+
+
+def check_aux(aux: Any) -> Any:
+    """``aux``: ``"auto"``, or a kind of `AUX_KINDS` for each subtree of the aux (a prefix)."""
+    if isinstance(aux, str) and aux == "auto":
+        return aux
+    for path, kind in tree_flatten_with_path(aux)[0]:
+        if not (isinstance(kind, str) and kind in AUX_KINDS):
+            where = f"aux{keystr(path)}" if path else "aux"
+            expected = f"'auto' or a tree of kinds {AUX_KINDS} (a prefix of the aux)"
+            raise ValueError(f"`{where}` must be {expected}; got {kind!r}.")
     return aux
+
+
+def _signature(tree: Any, skip: int = 0) -> tuple[Any, list[tuple[int, ...]]]:
+    return jax.tree.structure(tree), [jnp.shape(x)[skip:] for x in jax.tree.leaves(tree)]
+
+
+def check_aux_not_state(aux: Any, options: Options, args: tuple[Any, ...]) -> None:
+    """Raises if ``aux`` (stacked ``[k, ...]``) or a part of it is shaped as a state argument."""
+    parts = {"aux": aux}
+    if isinstance(aux, tuple | list | dict):
+        items = aux.items() if isinstance(aux, dict) else enumerate(aux)
+        parts |= {f"aux[{key!r}]": x for key, x in items}
+    passed = {*options.batch_argnums, *options.argnums}
+    states = {i: _signature(a) for i, a in enumerate(args) if i not in passed}
+    for where, part in parts.items():
+        for i, (tree, shapes) in states.items():
+            if tree.num_nodes > 1 and (tree, shapes) == _signature(part, skip=1):  # not a leaf
+                path, leaf = tree_flatten_with_path(part)[0][0]
+                raise TypeError(
+                    f"`fun` returned {where}, a {type(part).__name__} shaped as args[{i}] "
+                    f"({where}{keystr(path)} of shape {jnp.shape(leaf)[1:]}, ...): new state? "
+                    f"State goes through "
+                    f"`state_argnums`: pass state_argnums={i} and return (loss, new_state), or "
+                    f"((loss, aux), new_state) with has_aux=True; each micro-batch then starts "
+                    f"from the state the one before returned. Not state: name its kind, "
+                    f"aux={{...: 'sum' | 'rows' | 'stack'}}."
+                )
+
+
+def check_state_reduction(value: Any) -> Any:
+    if isinstance(value, str) and value == "mean":
+        return value
+    signature = '"mean" or a function `(x, axes) -> x` of each state leaf'
+    return _checks.check_arity(value, "state_reduction", 2, signature)
 
 
 def check_num_real(value: Any, num_microbatches: int) -> Any:
@@ -155,8 +201,11 @@ def check_call(
     for name in ("argnums", "batch_argnums", "rng_argnums", "state_argnums"):
         positions = getattr(options, name) or ()
         if positions and max(positions) >= len(args):
-            hint = " Pass the batch as an argument." if name == "batch_argnums" else ""
-            raise ValueError(f"`{name}`={positions}, but `fun` got {len(args)} arguments.{hint}")
+            keywords = f", not by keyword ({', '.join(kwargs)})" if kwargs else ""
+            raise ValueError(
+                f"`{name}`={positions}, but `fun` got {len(args)} arguments. Pass the batch as "
+                f"an argument, by position{keywords}: jaxga reads its arguments by position."
+            )
         for i in positions if name != "argnums" else ():
             if modules.holds_graph_node(args[i]):
                 raise TypeError(f"`{name}` names args[{i}], a Flax NNX graph node; pass arrays.")
@@ -177,17 +226,59 @@ def check_call(
     return rows, route
 
 
-def note_unsplit(error: Exception, options: Options, args: tuple[Any, ...], rows: int) -> None:
-    whole = []
-    for i, arg in enumerate(args):
-        if any(getattr(x, "shape", ())[:1] == (rows,) for x in _unnamed_leaves(options, i, arg)):
-            whole.append(i)
-    if whole and rows and options.num_microbatches > 1:
+def _closed_over(fun: Any) -> dict[str, Any]:
+    """The values ``fun`` reads besides its arguments: a partial's, a closure's, its globals'."""
+    found = {}
+    while isinstance(fun, functools.partial):
+        found |= {f"partial args[{i}]": a for i, a in enumerate(fun.args)} | fun.keywords
+        fun = fun.func
+    try:
+        names = inspect.getclosurevars(inspect.unwrap(fun))
+    except (TypeError, ValueError):  # a callable object, a builtin
+        return found
+    return found | names.globals | names.nonlocals
+
+
+def note_unsplit(error: Exception, fun: Any, options: Options, args: tuple, rows: int) -> None:
+    """Notes on ``error`` the arrays of the batch's ``rows`` that ``fun`` read whole."""
+    if not rows or options.num_microbatches == 1:
+        return
+
+    def whole(tree: Any) -> bool:
+        leaves = jax.tree.leaves(tree)
+        return any(isinstance(x, jax.Array | np.ndarray) and x.shape[:1] == (rows,) for x in leaves)
+
+    unsplit = [f"args[{i}]" for i, a in enumerate(args) if whole(_unnamed_leaves(options, i, a))]
+    closed = [name for name, value in _closed_over(fun).items() if whole(value)]
+    if unsplit:
+        positions = (*options.batch_argnums, *(int(a[5:-1]) for a in unsplit))
         error.add_note(
-            f"jaxga: not split, yet of the batch's {rows} rows: "
-            f"{', '.join(f'args[{i}]' for i in whole)}; to split them too, pass "
-            f"batch_argnums={(*options.batch_argnums, *whole)}."
+            f"jaxga: not split, yet of the batch's {rows} rows: {', '.join(unsplit)}; to split "
+            f"them too, pass batch_argnums={positions}."
         )
+    if closed:
+        error.add_note(
+            f"jaxga: `fun` reads arrays of the batch's {rows} rows whole, from outside its "
+            f"arguments: {', '.join(closed)}; a micro-batch holds "
+            f"{rows // options.num_microbatches} rows: pass them in the batch, split with it."
+        )
+
+
+def check_kwargs(fun: Any, kwargs: dict[str, Any]) -> None:
+    """Raises for a keyword of jaxga's (``num_real_microbatches``...) that ``fun`` does not take."""
+    ours = sorted(set(kwargs) & {*Options._fields, "aux"})
+    if not ours:
+        return
+    try:
+        inspect.signature(fun).bind_partial(**{name: None for name in ours})
+    except TypeError:  # fun does not take them: they were meant for jaxga
+        raise TypeError(
+            f"`fun` was called with {ours}, which it does not take; they are arguments of "
+            f"jaxga.value_and_grad / jaxga.accumulate: pass them there, "
+            f"jaxga.value_and_grad(fun, ..., {ours[0]}=...)."
+        ) from None
+    except ValueError:  # no signature
+        pass
 
 
 def check_primals(primals: tuple[Any, ...], argnums: tuple[int, ...]) -> None:
@@ -205,9 +296,10 @@ class Output(NamedTuple):
     state: tuple[Any, ...]  # the new values of the state_argnums, in order
 
 
-def _pair(out: Any, option: str, pair: str) -> tuple[Any, Any]:
+def _pair(out: Any, option: str, pair: str, hint: str = "") -> tuple[Any, Any]:
     if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(f"With {option}, `fun` must return {pair}; got {type(out).__name__}.")
+        got = f"an array of {describe(out)}" if hasattr(out, "shape") else f"a {type(out).__name__}"
+        raise TypeError(f"With {option}, `fun` must return {pair}; got {got}{hint}.")
     return out
 
 
@@ -215,7 +307,10 @@ def parse_output(out: Any, options: Options, old_state: tuple[Any, ...], *, rows
     aux, state = None, ()
     if options.state_argnums:
         out, state = _pair(out, "`state_argnums`", "(output, new_state)")
-    if options.has_aux:
+    if options.has_aux and options.state_argnums:
+        hint = " as its first item (a loss with no aux besides its state: has_aux=False)"
+        out, aux = _pair(out, "has_aux=True and `state_argnums`", "((value, aux), new_state)", hint)
+    elif options.has_aux:
         out, aux = _pair(out, "has_aux=True", "(value, aux)")
     elif isinstance(out, tuple | list):
         got = f"a {type(out).__name__} of length {len(out)}"

@@ -1,5 +1,6 @@
 """The engine: one pass over the micro-batches in phases: prepare, scan, reduce and finish."""
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -135,7 +136,7 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
         try:
             out = fun(*args, **call.kwargs)
         except Exception as e:  # often an argument of examples left whole: say which
-            arguments.note_unsplit(e, options, call.args, call.rows * options.num_microbatches)
+            arguments.note_unsplit(e, fun, options, call.args, call.rows * options.num_microbatches)
             raise
         output = arguments.parse_output(out, options, threaded.user, rows=call.rows)
         module_state = {
@@ -153,6 +154,7 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
 def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry, Any]:
     """Phase 2: this device's sums over its micro-batches (a `Carry`), and aux `[k, ...]`."""
     grad_fn = jax.value_and_grad(loss, has_aux=True)
+    traced = {}  # the aux types of the one trace of `fun`
     if rewrites(options.canonical_convolutions):  # XLA:CPU, see docs/gpus.md
         grad_fn = canonical_convolutions(grad_fn)
 
@@ -166,11 +168,13 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
             count=carry.count + micro.count,
             threaded=micro.threaded,
         )
+        traced["aux"] = jax.tree.map(jax.typeof, micro.aux)
         return new, micro.aux
 
     def skip(carry: Carry, batches: tuple) -> tuple[Carry, Any]:  # no work, nothing counted
-        _, aux = jax.eval_shape(step, carry, batches)
-        return carry._replace(index=carry.index + 1), jax.tree.map(jnp.zeros_like, aux)
+        # cond traces `step` first: its aux types are known here without tracing `fun` again
+        types = traced.get("aux") or jax.eval_shape(step, carry, batches)[1]
+        return carry._replace(index=carry.index + 1), jax.tree.map(_zeros, types)
 
     def body(carry: Carry, batches: tuple) -> tuple[Carry, Any]:
         if options.num_real_microbatches is None:
@@ -196,6 +200,12 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
     )
 
 
+def _zeros(t: Any) -> jax.Array:
+    """Zeros of the type ``t``: its shape, dtype, sharding and the manual axes it varies over."""
+    zeros = jax.lax.full(t.shape, 0, t.dtype, sharding=t.sharding)
+    return jax.lax.pcast(zeros, tuple(t.mat.varying), to="varying")
+
+
 def _is_mean(x: Any) -> bool:
     return isinstance(x, Mean)
 
@@ -204,40 +214,58 @@ def _sum_mean(x: Any) -> Any:
     return Mean(jnp.sum(x.total, 0), jnp.sum(x.count, 0)) if _is_mean(x) else x
 
 
-def aux_kinds(loss: Callable[..., Any], options: Options, call: Call, aux: Any) -> Any:
-    """How each leaf of ``aux`` (stacked by the scan) combines: a tree of `AUX_KINDS`.
+def aux_kinds(options: Options, call: Call, aux: Any) -> Any:
+    """How each leaf of ``aux`` (stacked by the scan, ``[k, ...]``) combines: a tree of kinds.
 
-    ``"mean"``: summed; ``"rows"``: one row per example, merged into the batch's rows;
-    ``"stacked"``: one value per micro-batch, ``[k, ...]``; ``"once"``: ``k = 1``'s value.
+    ``"sum"``: summed over the micro-batches (a `Mean` always is); ``"rows"``: one row per
+    example, merged back into the batch's rows; ``"stack"``: one value per micro-batch;
+    ``"once"``: ``k = 1``'s value as it is. ``options.aux`` gives a kind for each subtree (a
+    prefix of ``aux``); ``"auto"`` reads it from a micro-batch's shapes (`_kind`).
     """
-    if options.aux == "stack":
-        return jax.tree.map(lambda x: "mean" if _is_mean(x) else "stacked", aux, is_leaf=_is_mean)
-    batches = tuple(merge_microbatches(m) for m in call.microbatches)
-    _, whole = jax.eval_shape(loss, call.primals, batches, 0, call.threaded)
-    k, rows = options.num_microbatches, call.rows
 
-    def kind(path, x, shape):  # x: [k, ...]; shape: the whole batch's
-        if _is_mean(x):
-            return "mean"
-        if k == 1:
-            return "once"
-        if jnp.shape(x)[1:2] == (rows,) and shape.shape == (k * rows, *x.shape[2:]):
-            return "rows"
-        if shape.shape == ():
-            return "stacked"
-        expected = "a row per example, a scalar, a Mean or aux='stack' (state: `state_argnums`)"
-        got = f"aux{jax.tree_util.keystr(path)} of shape {shape.shape} for the whole batch"
-        raise TypeError(f"`fun` returned {got}; expected {expected}.")
+    def spread(kind: str, part: Any) -> Any:  # the subtree's kind, on each of its leaves
+        return jax.tree.map(lambda _: kind, part, is_leaf=_is_mean)
 
-    return jax.tree_util.tree_map_with_path(kind, aux, whole.aux, is_leaf=_is_mean)
+    try:
+        kinds = jax.tree.map(spread, options.aux, aux)
+    except ValueError as e:  # not a prefix
+        got = jax.tree.structure(aux, is_leaf=_is_mean)
+        raise ValueError(f"`aux` kinds {options.aux!r} must be a prefix of aux {got}.") from e
+    if options.aux == "auto":  # one place where a shape can tell state from aux
+        arguments.check_aux_not_state(aux, options, call.args)
+    kind = functools.partial(_kind, options.num_microbatches, call.rows)
+    return jax.tree_util.tree_map_with_path(kind, aux, kinds, is_leaf=_is_mean)
+
+
+def _kind(k: int, rows: int, path: Any, x: Any, given: str) -> str:
+    """A leaf's kind: as ``given``; ``"auto"``: a `Mean` summed, rows merged, a scalar stacked."""
+    where = f"aux{jax.tree_util.keystr(path)} of shape {jnp.shape(x)[1:]}"
+    if _is_mean(x):
+        return "sum"
+    if given == "rows" and jnp.shape(x)[1:2] != (rows,):
+        raise TypeError(f"`aux` says 'rows' for {where}; expected {rows} rows (a micro-batch's).")
+    if given != "auto":
+        return given
+    if k == 1:
+        return "once"
+    if jnp.shape(x)[1:2] == (rows,):
+        return "rows"
+    if jnp.shape(x) == (k,):
+        return "stack"
+    expected = (
+        f"a Mean, a scalar or a row per example ({rows} rows). New model state goes through "
+        f"`state_argnums`, not aux; for other values say how they combine: aux='stack' for "
+        f"every leaf, or kinds by leaf, aux={{...: 'sum' | 'rows' | 'stack'}}"
+    )
+    raise TypeError(f"`fun` returned {where} for a micro-batch; expected {expected}.")
 
 
 def combine_aux(aux: Any, kinds: Any) -> Any:
     """``aux``, stacked by the scan, combined as ``kinds`` (`aux_kinds`) say."""
 
     def combine(x, kind):
-        if kind == "mean":
-            return _sum_mean(x)
+        if kind == "sum":
+            return _sum_mean(x) if _is_mean(x) else jnp.sum(x, 0)
         if kind == "once":
             return x[0]
         return merge_microbatches(x) if kind == "rows" else x
@@ -245,30 +273,38 @@ def combine_aux(aux: Any, kinds: Any) -> Any:
     return jax.tree.map(combine, aux, kinds, is_leaf=_is_mean)
 
 
-def finish_aux(loss: Callable[..., Any], options: Options, call: Call, aux: Any) -> Any:
-    """``aux``, stacked by the scan, as the whole batch gives it (``options.aux``)."""
-    return combine_aux(aux, aux_kinds(loss, options, call, aux))
+def mean_over_devices(x: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
+    """``state_reduction="mean"``: floats averaged over ``axes``; ints and keys, their max.
+
+    BatchNorm's running statistics are averaged (as Flax's cross-replica BatchNorm does);
+    counters and keys, which every device advanced alike, are taken as they are.
+    """
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.pmean(x, axes)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = jax.lax.pmax(jax.random.key_data(x), axes)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jax.lax.pmax(x, axes)
 
 
-def _reduce_threaded(threaded: Threaded, call: Call, axes: tuple[Any, ...]) -> Threaded:
+def _reduce_threaded(threaded: Threaded, options: Options, call: Call) -> Threaded:
+    """The threaded state replicated again over the route's axes, by `state_reduction`."""
+    given = options.state_reduction
 
-    def reduce(x, old):  # replicated again: floats averaged, the rest maxed
-        over = tuple(a for a in axes if a not in collectives.varying_axes(old))
+    def reduce(x: jax.Array, old: jax.Array) -> jax.Array:
+        over = tuple(a for a in call.route.axes if a not in collectives.varying_axes(old))
         if not over:
             return x
-        if jnp.issubdtype(x.dtype, jnp.floating):
-            return old + jax.lax.pmean(x - old, over)
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            data = jax.lax.pmax(jax.random.key_data(x), over)
-            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-        return jax.lax.pmax(x, over)
+        if given == "mean" and jnp.issubdtype(x.dtype, jnp.floating):
+            return old + jax.lax.pmean(x - old, over)  # the change averaged: no rounding of old
+        return (mean_over_devices if given == "mean" else given)(x, over)
 
     def callers_key(x, given):  # each device folded its index into the NNX modules' keys
         return given if arguments.is_key(x, raw=False) else x
 
     reduced = jax.tree.map(reduce, threaded, call.threaded)
-    given = modules.rest_of(call.parts)
-    return reduced._replace(modules=jax.tree.map(callers_key, reduced.modules, given))
+    given_keys = modules.rest_of(call.parts)
+    return reduced._replace(modules=jax.tree.map(callers_key, reduced.modules, given_keys))
 
 
 class Sums(NamedTuple):
@@ -280,14 +316,13 @@ class Sums(NamedTuple):
     threaded: Threaded
 
 
-def reduce(sums: Carry, call: Call) -> Sums:
+def reduce(sums: Carry, options: Options, call: Call) -> Sums:
     """Phase 3a: the one reduction across devices, after the loop (as the call's route says)."""
     grads = collectives.reduce_after(sums.grads, call.primals, call.route)
     total, count, threaded = sums.total, sums.count, sums.threaded
     if call.route.kind == "manual":  # else totals and counts are the whole batch's already
-        axes = call.route.axes
-        total, count = collectives.psum_invariant((total, count), (0.0, 0.0), axes)
-        threaded = _reduce_threaded(threaded, call, axes)
+        total, count = collectives.psum_invariant((total, count), (0.0, 0.0), call.route.axes)
+        threaded = _reduce_threaded(threaded, options, call)
     return Sums(grads=grads, total=total, count=count, threaded=threaded)
 
 
@@ -317,18 +352,18 @@ def _scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> t
     with jax.named_scope("jaxga.scan"):
         sums, aux = scan(loss, options, call)
     with jax.named_scope("jaxga.reduce"):
-        kinds = aux_kinds(loss, options, call, aux) if options.has_aux else None
-        return reduce(sums, call), aux, kinds
+        kinds = aux_kinds(options, call, aux) if options.has_aux else None
+        return reduce(sums, options, call), aux, kinds
 
 
-def _device_axis(x: Any) -> Any:  # [k, ...] with an axis for the devices at 1
-    if isinstance(x, Mean):
+def _device_axis(x: Any, kind: str) -> Any:  # [k, ...] with an axis for the devices at 1
+    if kind == "sum":  # a Mean too
         return jax.tree.map(lambda y: y[:, None], x)
     return x[:, None] if x.ndim == 1 else x
 
 
-def _drop_device_axis(x: Any) -> Any:  # a Mean's [k, devices]: summed over the devices
-    return jax.tree.map(lambda y: jnp.sum(y, axis=1), x) if isinstance(x, Mean) else x
+def _drop_device_axis(x: Any, kind: str) -> Any:  # sums: [k, devices, ...] summed over devices
+    return jax.tree.map(lambda y: jnp.sum(y, axis=1), x) if kind == "sum" else x
 
 
 class Given(NamedTuple):
@@ -376,7 +411,7 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
         )
         here = on_device(here, collectives.Route("manual", axes))
         sums, aux, found["kinds"] = _scan_and_reduce(fun, options, here)
-        return sums, jax.tree.map(_device_axis, aux, is_leaf=_is_mean)
+        return sums, jax.tree.map(_device_axis, aux, found["kinds"], is_leaf=_is_mean)
 
     whole = {"primals": P(), "threaded": P(), "arrays": P()}
     in_specs = (given._replace(microbatches=P(None, axes), **whole),)
@@ -390,7 +425,8 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
     sums = sums._replace(grads=collectives.laid_out_as(sums.grads, call.primals))  # FSDP: sliced
     if found["kinds"] is None:
         return sums, None
-    return sums, combine_aux(jax.tree.map(_drop_device_axis, aux, is_leaf=_is_mean), found["kinds"])
+    aux = jax.tree.map(_drop_device_axis, aux, found["kinds"], is_leaf=_is_mean)
+    return sums, combine_aux(aux, found["kinds"])
 
 
 _OPENED_NOTE = (
@@ -405,6 +441,7 @@ _OPENED_NOTE = (
 def run(fun: Callable[..., Any], options: Options, args: tuple, kwargs: dict) -> Accumulated:
     """``fun``'s loss and gradients over the micro-batches of one call: the phases in order."""
     with jax.named_scope("jaxga.prepare"):
+        arguments.check_kwargs(fun, kwargs)
         call = prepare(options, args, kwargs)
     on_axes = call.route.kind == "opened"
     sums, aux = (scan_on_axes if on_axes else scan_and_reduce)(fun, options, call)

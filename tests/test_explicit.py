@@ -72,8 +72,10 @@ def test_aux_stack_is_one_value_per_micro_batch():
     micro = jaxga.split_microbatches(x, 4)
     chex.assert_trees_all_close(aux["sum"], jnp.sum(micro, 1))
     chex.assert_trees_all_close(aux["mean"].value, jnp.mean(x[:, 0]))  # a Mean: the batch's
-    with pytest.raises(ValueError, match=r"`aux` must be one of \('auto', 'stack'\); got 'rows'"):
-        jaxga.value_and_grad(loss, has_aux=True, num_microbatches=4, aux="rows")
+    with pytest.raises(
+        ValueError, match=r"`aux\['sum'\]` must be 'auto' or a tree of kinds.*'cat'"
+    ):
+        jaxga.value_and_grad(loss, has_aux=True, num_microbatches=4, aux={"sum": "cat"})
 
 
 def test_string_leaves_are_named():

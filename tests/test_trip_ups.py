@@ -259,13 +259,13 @@ def test_an_equinox_module_passed_along_is_not_taken_apart():
 
 def test_a_flattened_per_token_aux_keeps_its_micro_batch_axis():
     """Only leaves with one row per example are merged back; a (B*T,) leaf is not one, and
-    the default asks for `aux="stack"` instead of guessing."""
+    the default asks for `aux="stack"` (or a kind by leaf) instead of guessing."""
     x = jax.random.normal(jax.random.key(0), (8, 3, 2))
 
     def loss(w, x):
         return jnp.mean(x * w), (x * w).reshape(-1)
 
-    with pytest.raises(TypeError, match=r"aux of shape \(48,\) for the whole batch.*aux='stack'"):
+    with pytest.raises(TypeError, match=r"aux of shape \(12,\) for a micro-batch.*aux='stack'"):
         jaxga.value_and_grad(loss, num_microbatches=4, has_aux=True)(2.0, x)
     vg = jaxga.value_and_grad(loss, num_microbatches=4, has_aux=True, aux="stack")
     (_, aux), _ = vg(2.0, x)
