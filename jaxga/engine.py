@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, arguments, collectives, modules
@@ -329,8 +330,14 @@ def reduce(sums: Carry, options: Options, call: Call) -> Sums:
 def finish(sums: Sums, options: Options, call: Call, *, aux: Any) -> Accumulated:
     """Phase 3b: one division, modules' state written back."""
     grads, total, count, threaded = sums
-    if not isinstance(count, jax.core.Tracer) and not (jnp.isfinite(count) and count >= 0):
-        raise ValueError(f"Mean counts summed to {float(count)} items; expected finite and >= 0.")
+    valid, bad = (
+        jnp.isfinite(count) & (count >= 0),
+        "Mean counts summed to {} items; expected finite and >= 0.",
+    )
+    if not isinstance(count, jax.core.Tracer) and not valid:
+        raise ValueError(bad.format(float(count)))
+    checkify.debug_check(valid, bad, count)  # traced: unread (the rule); the count NaN
+    count = jnp.where(valid, count, jnp.nan)
     grads = jax.tree.map(lambda g, p: (g / count).astype(jnp.result_type(p)), grads, call.primals)
     modules.write_back(call.parts, threaded.modules)
     return Accumulated(

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
+from jax.experimental import checkify
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -279,3 +280,29 @@ def test_state_reduction_over_devices_is_an_argument(reduction):
     chex.assert_trees_all_close(seen, want, rtol=1e-5)
     with pytest.raises(TypeError, match=r"`state_reduction` must be callable as"):
         jaxga.value_and_grad(fun, state_reduction="sum", **options)
+
+
+def test_bad_counts_raise_where_read_and_are_nan_and_checkified_where_traced():
+    """The rule (docs/architecture.md): read, it raises; traced, NaN, and checkify says why."""
+    state = jaxga.TrainState.create(params=jnp.ones(3), tx=optax.sgd(0.1))
+    step = jaxga.make_train_step(lambda p, b, s, r: (jnp.mean(b @ p), s), 2)
+    with pytest.raises(ValueError, match=r"`num_real_microbatches` must be in 1..2.*got 0"):
+        step(state, jnp.ones((4, 3)), jnp.int32(0))  # an array, not traced: read
+
+    def run(n):  # n traced
+        vg = jaxga.value_and_grad(jnp.vdot, num_microbatches=2, num_real_microbatches=n)
+        return vg(jnp.ones(4), jnp.ones((4, 4)))
+
+    assert jnp.isnan(jax.jit(run)(0)[0])
+    error, _ = checkify.checkify(jax.jit(run))(0)
+    assert "`num_real_microbatches` must be in 1..2 (num_microbatches); got 0" in error.get()
+
+    def negative(w, x):
+        return jaxga.Mean(jnp.sum(w * x), -jnp.sum(x))
+
+    vg = jaxga.value_and_grad(negative, num_microbatches=2)
+    with pytest.raises(ValueError, match=r"counts summed to -4.0 items"):
+        vg(1.0, jnp.ones(4))
+    assert all(jnp.isnan(v) for v in jax.jit(vg)(1.0, jnp.ones(4)))  # never a plausible number
+    error, _ = checkify.checkify(jax.jit(vg))(1.0, jnp.ones(4))
+    assert "Mean counts summed to -4.0 items" in error.get()
