@@ -6,7 +6,7 @@ from typing import Any
 
 from flax import nnx
 
-from jaxga import _checks, arguments, convolution, engine
+from jaxga import _checks, arguments, auxiliary, convolution, engine
 
 
 class Accumulate:
@@ -91,7 +91,7 @@ def accumulate(
         axis_name=axis_name,
         accumulator_dtype=_checks.float_dtype(accumulator_dtype),
         unroll=arguments.check_unroll(unroll),
-        aux=arguments.check_aux(aux),
+        aux=auxiliary.check(aux),
         canonical_convolutions=convolution.check_option(canonical_convolutions),
         state_reduction=arguments.check_state_reduction(state_reduction),
     )

@@ -33,7 +33,7 @@ class Options(NamedTuple):
     axis_name: Any
     accumulator_dtype: Any
     unroll: int | bool
-    aux: Any  # "auto", or kinds (AUX_KINDS) as a prefix of the aux tree
+    aux: Any  # "auto", or kinds (auxiliary.KINDS) as a prefix of the aux tree
     num_real_microbatches: Any = None  # None: all; else an int (or traced int) in 1..k
     canonical_convolutions: bool | str = "auto"  # True, False or "auto": on CPU backends only
     state_reduction: Any = "mean"  # "mean" (engine.mean_over_devices) or (x, axes) -> x
@@ -87,48 +87,6 @@ def check_unroll(unroll: Any) -> int | bool:
     if isinstance(unroll, bool):
         return unroll
     return _checks.positive_int(unroll, "unroll", "a bool or a positive int, as lax.scan's")
-
-
-AUX_KINDS = ("auto", "sum", "rows", "stack")  # how an aux leaf combines over micro-batches
-
-
-def check_aux(aux: Any) -> Any:
-    """``aux``: ``"auto"``, or a kind of `AUX_KINDS` for each subtree of the aux (a prefix)."""
-    if isinstance(aux, str) and aux == "auto":
-        return aux
-    for path, kind in tree_flatten_with_path(aux)[0]:
-        if not (isinstance(kind, str) and kind in AUX_KINDS):
-            where = f"aux{keystr(path)}" if path else "aux"
-            expected = f"'auto' or a tree of kinds {AUX_KINDS} (a prefix of the aux)"
-            raise ValueError(f"`{where}` must be {expected}; got {kind!r}.")
-    return aux
-
-
-def _signature(tree: Any, skip: int = 0) -> tuple[Any, list[tuple[int, ...]]]:
-    return jax.tree.structure(tree), [jnp.shape(x)[skip:] for x in jax.tree.leaves(tree)]
-
-
-def check_aux_not_state(aux: Any, options: Options, args: tuple[Any, ...]) -> None:
-    """Raises if ``aux`` (stacked ``[k, ...]``) or a part of it is shaped as a state argument."""
-    parts = {"aux": aux}
-    if isinstance(aux, tuple | list | dict):
-        items = aux.items() if isinstance(aux, dict) else enumerate(aux)
-        parts |= {f"aux[{key!r}]": x for key, x in items}
-    passed = {*options.batch_argnums, *options.argnums}
-    states = {i: _signature(a) for i, a in enumerate(args) if i not in passed}
-    for where, part in parts.items():
-        for i, (tree, shapes) in states.items():
-            if tree.num_nodes > 1 and (tree, shapes) == _signature(part, skip=1):  # not a leaf
-                path, leaf = tree_flatten_with_path(part)[0][0]
-                raise TypeError(
-                    f"`fun` returned {where}, a {type(part).__name__} shaped as args[{i}] "
-                    f"({where}{keystr(path)} of shape {jnp.shape(leaf)[1:]}, ...): new state? "
-                    f"State goes through "
-                    f"`state_argnums`: pass state_argnums={i} and return (loss, new_state), or "
-                    f"((loss, aux), new_state) with has_aux=True; each micro-batch then starts "
-                    f"from the state the one before returned. Not state: name its kind, "
-                    f"aux={{...: 'sum' | 'rows' | 'stack'}}."
-                )
 
 
 def check_state_reduction(value: Any) -> Any:

@@ -1,6 +1,5 @@
 """The engine: one pass over the micro-batches in phases: prepare, scan, reduce and finish."""
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -10,11 +9,11 @@ import numpy as np
 from jax.experimental import checkify
 from jax.sharding import PartitionSpec as P
 
-from jaxga import _checks, arguments, collectives, modules
+from jaxga import _checks, arguments, auxiliary, collectives, modules
 from jaxga.arguments import Options
 from jaxga.convolution import canonical_convolutions, rewrites
 from jaxga.loss import Mean
-from jaxga.microbatch import merge_microbatches, split_microbatches
+from jaxga.microbatch import split_microbatches
 
 
 class Accumulated(NamedTuple):
@@ -207,73 +206,6 @@ def _zeros(t: Any) -> jax.Array:
     return jax.lax.pcast(zeros, tuple(t.mat.varying), to="varying")
 
 
-def _is_mean(x: Any) -> bool:
-    return isinstance(x, Mean)
-
-
-def _sum_mean(x: Any) -> Any:
-    return Mean(jnp.sum(x.total, 0), jnp.sum(x.count, 0)) if _is_mean(x) else x
-
-
-def aux_kinds(options: Options, call: Call, aux: Any) -> Any:
-    """How each leaf of ``aux`` (stacked by the scan, ``[k, ...]``) combines: a tree of kinds.
-
-    ``"sum"``: summed over the micro-batches (a `Mean` always is); ``"rows"``: one row per
-    example, merged back into the batch's rows; ``"stack"``: one value per micro-batch;
-    ``"once"``: ``k = 1``'s value as it is. ``options.aux`` gives a kind for each subtree (a
-    prefix of ``aux``); ``"auto"`` reads it from a micro-batch's shapes (`_kind`).
-    """
-
-    def spread(kind: str, part: Any) -> Any:  # the subtree's kind, on each of its leaves
-        return jax.tree.map(lambda _: kind, part, is_leaf=_is_mean)
-
-    try:
-        kinds = jax.tree.map(spread, options.aux, aux)
-    except ValueError as e:  # not a prefix
-        got = jax.tree.structure(aux, is_leaf=_is_mean)
-        raise ValueError(f"`aux` kinds {options.aux!r} must be a prefix of aux {got}.") from e
-    if options.aux == "auto":  # one place where a shape can tell state from aux
-        arguments.check_aux_not_state(aux, options, call.args)
-    kind = functools.partial(_kind, options.num_microbatches, call.rows)
-    return jax.tree_util.tree_map_with_path(kind, aux, kinds, is_leaf=_is_mean)
-
-
-def _kind(k: int, rows: int, path: Any, x: Any, given: str) -> str:
-    """A leaf's kind: as ``given``; ``"auto"``: a `Mean` summed, rows merged, a scalar stacked."""
-    where = f"aux{jax.tree_util.keystr(path)} of shape {jnp.shape(x)[1:]}"
-    if _is_mean(x):
-        return "sum"
-    if given == "rows" and jnp.shape(x)[1:2] != (rows,):
-        raise TypeError(f"`aux` says 'rows' for {where}; expected {rows} rows (a micro-batch's).")
-    if given != "auto":
-        return given
-    if k == 1:
-        return "once"
-    if jnp.shape(x)[1:2] == (rows,):
-        return "rows"
-    if jnp.shape(x) == (k,):
-        return "stack"
-    expected = (
-        f"a Mean, a scalar or a row per example ({rows} rows). New model state goes through "
-        f"`state_argnums`, not aux; for other values say how they combine: aux='stack' for "
-        f"every leaf, or kinds by leaf, aux={{...: 'sum' | 'rows' | 'stack'}}"
-    )
-    raise TypeError(f"`fun` returned {where} for a micro-batch; expected {expected}.")
-
-
-def combine_aux(aux: Any, kinds: Any) -> Any:
-    """``aux``, stacked by the scan, combined as ``kinds`` (`aux_kinds`) say."""
-
-    def combine(x, kind):
-        if kind == "sum":
-            return _sum_mean(x) if _is_mean(x) else jnp.sum(x, 0)
-        if kind == "once":
-            return x[0]
-        return merge_microbatches(x) if kind == "rows" else x
-
-    return jax.tree.map(combine, aux, kinds, is_leaf=_is_mean)
-
-
 def mean_over_devices(x: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
     """``state_reduction="mean"``: floats averaged over ``axes``; ints and keys, their max.
 
@@ -351,7 +283,13 @@ def finish(sums: Sums, options: Options, call: Call, *, aux: Any) -> Accumulated
 def scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> tuple[Sums, Any]:
     """Phases 2 and 3a: the sums over the micro-batches, reduced once; aux as the batch's."""
     sums, aux, kinds = _scan_and_reduce(fun, options, call)
-    return sums, None if kinds is None else combine_aux(aux, kinds)
+    return sums, None if kinds is None else auxiliary.combine(aux, kinds)
+
+
+def _aux_kinds(options: Options, call: Call, aux: Any) -> Any:
+    if options.aux == "auto":  # one place where a shape can tell state from aux
+        auxiliary.check_not_state(aux, call.args, {*options.batch_argnums, *options.argnums})
+    return auxiliary.kinds(options.aux, aux, k=options.num_microbatches, rows=call.rows)
 
 
 def _scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> tuple:
@@ -359,18 +297,8 @@ def _scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> t
     with jax.named_scope("jaxga.scan"):
         sums, aux = scan(loss, options, call)
     with jax.named_scope("jaxga.reduce"):
-        kinds = aux_kinds(options, call, aux) if options.has_aux else None
+        kinds = _aux_kinds(options, call, aux) if options.has_aux else None
         return reduce(sums, options, call), aux, kinds
-
-
-def _device_axis(x: Any, kind: str) -> Any:  # [k, ...] with an axis for the devices at 1
-    if kind == "sum":  # a Mean too
-        return jax.tree.map(lambda y: y[:, None], x)
-    return x[:, None] if x.ndim == 1 else x
-
-
-def _drop_device_axis(x: Any, kind: str) -> Any:  # sums: [k, devices, ...] summed over devices
-    return jax.tree.map(lambda y: jnp.sum(y, axis=1), x) if kind == "sum" else x
 
 
 class Given(NamedTuple):
@@ -418,7 +346,7 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
         )
         here = on_device(here, collectives.Route("manual", axes))
         sums, aux, found["kinds"] = _scan_and_reduce(fun, options, here)
-        return sums, jax.tree.map(_device_axis, aux, found["kinds"], is_leaf=_is_mean)
+        return sums, auxiliary.with_device_axis(aux, found["kinds"])
 
     whole = {"primals": P(), "threaded": P(), "arrays": P()}
     in_specs = (given._replace(microbatches=P(None, axes), **whole),)
@@ -432,8 +360,8 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
     sums = sums._replace(grads=collectives.laid_out_as(sums.grads, call.primals))  # FSDP: sliced
     if found["kinds"] is None:
         return sums, None
-    aux = jax.tree.map(_drop_device_axis, aux, found["kinds"], is_leaf=_is_mean)
-    return sums, combine_aux(aux, found["kinds"])
+    aux = auxiliary.without_device_axis(aux, found["kinds"])
+    return sums, auxiliary.combine(aux, found["kinds"])
 
 
 _OPENED_NOTE = (
