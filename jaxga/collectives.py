@@ -208,16 +208,20 @@ def inside_loop(primals: Any, route: Route) -> Any:
 
 
 def zeros_like_sums(primals: Any, dtype: Callable[[Any], Any], route: Route) -> Any:
-    """Zeros of ``dtype(primal)``, laid out as each primal, to sum its gradients in."""
+    """Zeros of ``dtype(primal)``, laid out as each primal, to sum its gradients in.
+
+    They vary over the manual axes each primal varies over (a pipeline's stages), and over
+    a manual route's axes, over which the sums stay partial until `reduce_after`.
+    """
 
     def zero(x):
         sharding = jax.typeof(x).sharding
         typed = AxisType.Explicit in getattr(getattr(sharding, "mesh", None), "axis_types", ())
         where = getattr(x, "sharding", sharding) if typed else None  # concrete if it can
-        return jnp.zeros(jnp.shape(x), dtype(x), out_sharding=where)
+        over = (*(route.axes if route.kind == "manual" else ()), *varying_axes(x))
+        return varying(jnp.zeros(jnp.shape(x), dtype(x), out_sharding=where), over)
 
-    zeros = jax.tree.map(zero, primals)
-    return varying(zeros, route.axes) if route.kind == "manual" else zeros
+    return jax.tree.map(zero, primals)
 
 
 def reduce_after(sums: Any, like: Any, route: Route) -> Any:

@@ -1,0 +1,238 @@
+"""`jaxga.pipeline_scan` on 8 host devices against the same layers on one device.
+
+The reference is `jaxga.remat_scan` (a plain `lax.scan` over the layers) and
+`jax.value_and_grad` on the whole batch: loss and the gradient of every layer, to float32
+rounding, for every schedule.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxga
+
+L, D = 8, 6
+
+
+@pytest.fixture(autouse=True)
+def highest_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def stack(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "w": rng.normal(size=(L, D, D)).astype(np.float32) / 3,
+        "b": rng.normal(size=(L, D)).astype(np.float32) / 3,
+    }
+
+
+def layer(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def stage_mesh(stages: int) -> jax.sharding.Mesh:
+    return jax.make_mesh((stages,), ("stage",), devices=jax.devices()[:stages])
+
+
+def on_stages(params, mesh, repeats=1):
+    stages = mesh.shape["stage"]
+    ordered = jaxga.pipeline_order(params, stages, repeats)
+    return jax.device_put(ordered, NamedSharding(mesh, P("stage")))
+
+
+@pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("circular", 2)])
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("times", [1, 2, 3])  # m = S, 2S, 3S
+def test_every_schedule_gives_the_layers_loss_and_gradients(schedule, repeats, stages, times):
+    params, m = stack(), stages * times
+    x = jax.random.normal(jax.random.key(1), (4 * m, D))
+
+    def reference(params):
+        return jnp.mean(jaxga.remat_scan(layer, params, x) ** 2)
+
+    def loss(params):
+        options = {"num_microbatches": m, "schedule": schedule, "repeats": repeats}
+        return jnp.mean(jaxga.pipeline_scan(layer, params, x, **options) ** 2)
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(on_stages(params, stage_mesh(stages), repeats))
+    want_value, want_grads = jax.value_and_grad(reference)(params)
+    chex.assert_trees_all_close(value, want_value, rtol=1e-5)
+    want_grads = jaxga.pipeline_order(want_grads, stages, repeats)  # as the stages hold them
+    chex.assert_trees_all_close(grads, want_grads, rtol=1e-4, atol=1e-6)
+
+
+def test_pipeline_order_puts_each_stages_chunks_together():
+    layers = jnp.arange(8)  # S = 2, r = 2: chunks of 2 layers, chunk c on stage c % 2
+    ordered = jaxga.pipeline_order(layers, stages=2, repeats=2)
+    assert ordered.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert jaxga.pipeline_order(layers, stages=4).tolist() == list(range(8))
+
+
+def skewed_batch(rows: int = 32, seed: int = 2):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.normal(size=(rows, D)).astype(np.float32),
+        "labels": rng.integers(0, 5, size=rows),
+        # skewed token counts: a mean of micro-batch means would be wrong
+        "mask": ((np.arange(rows) % 7 == 0) | (np.arange(rows) < 5)).astype(np.float32),
+    }
+
+
+def test_pipeline_accumulation_and_data_parallel_equal_one_whole_batch_step():
+    """S = 4 stages (circular, r = 2) × k = 2 accumulation micro-batches × 2 data devices,
+    in one shard_map over both axes: the whole batch's token mean and gradients; activations
+    move by collective-permute, and no stage's weights are gathered."""
+    mesh = jax.make_mesh((2, 4), ("data", "stage"))
+    params, head = stack(), np.random.default_rng(3).normal(size=(D, 5)).astype(np.float32)
+    batch = skewed_batch()
+
+    def loss(params, head, batch):
+        options = {"num_microbatches": 4, "schedule": "circular", "repeats": 2}
+        h = jaxga.pipeline_scan(layer, params, batch["x"], **options)
+        return jaxga.token_cross_entropy(h @ head, batch["labels"], batch["mask"])
+
+    def reference(params, head):
+        h = jaxga.remat_scan(layer, params, batch["x"])
+        return jaxga.token_cross_entropy(h @ head, batch["labels"], batch["mask"]).value
+
+    vg = jaxga.value_and_grad(loss, argnums=(0, 1), num_microbatches=2, batch_argnums=2)
+    specs = (P("stage"), P(), P("data"))
+    step = jax.jit(jax.shard_map(vg, mesh=mesh, in_specs=specs, out_specs=(P(), specs[:2])))
+    placed = jax.device_put(
+        (head, batch), (NamedSharding(mesh, P()), NamedSharding(mesh, P("data")))
+    )
+    args = (on_stages(params, mesh, 2), *placed)
+    value, (grads, head_grad) = step(*args)
+    want_value, (want_grads, want_head) = jax.value_and_grad(reference, argnums=(0, 1))(
+        params, head
+    )
+    chex.assert_trees_all_close(value, want_value, rtol=1e-5)
+    chex.assert_trees_all_close(head_grad, want_head, rtol=1e-4, atol=1e-6)
+    chex.assert_trees_all_close(grads, jaxga.pipeline_order(want_grads, 4, 2), rtol=1e-4, atol=1e-6)
+    hlo = step.lower(*args).compile().as_text()
+    assert "collective-permute" in hlo
+    assert " all-gather(" not in hlo
+
+
+def test_jit_global_view_moves_activations_and_never_gathers_weights():
+    mesh, x = stage_mesh(4), jax.random.normal(jax.random.key(1), (16, D))
+
+    def loss(params):
+        return jnp.mean(jaxga.pipeline_scan(layer, params, x, num_microbatches=4) ** 2)
+
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(on_stages(stack(), mesh)).compile()
+    hlo = compiled.as_text()
+    assert "collective-permute" in hlo and " all-gather(" not in hlo
+
+
+def test_num_real_microbatches_skips_around_a_pipeline():
+    mesh, batch = stage_mesh(2), skewed_batch(16)
+
+    def loss(params, batch):
+        h = jaxga.pipeline_scan(layer, params, batch["x"], num_microbatches=2)
+        return jaxga.Mean.of(jnp.sum(h**2, -1), batch["mask"])
+
+    vg = jaxga.value_and_grad(loss, num_microbatches=4, num_real_microbatches=1)
+    value, grads = jax.jit(vg)(on_stages(stack(), mesh), batch)
+    first = jax.tree.map(lambda x: x[0], jaxga.split_microbatches(batch, 4))  # the one run
+
+    def reference(params):
+        h = jaxga.remat_scan(layer, params, first["x"])
+        return jaxga.Mean.of(jnp.sum(h**2, -1), first["mask"]).value
+
+    want_value, want_grads = jax.value_and_grad(reference)(stack())
+    chex.assert_trees_all_close(value, want_value, rtol=1e-5)
+    chex.assert_trees_all_close(grads, jaxga.pipeline_order(want_grads, 2), rtol=1e-4, atol=1e-6)
+
+
+def test_bubbles_never_reach_a_value_or_a_gradient():
+    """A layer that gives NaN on a zero input (the bubbles' start): still exact, finite."""
+
+    def normalise(p, x):
+        y = x @ p["w"] + p["b"]
+        return y / jnp.linalg.norm(y, axis=-1, keepdims=True)
+
+    assert jnp.isnan(normalise(jax.tree.map(lambda p: p[0] * 0, stack()), jnp.zeros((1, D)))).all()
+    x = jax.random.normal(jax.random.key(1), (16, D))
+
+    def loss(params, pipelined):
+        if pipelined:
+            h = jaxga.pipeline_scan(normalise, params, x, num_microbatches=8)
+        else:
+            h = jaxga.remat_scan(normalise, params, x)
+        return jnp.mean(h[:, 0])
+
+    mesh = stage_mesh(4)
+    value, grads = jax.jit(jax.value_and_grad(loss), static_argnums=1)(
+        on_stages(stack(), mesh), True
+    )
+    want_value, want_grads = jax.value_and_grad(loss)(stack(), False)
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+    chex.assert_trees_all_close(value, want_value, rtol=1e-5)
+    chex.assert_trees_all_close(grads, want_grads, rtol=1e-4, atol=1e-6)
+
+
+def test_dropout_keys_differ_per_micro_batch_and_per_layer():
+    """Layer l on micro-batch i draws fold_in(fold_in(rng, i), l): the Python loop's masks."""
+    mesh, rng = stage_mesh(2), jax.random.key(7)
+    x, m = jnp.ones((8, D)), 4
+
+    def dropout(p, x, key):
+        keep = jax.random.bernoulli(key, 0.5, x.shape)
+        return jnp.where(keep, layer(p, x), 0.0)
+
+    got = jax.jit(
+        lambda params: jaxga.pipeline_scan(dropout, params, x, num_microbatches=m, rng=rng)
+    )(on_stages(stack(), mesh))
+    micro = []
+    for i, xi in enumerate(jaxga.split_microbatches(x, m)):
+        for layer_index in range(L):
+            xi = dropout(
+                jax.tree.map(lambda p: p[layer_index], stack()),
+                xi,
+                jax.random.fold_in(jax.random.fold_in(rng, i), layer_index),
+            )
+        micro.append(xi)
+    chex.assert_trees_all_close(got, jaxga.merge_microbatches(jnp.stack(micro)), rtol=1e-5)
+    rows = jaxga.split_microbatches(got != 0, m)  # equal inputs, different masks
+    assert not all(bool(jnp.array_equal(rows[0], rows[i])) for i in range(1, m))
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"num_microbatches": 2}, ValueError, r"`num_microbatches`=2; it must be at least the S=4"),
+        ({"num_microbatches": 4, "schedule": "1F1B"}, ValueError, r"`schedule` must be one of"),
+        (
+            {"num_microbatches": 4, "repeats": 2},
+            ValueError,
+            r"`repeats`=2 needs schedule='circular'",
+        ),
+        (
+            {"num_microbatches": 4, "schedule": "circular", "repeats": 3},
+            ValueError,
+            r"multiple of S · r layers; got L=8 layers for S=4 stages × r=3",
+        ),
+        (
+            {"num_microbatches": 4, "axis_name": "pipe"},
+            ValueError,
+            r"`axis_name`='pipe' is not an axis",
+        ),
+    ],
+)
+def test_bad_input_is_named(options, error, message):
+    params, x = on_stages(stack(), stage_mesh(4)), jnp.ones((8, D))
+    with pytest.raises(error, match=message):
+        jaxga.pipeline_scan(layer, params, x, **options)
+
+
+def test_a_layer_changing_the_carry_is_named():
+    params, x = on_stages(stack(), stage_mesh(2)), jnp.ones((8, D))
+    with pytest.raises(TypeError, match=r"`layer_fn` must return a carry like x"):
+        jaxga.pipeline_scan(lambda p, x: x[:, :2], params, x, num_microbatches=2)
