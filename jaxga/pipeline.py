@@ -275,13 +275,14 @@ def pipeline_scan(
     Examples:
         >>> import jax, jax.numpy as jnp, jaxga
         >>> mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
-        >>> w = jax.device_put(jnp.full((4, 3, 3), 0.1), jax.NamedSharding(mesh, jax.P("stage")))
+        >>> stack = jnp.full((4, 3, 3), 0.1)  # 4 layers, 2 on each stage
+        >>> w = jax.device_put(stack, jax.NamedSharding(mesh, jax.P("stage")))
         >>> def layer(w, x):
         ...     return jnp.tanh(x @ w)
         >>> def forward(w, x):
         ...     return jaxga.pipeline_scan(layer, w, x, num_microbatches=2)
         >>> y = jax.jit(forward)(w, jnp.ones((4, 3)))
-        >>> bool(jnp.allclose(y, jaxga.remat_scan(layer, w, jnp.ones((4, 3)))))
+        >>> bool(jnp.allclose(y, jaxga.remat_scan(layer, stack, jnp.ones((4, 3)))))
         True
     """
     if schedule not in SCHEDULES:
