@@ -12,6 +12,7 @@ from jaxga.microbatch import merge_microbatches, split_microbatches
 from jaxga.multistep import MultiSteps, MultiStepsState, MultiStepsTransformation, skip_not_finite
 from jaxga.nnx_train import NNXTrainStep, nnx_loss, nnx_train_step
 from jaxga.pipeline import pipeline_order, pipeline_scan
+from jaxga.pipeline_loss import pipeline_loss
 from jaxga.planner import Plan, parse_bytes, plan
 from jaxga.remat import checkpoint_policy, remat_scan
 from jaxga.state import TrainState
@@ -44,6 +45,7 @@ __all__ = [
     "nnx_loss",
     "nnx_train_step",
     "parse_bytes",
+    "pipeline_loss",
     "pipeline_order",
     "pipeline_scan",
     "plan",

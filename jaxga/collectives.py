@@ -24,6 +24,7 @@ __all__ = [
     "varying",
     "varying_axes",
     "zeros_like_sums",
+    "zeros_of",
 ]
 
 
@@ -54,6 +55,12 @@ def varying(tree: Any, axis_name: Any) -> Any:
     if axis_name is None:
         return tree
     return jax.tree.map(lambda x: jax.lax.pcast(x, _invariant(x, axis_name), to="varying"), tree)
+
+
+def zeros_of(t: Any) -> jax.Array:
+    """Zeros of the type ``t`` (``jax.typeof``'s): its shape, dtype, sharding, varying axes."""
+    zeros = jax.lax.full(t.shape, 0, t.dtype, sharding=t.sharding)
+    return jax.lax.pcast(zeros, tuple(t.mat.varying), to="varying")
 
 
 def psum_invariant(tree: Any, like: Any, axis_name: Any) -> Any:

@@ -174,7 +174,7 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
     def skip(carry: Carry, batches: tuple) -> tuple[Carry, Any]:  # no work, nothing counted
         # cond traces `step` first: its aux types are known here without tracing `fun` again
         types = traced.get("aux") or jax.eval_shape(step, carry, batches)[1]
-        return carry._replace(index=carry.index + 1), jax.tree.map(_zeros, types)
+        return carry._replace(index=carry.index + 1), jax.tree.map(collectives.zeros_of, types)
 
     def body(carry: Carry, batches: tuple) -> tuple[Carry, Any]:
         if options.num_real_microbatches is None:
@@ -198,12 +198,6 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
     return jax.lax.scan(
         body, init, call.microbatches, length=options.num_microbatches, unroll=options.unroll
     )
-
-
-def _zeros(t: Any) -> jax.Array:
-    """Zeros of the type ``t``: its shape, dtype, sharding and the manual axes it varies over."""
-    zeros = jax.lax.full(t.shape, 0, t.dtype, sharding=t.sharding)
-    return jax.lax.pcast(zeros, tuple(t.mat.varying), to="varying")
 
 
 def mean_over_devices(x: jax.Array, axes: tuple[Any, ...]) -> jax.Array:

@@ -99,18 +99,22 @@ def _stage_mesh(axis_name: str, stacked_params: Any, mesh: Any) -> tuple[str, An
     )
 
 
-def _at(tree: Any, index: Any) -> Any:
+def take(tree: Any, index: Any) -> Any:
+    """Each leaf's entry ``index`` of its leading axis (a traced index)."""
     return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False), tree)
 
 
-def _put(tree: Any, index: Any, value: Any, where: Any) -> Any:
+def put(tree: Any, index: Any, value: Any, where: Any) -> Any:
+    """``tree`` with entry ``index`` of its leading axis set to ``value`` where ``where``."""
+
     def put(x, v):
         return jax.lax.dynamic_update_index_in_dim(x, jnp.where(where, v, x[index]), index, 0)
 
     return jax.tree.map(put, tree, value)
 
 
-def _select(where: Any, a: Any, b: Any) -> Any:
+def select(where: Any, a: Any, b: Any) -> Any:
+    """``a`` where ``where``, else ``b``: two trees alike."""
     return jax.tree.map(lambda x, y: jnp.where(where, x, y), a, b)
 
 
@@ -123,7 +127,7 @@ class Stages(NamedTuple):
     axis: str
 
 
-def _stage(stages: Stages, chunk: Any, ids: jax.Array, x: Any, key: Any) -> Any:
+def run_stage(stages: Stages, chunk: Any, ids: jax.Array, x: Any, key: Any) -> Any:
     """One chunk of a stage's layers (``[L / (S · r), ...]``, global layer ``ids``) on ``x``."""
 
     def layer(params_and_id: tuple, x: Any) -> Any:
@@ -153,7 +157,7 @@ def _run_stages(stages: Stages, params: Any, x: Any, key: Any) -> Any:
     zeros = collectives.varying(jax.tree.map(jnp.zeros_like, xs), (axis,))
     ring = [(s, (s + 1) % plan.stages) for s in range(plan.stages)]
     run = jax.checkpoint(  # only a stage's input kept: its layers recomputed backward
-        functools.partial(_stage, stages), policy=jax.checkpoint_policies.nothing_saveable
+        functools.partial(run_stage, stages), policy=jax.checkpoint_policies.nothing_saveable
     )
 
     def skip(chunk: Any, ids: jax.Array, x: Any, key: Any) -> Any:
@@ -164,21 +168,21 @@ def _run_stages(stages: Stages, params: Any, x: Any, key: Any) -> Any:
         w = t - stage
         valid = (w >= 0) & (w < items)
         chunk, i = jnp.clip(w, 0, items - 1) // m, jnp.clip(w, 0, items - 1) % m
-        first = _select(chunk == 0, _at(xs, i), _at(stored, i))  # stage 0: fresh or around
-        given = _select(stage == 0, first, held)
+        first = select(chunk == 0, take(xs, i), take(stored, i))  # stage 0: fresh or around
+        given = select(stage == 0, first, held)
         micro_key = None if key is None else jax.random.fold_in(key, i)
-        out = jax.lax.cond(valid, run, skip, _at(chunks, chunk), ids[chunk], given, micro_key)
+        out = jax.lax.cond(valid, run, skip, take(chunks, chunk), ids[chunk], given, micro_key)
         done = valid & (stage == last) & (chunk == plan.repeats - 1)
-        outputs = _put(outputs, i, out, done)
+        outputs = put(outputs, i, out, done)
         passed = jax.lax.ppermute(out, axis, ring)  # stage S - 1's goes around to stage 0
         w_last = t - last  # the item stage S - 1 finished: kept by stage 0 for its next chunk
         keep = (stage == 0) & (w_last >= 0) & (w_last < items)
-        stored = _put(stored, jnp.clip(w_last, 0, items - 1) % m, passed, keep)
+        stored = put(stored, jnp.clip(w_last, 0, items - 1) % m, passed, keep)
         return (passed, stored, outputs), None
 
-    carry = (_at(zeros, 0), zeros, zeros)
+    carry = (take(zeros, 0), zeros, zeros)
     (_, _, outputs), _ = jax.lax.scan(iteration, carry, jnp.arange(plan.iterations))
-    outputs = jax.lax.psum(_select(stage == last, outputs, zeros), axis)  # on every stage
+    outputs = jax.lax.psum(select(stage == last, outputs, zeros), axis)  # on every stage
     return merge_microbatches(outputs)
 
 
@@ -225,6 +229,33 @@ def _open(stages: Stages, mesh: Any) -> _Opened:
         forward=shard(run, (stage_axis, P(), P()), P()),
         backward=shard(backward, (stage_axis, P(), P(), P()), (stage_axis, P())),
     )
+
+
+def plan_stages(
+    layer_fn: Callable[..., Any],
+    stacked_params: Any,
+    *,
+    num_microbatches: int,
+    axis_name: str,
+    policy: Policy,
+    rng: Any,
+    mesh: Any,
+    repeats: int = 1,
+) -> tuple[Stages, str, Any]:
+    """A pipeline's arguments checked: its `Stages`, whether the stage axis is
+    ``"manual"`` here or to be ``"opened"``, and the mesh."""
+    repeats = positive_int(repeats, "repeats")
+    signature = "layer_fn(params_of_one_layer, x" + (", key) -> x" if rng is not None else ") -> x")
+    check_arity(layer_fn, "layer_fn", 2 if rng is None else 3, signature)
+    kind, mesh = _stage_mesh(axis_name, stacked_params, mesh)
+    m = positive_int(num_microbatches, "num_microbatches")
+    plan = Schedule(mesh.shape[axis_name], m, repeats)
+    if plan.microbatches < plan.stages:
+        got = f"{plan.microbatches}; it must be at least the S={plan.stages} stages"
+        raise ValueError(f"`num_microbatches`={got}.")
+    layers = stack_length(stacked_params) * (plan.stages if kind == "manual" else 1)  # L
+    _check_layers(layers, plan.stages, repeats)
+    return Stages(layer_fn, policy, plan, axis_name), kind, mesh
 
 
 def pipeline_scan(
@@ -287,21 +318,12 @@ def pipeline_scan(
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"`schedule` must be one of {SCHEDULES}; got {schedule!r}.")
-    repeats = positive_int(repeats, "repeats")
     if schedule == "gpipe" and repeats != 1:
         raise ValueError(f"`repeats`={repeats} needs schedule='circular'; 'gpipe' runs one chunk.")
-    signature = "layer_fn(params_of_one_layer, x" + (", key) -> x" if rng is not None else ") -> x")
-    check_arity(layer_fn, "layer_fn", 2 if rng is None else 3, signature)
-    kind, mesh = _stage_mesh(axis_name, stacked_params, mesh)
-    plan = Schedule(
-        mesh.shape[axis_name], positive_int(num_microbatches, "num_microbatches"), repeats
+    options = {"num_microbatches": num_microbatches, "axis_name": axis_name, "policy": policy}
+    stages, kind, mesh = plan_stages(
+        layer_fn, stacked_params, repeats=repeats, rng=rng, mesh=mesh, **options
     )
-    if plan.microbatches < plan.stages:
-        got = f"{plan.microbatches}; it must be at least the S={plan.stages} stages"
-        raise ValueError(f"`num_microbatches`={got}.")
-    layers = stack_length(stacked_params) * (plan.stages if kind == "manual" else 1)  # L
-    _check_layers(layers, plan.stages, repeats)
-    stages = Stages(layer_fn, policy, plan, axis_name)
     if kind == "manual":
         return _run_stages(stages, stacked_params, x, rng)
     return _opened(_open(stages, mesh), stacked_params, x, rng)
