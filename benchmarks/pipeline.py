@@ -1,0 +1,174 @@
+"""Pipeline schedules side by side on 8 host CPU devices: compiled peak, time and bubble.
+
+A stack of L = 8 residual MLP blocks (width 256, hidden 1024) and a token cross-entropy
+head, one gradient step of a global batch of m micro-batches of 16 rows, m ∈ {4, 8, 16}:
+
+- **FSDP, no pipeline**: the blocks' weights split over 4 devices (their output axis), the
+  stack run by ``jaxga.remat_scan`` in jit's global view (XLA gathers each layer's weights),
+  the batch split into the same m micro-batches by ``jaxga.value_and_grad``;
+- **GPipe**, **circular** (r = 2) and **1F1B** over a stage axis of S = 4 devices
+  (``jaxga.pipeline_loss``), each stage holding its L / S blocks.
+
+Per device: XLA's compiled peak (arguments + outputs + scratch − aliased) and its scratch
+(``temp``), the median step time of ``--rounds`` interleaved runs, and the bubble the
+schedule leaves, ``(S − 1) / (r · m + S − 1)`` (GPipe, circular) or ``(2S − 2) / (m + 2S
+− 2)`` ticks of one forward and one backward (1F1B), against the fraction of stage-ticks
+the compiled program actually idles (its ``cond``s skip them; counted by running the
+schedule's index arithmetic). Host "devices" share this machine's cores, so an idle stage
+frees a core for another rather than wasting it: the times here show the work, not the
+bubble. The last line: the compiled-peak ratios m = 16 / m = 4, GPipe's and 1F1B's.
+
+    .venv/bin/python benchmarks/pipeline.py            # about 2 minutes on 2 cores
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+import jaxga
+from benchmarks._timing import time_interleaved
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+RESULTS = Path(__file__).parent / "results" / "pipeline_cpu.json"
+L, WIDTH, VOCAB, ROWS, S = 8, 256, 64, 16, 4
+
+
+def block(p, x):
+    return x + jnp.tanh(x @ p["w"]) @ p["v"]
+
+
+def head_fn(head, y, targets):
+    return jaxga.token_cross_entropy(y @ head, targets, None)
+
+
+def model(seed: int = 0) -> tuple[dict, jax.Array]:
+    rng = np.random.default_rng(seed)
+    stack = {
+        "w": rng.normal(size=(L, WIDTH, 4 * WIDTH)).astype(np.float32) / WIDTH**0.5,
+        "v": rng.normal(size=(L, 4 * WIDTH, WIDTH)).astype(np.float32) / (4 * WIDTH) ** 0.5,
+    }
+    return stack, rng.normal(size=(WIDTH, VOCAB)).astype(np.float32) / WIDTH**0.5
+
+
+def idle_fraction(schedule: str, m: int, repeats: int) -> float:
+    """The stage-ticks the program skips, from the schedule's own index arithmetic."""
+    if schedule == "1f1b":
+        ticks = m + 2 * S - 2
+        busy = sum(
+            (0 <= t - s < m) + (0 <= t - (2 * S - 2 - s) < m)
+            for s in range(S)
+            for t in range(ticks)
+        )
+        return 1 - busy / (2 * S * ticks)
+    ticks = m * repeats + S - 1
+    busy = sum(0 <= t - s < m * repeats for s in range(S) for t in range(ticks))
+    return 1 - busy / (S * ticks)
+
+
+def formula(schedule: str, m: int, repeats: int) -> float:
+    if schedule == "1f1b":
+        return (2 * S - 2) / (m + 2 * S - 2)
+    return jaxga.pipeline.Schedule(S, m, repeats).bubble
+
+
+def pipelined(schedule: str, m: int, repeats: int, stack, head, x, labels):
+    mesh = jax.make_mesh((S,), ("stage",), devices=jax.devices()[:S])
+    ordered = jaxga.pipeline_order(stack, S, repeats)
+    params = jax.device_put(ordered, NamedSharding(mesh, P("stage")))
+
+    def loss(params, head, x):
+        options = {"num_microbatches": m, "schedule": schedule, "repeats": repeats}
+        return jaxga.pipeline_loss(block, head_fn, params, head, x, labels, **options).value
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (params, head, x)
+
+
+def fsdp(m: int, stack, head, x, labels):
+    mesh = jax.make_mesh((S,), ("fsdp",), (AxisType.Auto,), devices=jax.devices()[:S])
+    params = jax.device_put(stack, NamedSharding(mesh, P(None, None, "fsdp")))
+
+    def loss(params, head, x, labels):
+        return head_fn(head, jaxga.remat_scan(block, params, x), labels)
+
+    vg = jaxga.value_and_grad(loss, (0, 1), num_microbatches=m, batch_argnums=(2, 3))
+    return jax.jit(vg), (params, head, x, labels)
+
+
+def measure(m: int, rounds: int) -> list[dict]:
+    stack, head = model()
+    x = np.random.default_rng(1).normal(size=(ROWS * m, WIDTH)).astype(np.float32)
+    labels = np.random.default_rng(2).integers(0, VOCAB, size=ROWS * m)
+    setups = {"FSDP, no pipeline": fsdp(m, stack, head, x, labels)}
+    for name, schedule, repeats in [
+        ("GPipe", "gpipe", 1),
+        ("circular r=2", "circular", 2),
+        ("1F1B", "1f1b", 1),
+    ]:
+        setups[name] = pipelined(schedule, m, repeats, stack, head, x, labels)
+    runners = {name: (lambda f=f, a=a: f(*a)) for name, (f, a) in setups.items()}
+    times = time_interleaved(runners, rounds)
+    rows = []
+    for name, (f, args) in setups.items():
+        memory = f.lower(*args).compile().memory_analysis()
+        peak = (
+            memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+            + memory.temp_size_in_bytes
+            - memory.alias_size_in_bytes
+        )
+        row = {
+            "method": name,
+            "m": m,
+            "peak_mib": peak / 2**20,
+            "temp_mib": memory.temp_size_in_bytes / 2**20,
+        }
+        row["ms"] = 1e3 * statistics.median(times[name][1:])
+        if name != "FSDP, no pipeline":
+            schedule = {"GPipe": "gpipe", "circular r=2": "circular", "1F1B": "1f1b"}[name]
+            repeats = 2 if schedule == "circular" else 1
+            row["bubble_formula"] = formula(schedule, m, repeats)
+            row["bubble_idle_ticks"] = idle_fraction(schedule, m, repeats)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    rows = [row for m in args.microbatches for row in measure(m, args.rounds)]
+    print("| method | m | peak MiB | scratch MiB | ms | bubble (formula) | idle stage-ticks |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        bubble = (
+            f"{r['bubble_formula']:.3f} | {r['bubble_idle_ticks']:.3f}"
+            if "bubble_formula" in r
+            else "– | –"
+        )
+        sizes = f"{r['peak_mib']:.1f} | {r['temp_mib']:.1f} | {r['ms']:.1f}"
+        print(f"| {r['method']} | {r['m']} | {sizes} | {bubble} |")
+    peaks = {(r["method"], r["m"]): r["peak_mib"] for r in rows}
+    low, high = min(args.microbatches), max(args.microbatches)
+    ratios = {name: peaks[name, high] / peaks[name, low] for name in ("GPipe", "1F1B")}
+    print(
+        f"compiled peak m={high} / m={low}: GPipe {ratios['GPipe']:.2f}x, "
+        f"1F1B {ratios['1F1B']:.2f}x (CPU, 8 host devices)"
+    )
+    out = {"device": "cpu (8 host devices)", "rows": rows, "peak_ratio_high_over_low": ratios}
+    RESULTS.write_text(json.dumps(out, indent=1))
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
