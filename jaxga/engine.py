@@ -226,8 +226,8 @@ def _reduce_threaded(threaded: Threaded, options: Options, call: Call) -> Thread
             return old + jax.lax.pmean(x - old, over)  # the change averaged: no rounding of old
         return (mean_over_devices if given == "mean" else given)(x, over)
 
-    def callers_key(x, given):  # each device folded its index into the NNX modules' keys
-        return given if arguments.is_key(x, raw=False) else x
+    def callers_key(x: Any, before: Any) -> Any:  # each device folded its index into the keys
+        return before if arguments.is_key(x, raw=False) else x
 
     reduced = jax.tree.map(reduce, threaded, call.threaded)
     given_keys = modules.rest_of(call.parts)

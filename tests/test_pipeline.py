@@ -363,3 +363,27 @@ def test_pipeline_loss_names_bad_input():
                 ).total
             )
         )(params)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_inside_jaxgas_own_shard_map_over_the_batch(schedule):
+    """An Explicit-axes batch in jit's global view: jaxga opens a shard_map over "data", and
+    the pipeline one over "stage" inside it (the nested case the custom VJPs are for)."""
+    mesh = jax.make_mesh((2, 4), ("data", "stage"))
+    params, head = stack(), np.random.default_rng(3).normal(size=(D, 5)).astype(np.float32)
+    batch = skewed_batch()
+
+    def loss(params, head, batch):
+        options = {"num_microbatches": 4, "schedule": schedule}
+        return jaxga.pipeline_loss(layer, head_fn, params, head, batch["x"], batch, **options)
+
+    def reference(params, head):
+        return head_fn(head, jaxga.remat_scan(layer, params, batch["x"]), batch).value
+
+    vg = jaxga.value_and_grad(loss, argnums=(0, 1), num_microbatches=2, batch_argnums=2)
+    placed = jax.device_put(
+        (head, batch), (NamedSharding(mesh, P()), NamedSharding(mesh, P("data")))
+    )
+    got = jax.jit(vg)(on_stages(params, mesh), *placed)
+    want = jax.value_and_grad(reference, argnums=(0, 1))(params, head)
+    chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
