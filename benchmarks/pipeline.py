@@ -88,7 +88,7 @@ def pipelined(schedule: str, m: int, repeats: int, stack, head, x, labels):
 
     def loss(params, head, x):
         options = {"num_microbatches": m, "schedule": schedule, "repeats": repeats}
-        return jaxga.pipeline_loss(block, head_fn, params, head, x, labels, **options).value
+        return jaxga.pipeline_loss(block, head_fn, (params, head), x, labels, **options).value
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (params, head, x)
 

@@ -41,103 +41,27 @@ def _zeros_varying(tree: Any, axis: str) -> Any:
     return collectives.varying(jax.tree.map(jnp.zeros_like, tree), tuple(manual | {axis}))
 
 
-def _head_total(head: Head, head_params: Any, y: Any, targets: Any) -> tuple[jax.Array, Any]:
-    mean = head.fn(head_params, y, targets)
+def _checked_mean(head_fn: Callable[..., Any], head_params: Any, y: Any, targets: Any) -> Mean:
+    mean = head_fn(head_params, y, targets)
     if not isinstance(mean, Mean):
         got = type(mean).__name__
         raise TypeError(f"`head_fn` must return a jaxga.Mean (its totals are summed); got {got}.")
+    return mean
+
+
+def _head_total(head: Head, head_params: Any, y: Any, targets: Any) -> tuple[jax.Array, Any]:
+    mean = _checked_mean(head.fn, head_params, y, targets)
     return jnp.asarray(mean.total, jnp.float32), jax.lax.stop_gradient(mean.count)
 
 
-def _one_f_one_b(head: Head, params: Any, head_params: Any, x: Any, targets: Any, key: Any):
-    """One stage's part of 1F1B (inside a ``shard_map`` over the stage axis).
+class Inputs(NamedTuple):
+    """What 1F1B differentiates, and what it reads: its custom VJP's arguments."""
 
-    At tick ``t`` stage ``s`` runs the forward of micro-batch ``t - s`` and the backward of
-    micro-batch ``t - (2S - 2 - s)``: the last stage computes a micro-batch's loss and its
-    backward in the tick its forward ends. A stage keeps the inputs of the micro-batches
-    between its forward and backward, at most ``2S - 1``: a ring buffer whatever m is.
-    Returns the loss's total and count, and its gradients (`Grads`).
-    """
-    stages, plan = head.stages, head.stages.plan
-    axis, S, m = stages.axis, plan.stages, plan.microbatches
-    stage, last, ring = jax.lax.axis_index(axis), S - 1, 2 * S - 1
-    size = jax.tree.leaves(params)[0].shape[0]  # layers a stage
-    ids = stage * size + jnp.arange(size)
-    xs, ts = split_microbatches(x, m, name="x"), split_microbatches(targets, m, name="targets")
-    one = _zeros_varying(pipeline.take(xs, 0), axis)
-
-    def forward(params: Any, h: Any, key: Any) -> Any:
-        return pipeline.run_stage(stages, params, ids, h, key)
-
-    def micro_key(i: jax.Array) -> Any:
-        return None if key is None else jax.random.fold_in(key, i)
-
-    traced = {}  # the head's output types, for no_head's zeros
-
-    def head_step(y: Any, j: jax.Array) -> tuple:
-        total_of = functools.partial(_head_total, head)
-        grad = jax.value_and_grad(total_of, argnums=(0, 1), has_aux=True)
-        here = collectives.varying(head_params, (axis,))  # its gradient: no psum in a branch
-        (total, count), (d_head, dy) = grad(here, y, pipeline.take(ts, j))
-        out = collectives.varying((total, count, d_head, dy), (axis,))
-        traced["head"] = jax.tree.map(jax.typeof, out)
-        return out
-
-    def no_head(y: Any, j: jax.Array) -> tuple:  # cond traces head_step first
-        types = traced.get("head") or (jax.eval_shape(head_step, y, j) and traced["head"])
-        return jax.tree.map(collectives.zeros_of, types)
-
-    def backward(h: Any, dy: Any, key: Any) -> tuple:
-        _, vjp = jax.vjp(lambda p, h: forward(p, h, key), params, h)
-        return vjp(dy)
-
-    def no_backward(h: Any, dy: Any, key: Any) -> tuple:  # cotangents typed as the primals
-        return jax.tree.map(lambda x: collectives.zeros_of(jax.typeof(x)), (params, h))
-
-    def tick(carry: tuple, t: jax.Array) -> tuple:
-        arrived, returned, saved, sums = carry  # activations from s - 1, cotangents from s + 1
-        f, b = t - stage, t - (2 * S - 2 - stage)
-        f_ok, b_ok = (f >= 0) & (f < m), (b >= 0) & (b < m)
-        f, b = jnp.clip(f, 0, m - 1), jnp.clip(b, 0, m - 1)
-        h = pipeline.select(stage == 0, pipeline.take(xs, f), arrived)
-        y = jax.lax.cond(f_ok, forward, lambda p, h, k: h, params, h, micro_key(f))
-        saved = pipeline.put(saved, f % ring, h, f_ok)
-        total, count, d_head, dy = jax.lax.cond(f_ok & (stage == last), head_step, no_head, y, f)
-        dy = pipeline.select(stage == last, dy, returned)
-        d_params, dh = jax.lax.cond(
-            b_ok, backward, no_backward, pipeline.take(saved, b % ring), dy, micro_key(b)
-        )
-        sums = sums._replace(
-            total=sums.total + total,
-            count=sums.count + count,
-            grads=Grads(
-                params=jax.tree.map(jnp.add, sums.grads.params, d_params),
-                head=jax.tree.map(jnp.add, sums.grads.head, d_head),
-                x=pipeline.put(sums.grads.x, b, dh, b_ok & (stage == 0)),
-            ),
-        )
-        arrived = jax.lax.ppermute(y, axis, [(s, s + 1) for s in range(S - 1)])
-        returned = jax.lax.ppermute(dh, axis, [(s + 1, s) for s in range(S - 1)])
-        return (arrived, returned, saved, sums), None
-
-    zero = _zeros_varying(jnp.zeros((), jnp.float32), axis)
-    sums = _Sums(
-        total=zero,
-        count=zero,
-        grads=Grads(
-            params=_zeros_varying(params, axis),
-            head=_zeros_varying(head_params, axis),
-            x=_zeros_varying(xs, axis),
-        ),
-    )
-    saved = jax.tree.map(lambda a: jnp.broadcast_to(a, (ring, *a.shape)), one)
-    carry = (one, one, saved, sums)
-    (_, _, _, sums), _ = jax.lax.scan(tick, carry, jnp.arange(m + 2 * S - 2))
-    grads = sums.grads._replace(x=merge_microbatches(sums.grads.x))
-    total, count, head_grads, x_grads = jax.lax.psum(
-        (sums.total, sums.count, grads.head, grads.x), axis
-    )
-    return total, count, Grads(params=grads.params, head=head_grads, x=x_grads)
+    params: Any  # the stack's (this stage's, inside the shard_map)
+    head: Any
+    x: Any
+    targets: Any
+    key: Any  # a PRNG key or None
 
 
 class _Sums(NamedTuple):
@@ -146,24 +70,135 @@ class _Sums(NamedTuple):
     grads: Grads
 
 
+class _Stage(NamedTuple):
+    """One stage's view of a 1F1B loop: what every tick of `_tick` reads."""
+
+    head: Head
+    inputs: Inputs
+    index: jax.Array  # the stage's, along the stage axis
+    ids: jax.Array  # its layers', in the whole stack
+    xs: Any  # the micro-batches, [m, b, ...]
+    targets: Any  # [m, b, ...]
+    traced: dict  # the head's output types, for `_no_head`'s zeros
+
+
+def _micro_key(stage: _Stage, i: jax.Array) -> Any:
+    key = stage.inputs.key
+    return None if key is None else jax.random.fold_in(key, i)
+
+
+def _forward(stage: _Stage, params: Any, h: Any, key: Any) -> Any:
+    return pipeline.run_stage(stage.head.stages, params, stage.ids, h, key)
+
+
+def _skip_forward(stage: _Stage, params: Any, h: Any, key: Any) -> Any:
+    return h
+
+
+def _head_step(stage: _Stage, y: Any, j: jax.Array) -> tuple:
+    """The loss total of micro-batch ``j``, its count, and its gradients (head, ``y``)."""
+    axis = stage.head.stages.axis
+    total_of = functools.partial(_head_total, stage.head)
+    grad = jax.value_and_grad(total_of, argnums=(0, 1), has_aux=True)
+    here = collectives.varying(stage.inputs.head, (axis,))  # its gradient: no psum in a branch
+    (total, count), (d_head, dy) = grad(here, y, pipeline.take(stage.targets, j))
+    out = collectives.varying((total, count, d_head, dy), (axis,))
+    stage.traced["head"] = jax.tree.map(jax.typeof, out)
+    return out
+
+
+def _no_head(stage: _Stage, y: Any, j: jax.Array) -> tuple:  # cond traces _head_step first
+    if "head" not in stage.traced:
+        jax.eval_shape(functools.partial(_head_step, stage), y, j)
+    types = stage.traced["head"]
+    return jax.tree.map(collectives.zeros_of, types)
+
+
+def _backward(stage: _Stage, h: Any, dy: Any, key: Any) -> tuple:
+    _, vjp = jax.vjp(functools.partial(_forward, stage, key=key), stage.inputs.params, h)
+    return vjp(dy)
+
+
+def _no_backward(stage: _Stage, h: Any, dy: Any, key: Any) -> tuple:  # typed as the primals
+    return jax.tree.map(lambda x: collectives.zeros_of(jax.typeof(x)), (stage.inputs.params, h))
+
+
+def _tick(stage: _Stage, carry: tuple, t: jax.Array) -> tuple:
+    """Tick ``t``: the forward of micro-batch ``t - s``, the backward of ``t - (2S - 2 - s)``."""
+    arrived, returned, saved, sums = carry  # activations from s - 1, cotangents from s + 1
+    plan, axis, s = stage.head.stages.plan, stage.head.stages.axis, stage.index
+    m, last, ring = plan.microbatches, plan.stages - 1, 2 * plan.stages - 1
+    f, b = t - s, t - (2 * plan.stages - 2 - s)
+    f_ok, b_ok = (f >= 0) & (f < m), (b >= 0) & (b < m)
+    f, b = jnp.clip(f, 0, m - 1), jnp.clip(b, 0, m - 1)
+    h = pipeline.select(s == 0, pipeline.take(stage.xs, f), arrived)
+    run, skip = functools.partial(_forward, stage), functools.partial(_skip_forward, stage)
+    y = jax.lax.cond(f_ok, run, skip, stage.inputs.params, h, _micro_key(stage, f))
+    saved = pipeline.put(saved, f % ring, h, f_ok)
+    head = functools.partial(_head_step, stage), functools.partial(_no_head, stage)
+    total, count, d_head, dy = jax.lax.cond(f_ok & (s == last), *head, y, f)
+    dy = pipeline.select(s == last, dy, returned)
+    back = functools.partial(_backward, stage), functools.partial(_no_backward, stage)
+    d_params, dh = jax.lax.cond(
+        b_ok, *back, pipeline.take(saved, b % ring), dy, _micro_key(stage, b)
+    )
+    grads = Grads(
+        params=jax.tree.map(jnp.add, sums.grads.params, d_params),
+        head=jax.tree.map(jnp.add, sums.grads.head, d_head),
+        x=pipeline.put(sums.grads.x, b, dh, b_ok & (s == 0)),
+    )
+    sums = _Sums(total=sums.total + total, count=sums.count + count, grads=grads)
+    arrived = jax.lax.ppermute(y, axis, [(i, i + 1) for i in range(plan.stages - 1)])
+    returned = jax.lax.ppermute(dh, axis, [(i + 1, i) for i in range(plan.stages - 1)])
+    return (arrived, returned, saved, sums), None
+
+
+def _one_f_one_b(head: Head, inputs: Inputs) -> tuple[jax.Array, jax.Array, Grads]:
+    """One stage's part of 1F1B (inside a ``shard_map`` over the stage axis).
+
+    At tick ``t`` stage ``s`` runs the forward of micro-batch ``t - s`` and the backward of
+    micro-batch ``t - (2S - 2 - s)`` (`_tick`): the last stage computes a micro-batch's
+    loss and starts its backward in the tick its forward ends. A stage keeps the inputs of
+    the micro-batches between their forward and backward, at most ``2S - 1``: a ring
+    buffer whatever m is. Returns the loss's total and count, and its gradients.
+    """
+    axis, plan = head.stages.axis, head.stages.plan
+    index, m = jax.lax.axis_index(axis), plan.microbatches
+    size = jax.tree.leaves(inputs.params)[0].shape[0]  # layers a stage
+    xs = split_microbatches(inputs.x, m, name="x")
+    targets = split_microbatches(inputs.targets, m, name="targets")
+    stage = _Stage(head, inputs, index, index * size + jnp.arange(size), xs, targets, {})
+    zero = _zeros_varying(jnp.zeros((), jnp.float32), axis)
+    grads = Grads(*(_zeros_varying(x, axis) for x in (inputs.params, inputs.head, xs)))
+    one = _zeros_varying(pipeline.take(xs, 0), axis)
+    saved = jax.tree.map(lambda a: jnp.broadcast_to(a, (2 * plan.stages - 1, *a.shape)), one)
+    carry = (one, one, saved, _Sums(zero, zero, grads))
+    ticks = jnp.arange(m + 2 * plan.stages - 2)
+    (_, _, _, sums), _ = jax.lax.scan(functools.partial(_tick, stage), carry, ticks)
+    x_grads = merge_microbatches(sums.grads.x)
+    summed = jax.lax.psum((sums.total, sums.count, sums.grads.head, x_grads), axis)
+    total, count, head_grads, x_grads = summed  # from the last stage, or stage 0 (x)
+    return total, count, Grads(params=sums.grads.params, head=head_grads, x=x_grads)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _interleaved(run: Callable[..., Any], params, head_params, x, targets, key) -> Mean:
-    total, count, _ = run(params, head_params, x, targets, key)
+def _interleaved(run: Callable[[Inputs], tuple], inputs: Inputs) -> Mean:
+    total, count, _ = run(inputs)
     return Mean(total, count)
 
 
-def _interleaved_forward(run, params, head_params, x, targets, key) -> tuple[Mean, Grads]:
-    total, count, grads = run(params, head_params, x, targets, key)
+def _interleaved_forward(run: Callable[[Inputs], tuple], inputs: Inputs) -> tuple[Mean, Grads]:
+    total, count, grads = run(inputs)
     return Mean(total, count), grads
 
 
-def _interleaved_backward(run, grads: Grads, cotangent: Mean) -> tuple:
+def _interleaved_backward(run: Callable[..., Any], grads: Grads, cotangent: Mean) -> tuple:
     scale = cotangent.total  # the loss total is linear in each micro-batch's: grads scale
 
     def scaled(tree: Any) -> Any:
         return jax.tree.map(lambda g: (g * scale).astype(g.dtype), tree)
 
-    return scaled(grads.params), scaled(grads.head), scaled(grads.x), None, None
+    return (Inputs(scaled(grads.params), scaled(grads.head), scaled(grads.x), None, None),)
 
 
 _interleaved.defvjp(_interleaved_forward, _interleaved_backward)
@@ -172,8 +207,7 @@ _interleaved.defvjp(_interleaved_forward, _interleaved_backward)
 def pipeline_loss(
     layer_fn: Callable[..., Any],
     head_fn: Callable[..., Any],
-    stacked_params: Any,
-    head_params: Any,
+    params: tuple[Any, Any],
     x: Any,
     targets: Any,
     *,
@@ -199,8 +233,8 @@ def pipeline_loss(
         layer_fn: as for `pipeline_scan`.
         head_fn: ``head_fn(head_params, y, targets) -> jaxga.Mean`` on the last layer's
             output ``y`` (the head and the loss: e.g. `jaxga.token_cross_entropy`).
-        stacked_params: the layers' parameters, in `pipeline_order`, laid out over the stages.
-        head_params: the head's parameters (on every stage).
+        params: ``(stacked_params, head_params)``: the layers' parameters (in
+            `pipeline_order`, laid out over the stages) and the head's (on every stage).
         x: the first layer's input, a leading batch axis.
         targets: what ``head_fn`` compares with, a leading batch axis (labels, a mask).
         num_microbatches: m, at least S, dividing the batch.
@@ -223,40 +257,39 @@ def pipeline_loss(
         ...     return jnp.tanh(x @ w)
         >>> def head(v, y, t):
         ...     return jaxga.Mean.of((y @ v - t) ** 2)
-        >>> def total(w, v, x, t):
-        ...     return jaxga.pipeline_loss(layer, head, w, v, x, t, num_microbatches=4).total
         >>> x, t, v = jnp.ones((8, 3)), jnp.zeros(8), jnp.ones(3)
-        >>> grads = jax.jit(jax.grad(total))(w, v, x, t)
-        >>> def plain(w, v, x, t):
+        >>> def total(params):
+        ...     return jaxga.pipeline_loss(layer, head, params, x, t, num_microbatches=4).total
+        >>> grads, _ = jax.jit(jax.grad(total))((w, v))
+        >>> def plain(w):
         ...     return head(v, jaxga.remat_scan(layer, w, x), t).total
-        >>> bool(jnp.allclose(grads, jax.grad(plain)(stack, v, x, t), rtol=1e-5))
+        >>> bool(jnp.allclose(grads, jax.grad(plain)(stack), rtol=1e-5))
         True
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"`schedule` must be one of {SCHEDULES}; got {schedule!r}.")
     check_callable(head_fn, "head_fn")
+    if not (isinstance(params, tuple | list) and len(params) == 2):
+        got = f"a {type(params).__name__}" + (
+            f" of length {len(params)}" if isinstance(params, tuple | list) else ""
+        )
+        raise TypeError(f"`params` must be a pair (stacked_params, head_params); got {got}.")
+    stacked_params, head_params = params
     options = {"num_microbatches": num_microbatches, "axis_name": axis_name, "policy": policy}
     options |= {"rng": rng, "mesh": mesh}
     if schedule != "1f1b":
         y = pipeline.pipeline_scan(
             layer_fn, stacked_params, x, schedule=schedule, repeats=repeats, **options
         )
-        return _head_total_mean(head_fn, head_params, y, targets)
+        return _checked_mean(head_fn, head_params, y, targets)
     if repeats != 1:
         raise ValueError(f"`repeats`={repeats} needs schedule='circular'; '1f1b' runs one chunk.")
     stages, kind, mesh = pipeline.plan_stages(layer_fn, stacked_params, **options)
     run = functools.partial(_one_f_one_b, Head(head_fn, stages))
     if kind == "opened":
         stage_axis = P(axis_name)
+        inputs = Inputs(params=stage_axis, head=P(), x=P(), targets=P(), key=P())
         grads = Grads(params=stage_axis, head=P(), x=P())
-        specs = {"in_specs": (stage_axis, P(), P(), P(), P()), "out_specs": (P(), P(), grads)}
+        specs = {"in_specs": (inputs,), "out_specs": (P(), P(), grads)}
         run = jax.shard_map(run, mesh=mesh, axis_names={axis_name}, **specs)
-    return _interleaved(run, stacked_params, head_params, x, targets, rng)
-
-
-def _head_total_mean(head_fn: Callable[..., Any], head_params: Any, y: Any, targets: Any) -> Mean:
-    mean = head_fn(head_params, y, targets)
-    if not isinstance(mean, Mean):
-        got = type(mean).__name__
-        raise TypeError(f"`head_fn` must return a jaxga.Mean (its totals are summed); got {got}.")
-    return mean
+    return _interleaved(run, Inputs(stacked_params, head_params, x, targets, rng))

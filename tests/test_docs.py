@@ -25,7 +25,11 @@ MODULES = sorted(m.name for m in pkgutil.iter_modules(jaxga.__path__, "jaxga."))
 PAGES = sorted(
     p.relative_to(ROOT).as_posix() for p in [ROOT / "README.md", *ROOT.glob("docs/**/*.md")]
 )
-DEVICES = {"docs/distributed.md": 4, "docs/pipeline.md": 4, "docs/planner.md": 8}  # CPU devices of a page (default 1)
+DEVICES = {
+    "docs/distributed.md": 4,
+    "docs/pipeline.md": 4,
+    "docs/planner.md": 8,
+}  # CPU devices of a page (default 1)
 FENCE = re.compile(r"^```(\w*)\s*$")
 SKIP = re.compile(r"^<!-- skip: (.+) -->$")
 

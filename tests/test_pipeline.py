@@ -253,7 +253,9 @@ def test_1f1b_gives_the_whole_batchs_loss_and_gradients(stages, times):
     batch = skewed_batch(4 * m)
 
     def loss(params, head, x):
-        return jaxga.pipeline_loss(layer, head_fn, params, head, x, batch, num_microbatches=m).value
+        return jaxga.pipeline_loss(
+            layer, head_fn, (params, head), x, batch, num_microbatches=m
+        ).value
 
     def reference(params, head, x):
         return head_fn(head, jaxga.remat_scan(layer, params, x), batch).value
@@ -273,7 +275,7 @@ def test_pipeline_loss_accumulation_and_data_parallel_equal_one_whole_batch_step
 
     def loss(params, head, batch):
         options = {"num_microbatches": 4, "schedule": schedule, "repeats": repeats}
-        return jaxga.pipeline_loss(layer, head_fn, params, head, batch["x"], batch, **options)
+        return jaxga.pipeline_loss(layer, head_fn, (params, head), batch["x"], batch, **options)
 
     def reference(params, head):
         return head_fn(head, jaxga.remat_scan(layer, params, batch["x"]), batch).value
@@ -309,7 +311,7 @@ def test_1f1b_bubbles_never_reach_a_gradient_and_dropout_matches_gpipe():
     def loss(params, head, schedule):
         options = {"num_microbatches": 8, "schedule": schedule, "rng": rng}
         return jaxga.pipeline_loss(
-            normalise, head_fn, params, head, batch["x"], batch, **options
+            normalise, head_fn, (params, head), batch["x"], batch, **options
         ).value
 
     got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)(params, head, "1f1b")
@@ -333,7 +335,7 @@ def compiled_temp(schedule: str, m: int) -> int:
 
     def loss(params, head, x):
         options = {"num_microbatches": m, "schedule": schedule}
-        return jaxga.pipeline_loss(block, head_fn, params, head, x, targets, **options).value
+        return jaxga.pipeline_loss(block, head_fn, (params, head), x, targets, **options).value
 
     args = (on_stages(params, stage_mesh(4)), head, x)
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
@@ -353,13 +355,13 @@ def test_pipeline_loss_names_bad_input():
     targets = {"labels": jnp.zeros(8, jnp.int32), "mask": jnp.ones(8)}
     with pytest.raises(ValueError, match=r"`repeats`=2 needs schedule='circular'; '1f1b'"):
         jaxga.pipeline_loss(
-            layer, head_fn, params, jnp.ones((D, 5)), x, targets, num_microbatches=2, repeats=2
+            layer, head_fn, (params, jnp.ones((D, 5))), x, targets, num_microbatches=2, repeats=2
         )
     with pytest.raises(TypeError, match=r"`head_fn` must return a jaxga.Mean"):
         jax.grad(
             lambda p: (
                 jaxga.pipeline_loss(
-                    layer, lambda h, y, t: jnp.sum(y), p, None, x, targets, num_microbatches=2
+                    layer, lambda h, y, t: jnp.sum(y), (p, None), x, targets, num_microbatches=2
                 ).total
             )
         )(params)
@@ -375,7 +377,7 @@ def test_inside_jaxgas_own_shard_map_over_the_batch(schedule):
 
     def loss(params, head, batch):
         options = {"num_microbatches": 4, "schedule": schedule}
-        return jaxga.pipeline_loss(layer, head_fn, params, head, batch["x"], batch, **options)
+        return jaxga.pipeline_loss(layer, head_fn, (params, head), batch["x"], batch, **options)
 
     def reference(params, head):
         return head_fn(head, jaxga.remat_scan(layer, params, batch["x"]), batch).value
