@@ -327,9 +327,13 @@ def test_build_as_a_partial_or_with_defaults_is_accepted():
 
 
 def test_build_must_return_a_step():
-    returned = r"`fn` must be a function; got 3 of type int\.\n\(jaxga\.plan, building "
-    with pytest.raises(TypeError, match=returned):
-        jaxga.plan(lambda k, r: 3, *ARGS, budget="1GiB")
+    """Issue 38: a `build` returning None was named as memory_report's internal `fn`."""
+    for got, returned in ((None, "None"), (3, "3")):
+        message = (
+            rf"^`build` returned {returned}; it must return a step to compile\.\n\(jaxga\.plan, "
+        )
+        with pytest.raises(TypeError, match=message + r"building num_microbatches=1, remat="):
+            jaxga.plan(lambda k, r, got=got: got, *ARGS, budget="1GiB")
     with pytest.raises(
         TypeError, match=r"`build` must be callable as build\(.*; got .step. of type str"
     ):
