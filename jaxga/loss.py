@@ -75,7 +75,16 @@ class Mean:
         values = _array(values, "Mean.of: `values`")
         weights, ok = _weights(where, "Mean.of: `where`", values)
         ids, in_range = _segment_ids(segment_ids, values, normalize)
-        return _mean(values, weights, ids, ok & in_range, normalize=normalize)
+        if ids is not None:
+            weights = jnp.where(ids > 0, weights, 0)  # 0 or less: padding
+            per_sequence, sequences = _sequences(weights, ids)
+            if normalize == "sequence_mean":
+                weights = weights / jnp.where(per_sequence > 0, per_sequence, 1)
+        count = jnp.sum(weights) if normalize == "token_mean" else sequences
+        # a select, not only a product: a masked-out item may hold a NaN or an inf
+        total = jnp.sum(jnp.where(weights != 0, values * weights, 0))
+        nan = jnp.where(ok & in_range, 0.0, jnp.nan)  # added, not selected: a NaN gradient too
+        return cls(total + nan, count + nan)
 
 
 NORMALIZATIONS = ("token_mean", "sequence_mean", "sequence_sum")
@@ -103,28 +112,13 @@ def _segment_ids(segment_ids: Any, like: jax.Array, normalize: str) -> tuple[Any
     shape = like.shape
     if not shape:
         raise ValueError("`values` must have a tokens axis (the last) for sequences; got a scalar.")
-    if segment_ids is None:
-        return jnp.ones_like(like, jnp.int32), True  # a sequence a row, laid out as the tokens
-    ids = _array(segment_ids, "`segment_ids`", "integer segment ids", (jnp.integer,))
+    given = jnp.ones_like(like, jnp.int32) if segment_ids is None else segment_ids  # None: rows
+    ids = _array(given, "`segment_ids`", "integer segment ids", (jnp.integer,))
     if ids.shape != shape:
         raise ValueError(f"`segment_ids` must have the tokens' shape {shape}; got {ids.shape}.")
     high = jnp.max(ids, initial=0)
     message = f"`segment_ids` must be at most {shape[-1]}, the tokens a row; got {{}}."
     return ids, check_value(high <= shape[-1], message, high)
-
-
-def _mean(values: jax.Array, weights: jax.Array, ids: Any, ok: Any, *, normalize: str) -> Mean:
-    """The mean of ``values`` weighted by ``weights``; its total and count NaN unless ``ok``."""
-    if ids is not None:
-        weights = jnp.where(ids > 0, weights, 0)  # 0 or less: padding
-        per_sequence, sequences = _sequences(weights, ids)
-        if normalize == "sequence_mean":
-            weights = weights / jnp.where(per_sequence > 0, per_sequence, 1)
-    count = jnp.sum(weights) if normalize == "token_mean" else sequences
-    # a select, not only a product: a masked-out item may hold a NaN or an inf
-    total = jnp.sum(jnp.where(weights != 0, values * weights, 0))
-    nan = jnp.where(ok, 0.0, jnp.nan)  # added, not selected: the gradient is NaN too
-    return Mean(total + nan, count + nan)
 
 
 def _sequences(weights: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -144,7 +138,6 @@ def _sequences(weights: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array
 def _array(
     x: Any, name: str, expected: str = "an array of numbers", kinds: tuple = (jnp.number, jnp.bool)
 ) -> jax.Array:
-    """``x`` as an array of one of ``kinds``, or a `TypeError` naming it."""
     try:
         array = jnp.asarray(x)
     except (TypeError, ValueError):  # None, strings, objects
@@ -190,17 +183,18 @@ def token_cross_entropy(
     if not (number and 0 <= label_smoothing < 1):
         raise ValueError(f"`label_smoothing` must be a float in [0, 1); got {label_smoothing!r}.")
     weights, ok = _weights(mask, "`mask`", labels)
-    ids, in_range = _segment_ids(segment_ids, labels, normalize)
+    ids, _ = _segment_ids(segment_ids, labels, normalize)  # and checked by Mean.of
     counted = (weights != 0) if ids is None else (weights != 0) & (ids > 0)
     labels = jnp.where(counted, labels, 0)  # tokens left out: their labels are not looked up
     vocab = logits.shape[-1]
     low, high = (labels.min(), labels.max()) if labels.size else (0, 0)
     message = f"counted `labels` must be in [0, {vocab}); got {{}} to {{}}."
-    ok &= in_range & check_value((low >= 0) & (high < vocab), message, low, high)
+    ok &= check_value((low >= 0) & (high < vocab), message, low, high)
     # a one-hot, not a gather: it runs on logits sharded over the vocabulary (Explicit axes),
     # and optax's one-hot cross-entropy is its integer one to the bit
     targets = labels[..., None] == jnp.arange(vocab, dtype=labels.dtype)
     if label_smoothing:
         targets = optax.smooth_labels(targets.astype(jnp.float32), label_smoothing)
     losses = optax.softmax_cross_entropy(logits.astype(jnp.float32), targets)
-    return _mean(losses, weights, ids, ok, normalize=normalize)
+    where = jnp.where(ok, weights, jnp.nan)  # a bad value, traced: Mean.of's NaN
+    return Mean.of(losses, where, normalize=normalize, segment_ids=segment_ids)

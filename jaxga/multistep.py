@@ -11,6 +11,8 @@ import optax
 from jaxga import _checks, collectives
 from jaxga.loss import check_value
 
+_POSITIONAL = "`weight` is keyword-only: tx.update(grads, state, params, weight=...); got {}."
+
 
 class MultiStepsState(NamedTuple):
     """State of [`jaxga.MultiSteps`][jaxga.MultiSteps]: optax's fields, a weighted mean, weights.
@@ -36,11 +38,6 @@ class MultiStepsState(NamedTuple):
     applied: jax.Array
     num_skipped: jax.Array
     skip_state: Any = ()
-
-
-_POSITIONAL = (
-    "`weight` is keyword-only: tx.update(grads, state, params, weight=...); got {} after params."
-)
 
 
 def _check_arrays(tree: Any, name: str, like: Any) -> None:
@@ -158,17 +155,17 @@ def update(
     state: MultiStepsState,
     params: Any = None,
     *misplaced: Any,
+    weight: Any = None,
+    end_group: Any = False,
     inner: optax.GradientTransformation,
     every_k: Any,
     should_skip: Callable,
     **extra_args: Any,
 ) -> tuple[Any, MultiStepsState]:
-    """A `MultiStepsTransformation`'s ``update``; its ``weight=`` and ``end_group=`` by keyword."""
+    """A `MultiStepsTransformation`'s ``update``: ``weight`` and ``end_group`` by keyword only."""
     if misplaced:
-        raise TypeError(_POSITIONAL.format(f"{misplaced!r:.60}"))
+        raise TypeError(_POSITIONAL.format(f"{misplaced!r:.60} after params"))
     _check_arrays(grads, "grads", like=_check_state(state).acc_grads)
-    weight = extra_args.pop("weight", None)
-    end_group = extra_args.pop("end_group", False)
     end_group = _checks.scalar(end_group, "end_group", (jnp.bool_,), "a bool")
     with jax.named_scope("accumulate"):
         group, keep = _accumulate(grads, state, params, weight, should_skip)

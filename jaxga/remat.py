@@ -179,8 +179,7 @@ def remat_scan(
     if check_bool(unroll, "unroll") and save is not None:  # only a loop keeps remat apart
         got = getattr(policy, "__name__", repr(policy))
         raise ValueError(f"`unroll`=True needs policy='none' or None; got policy={got}.")
-    shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), stacked_params)
-    one_layer = functools.partial(_apply_layer, layer_fn, shapes)
+    one_layer = functools.partial(_apply_layer, layer_fn, stacked_params)
     if save is not None:  # inside a scan the loop keeps XLA from merging recomputation
         one_layer = jax.checkpoint(one_layer, policy=save, prevent_cse=False)
     layers = functools.partial(jax.lax.scan, one_layer, unroll=unroll)  # (x, params) -> (x, None)
