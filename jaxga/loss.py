@@ -11,8 +11,7 @@ from jax.experimental import checkify
 
 
 def check_value(ok: Any, message: str, *got: Any) -> jax.Array:
-    """Raises ``ValueError(message.format(*got))`` if ``ok`` is false; traced, ``ok`` cannot be
-    read: the check goes to `checkify.checkify` (which raises it) and ``ok`` to a sentinel."""
+    """Raises ``ValueError(message.format(*got))`` unless ``ok``; traced, a checkify debug_check."""
     if isinstance(ok, jax.core.Tracer):
         checkify.debug_check(ok, message, *got)
     elif not ok:
@@ -93,8 +92,9 @@ NORMALIZATIONS = ("token_mean", "sequence_mean", "sequence_sum")
 def _weights(where: Any, name: str, values: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``where`` as float weights laid out as ``values``, and whether they are good."""
     where = _array(1 if where is None else where, name)
+    dtype = jnp.promote_types(values.dtype, jnp.float32)  # bfloat16 values: float32 sums
     try:
-        weights = jnp.broadcast_to(where, values.shape).astype(jnp.result_type(values, 1.0))
+        weights = jnp.broadcast_to(where, values.shape).astype(dtype)
     except ValueError:
         raise ValueError(f"{name} must broadcast to {values.shape}; got {where.shape}.") from None
     bad = ~((weights >= 0) & (weights < jnp.inf))  # NaN too

@@ -225,7 +225,8 @@ def MultiSteps(
 ) -> MultiStepsTransformation:
     """Accumulates gradients over ``every_k`` calls, then applies ``inner`` to their mean.
 
-    ``update`` takes ``weight=`` (e.g. a token count) and ``end_group=True`` to end a group early.
+    ``update`` takes, by keyword, ``weight=`` (e.g. a token count; a bad one raises, or traced
+    skips its call, counted in ``num_skipped``) and ``end_group=True`` to end a group early.
 
     Args:
         inner: the optimiser to apply once per group, e.g. `optax.adamw(1e-3)` or a chain.

@@ -147,3 +147,10 @@ def test_label_smoothing_must_be_a_float_in_0_1(alpha):
     message = f"`label_smoothing` must be a float in [0, 1); got {alpha!r}."
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         jaxga.token_cross_entropy(jnp.zeros((2, 5)), jnp.array([0, 3]), label_smoothing=alpha)
+
+
+def test_bfloat16_values_are_summed_in_float32():
+    values = jnp.full((4096,), 1.0 + 2**-7, jnp.bfloat16)  # bfloat16 alone would round sums
+    m = jaxga.Mean.of(values, where=jnp.ones(4096, jnp.bfloat16))
+    assert m.total.dtype == m.count.dtype == jnp.float32
+    np.testing.assert_allclose(m.total, 4096 * float(values[0]), rtol=0)

@@ -344,18 +344,21 @@ def test_build_must_return_a_step():
 
 
 def fake_plan(peaks, budget, search):
-    """jaxga.plan over counts whose compiled peaks are ``peaks[k]``: build returns k and the
-    report is looked up, so any table, monotone or not, can be searched. The chosen count
-    (None if none fits) and the counts built, in the order built."""
+    """jaxga.plan over counts whose compiled peaks are ``peaks[k]``: build returns a step
+    that gives k and the report is looked up, so any table, monotone or not, can be
+    searched. The chosen count (None if none fits) and the counts built, in the order built."""
     batch = jax.ShapeDtypeStruct((max(peaks), 1), jnp.float32)
 
+    def build(k, remat):
+        return lambda: k
+
     def report(step, *args):
-        return jaxga.MemoryReport(0, 0, 0, 0, peaks[step], 0, 0, True, "fake")
+        return jaxga.MemoryReport(0, 0, 0, 0, peaks[step()], 0, 0, True, "fake")
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(jaxga.planner, "memory_report", report)
         try:
-            p = jaxga.plan(lambda k, r: k, batch, budget=budget, remat=(None,), search=search)
+            p = jaxga.plan(build, batch, budget=budget, remat=(None,), search=search)
         except InfeasibleBudgetError as e:
             return None, [c.num_microbatches for c in e.candidates]
     return p.num_microbatches, [c.num_microbatches for c in p.candidates]
