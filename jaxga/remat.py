@@ -120,8 +120,7 @@ def _apply_layer(layer_fn: Callable[..., Any], stacked: Any, x: Any, params: Any
     try:
         y = layer_fn(params, x)
     except Exception as e:
-        error = e
-        got = f"raised {type(e).__name__}"
+        error, got = e, f"raised {type(e).__name__}"
     else:
         if _like(x, y):
             return y, None
