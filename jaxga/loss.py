@@ -162,8 +162,9 @@ def token_cross_entropy(
     Args:
         logits: the model's outputs, floats ``[..., vocab]``.
         labels: the target token ids ``[...]``; a token left out may hold any (``-100``).
-        mask: 1 or a weight for a token to count, 0 to leave it out: [`Mean.of`][jaxga.Mean.of]'s
-            ``where``, as are ``normalize`` and ``segment_ids``.
+        mask: the tokens' weights, 0 to leave one out: [`Mean.of`][jaxga.Mean.of]'s ``where``.
+        normalize: ``"token_mean"``, ``"sequence_mean"`` or ``"sequence_sum"``, as `Mean.of`'s.
+        segment_ids: the packed sequences' ids, <= 0 padding; ``None``: a sequence a row.
         label_smoothing: α in [0, 1): targets (1 - α)·one-hot + α / vocab, as optax.smooth_labels.
 
     Returns:
