@@ -7,6 +7,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental import checkify
+
+
+def check_value(ok: Any, message: str, *got: Any) -> jax.Array:
+    """Raises ``ValueError(message.format(*got))`` unless ``ok``; traced, a checkify debug_check."""
+    if isinstance(ok, jax.core.Tracer):
+        checkify.debug_check(ok, message, *got)
+    elif not ok:
+        raise ValueError(message.format(*got))
+    return ok
 
 
 @jax.tree_util.register_dataclass
@@ -43,12 +53,16 @@ class Mean:
 
         Args:
             values: the items' values; `[..., tokens]` for the sequence normalisations.
-            where: a mask or finite, non-negative weights (Under jit, they cannot be checked).
-            normalize: `"token_mean"`, `"sequence_mean"` or `"sequence_sum"` (the docs' table).
+            where: a mask or finite, non-negative weights: bad ones raise; traced, give NaN.
+            normalize: what is averaged over; S: the sequences with weight.
+                ``"token_mean"``: Σ wℓ / Σ w, every token weighs the same.
+                ``"sequence_mean"``: each sequence's weighted mean, averaged over the S.
+                ``"sequence_sum"``: each sequence's weighted sum, averaged over the S.
             segment_ids: ints: one sequence a row and id > 0, <= 0 padding; `None`: a row.
 
         Returns:
-            A `Mean` whose count is Σ w (token_mean) or the number of sequences with weight.
+            A `Mean` whose count is Σ w (token_mean) or S; total and count NaN for traced bad
+            ``where`` or ``segment_ids`` (`checkify.checkify` raises their errors).
 
         Examples:
             >>> import jaxga
@@ -57,46 +71,58 @@ class Mean:
             >>> float(m.total), float(m.count)
             (6.0, 2.0)
         """
-        if normalize not in NORMALIZATIONS:
-            raise ValueError(f"`normalize` must be one of {NORMALIZATIONS}; got {normalize!r}.")
         values = _array(values, "Mean.of: `values`")
-        where = _array(1 if where is None else where, "Mean.of: `where`", shape=values.shape)
-        weights = where.astype(jnp.promote_types(values.dtype, jnp.float32))
-        ok = jnp.all((weights >= 0) & (weights < jnp.inf))  # False for NaN too
-        if not isinstance(ok, jax.core.Tracer) and not ok:  # traced: not known yet
-            raise ValueError("Mean.of: `where` must hold a mask or finite, non-negative weights.")
-        if segment_ids is not None or normalize != "token_mean":
-            ids = _segment_ids(segment_ids, values)
+        weights, ok = _weights(where, "Mean.of: `where`", values)
+        ids, in_range = _segment_ids(segment_ids, values, normalize)
+        if ids is not None:
             weights = jnp.where(ids > 0, weights, 0)  # 0 or less: padding
             per_sequence, sequences = _sequences(weights, ids)
             if normalize == "sequence_mean":
                 weights = weights / jnp.where(per_sequence > 0, per_sequence, 1)
         count = jnp.sum(weights) if normalize == "token_mean" else sequences
         # a select, not only a product: a masked-out item may hold a NaN or an inf
-        return cls(jnp.sum(jnp.where(weights != 0, values * weights, 0)), count)
+        total = jnp.sum(jnp.where(weights != 0, values * weights, 0))
+        nan = jnp.where(ok & in_range, 0.0, jnp.nan)  # added, not selected: a NaN gradient too
+        return cls(total + nan, count + nan)
 
 
 NORMALIZATIONS = ("token_mean", "sequence_mean", "sequence_sum")
 
 
-def _segment_ids(segment_ids: Any, like: jax.Array) -> jax.Array:
-    """``segment_ids`` for tokens ``like``, checked; ``None``: each row is one sequence."""
+def _weights(where: Any, name: str, values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``where`` as float weights laid out as ``values``, and whether they are good."""
+    where = _array(1 if where is None else where, name)
+    dtype = jnp.promote_types(values.dtype, jnp.float32)  # bfloat16 values: float32 sums
+    try:
+        weights = jnp.broadcast_to(where, values.shape).astype(dtype)
+    except ValueError:
+        raise ValueError(f"{name} must broadcast to {values.shape}; got {where.shape}.") from None
+    bad = ~((weights >= 0) & (weights < jnp.inf))  # NaN too
+    got = jnp.min(jnp.where(bad, weights, jnp.inf), initial=jnp.inf)  # a reduction: any layout
+    message = f"{name} must hold a mask or finite, non-negative weights; got {{}}."
+    return weights, check_value(~jnp.any(bad), message, got)
+
+
+def _segment_ids(segment_ids: Any, like: jax.Array, normalize: str) -> tuple[Any, Any]:
+    """``segment_ids`` for ``like``, and whether in range; None where ``normalize`` needs none."""
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"`normalize` must be one of {NORMALIZATIONS}; got {normalize!r}.")
+    if segment_ids is None and normalize == "token_mean":
+        return None, True
     shape = like.shape
     if not shape:
         raise ValueError("`values` must have a tokens axis (the last) for sequences; got a scalar.")
-    if segment_ids is None:
-        return jnp.ones_like(like, jnp.int32)  # laid out as the tokens
-    ids = _array(segment_ids, "`segment_ids`", "integer segment ids", (jnp.integer,))
+    given = jnp.ones_like(like, jnp.int32) if segment_ids is None else segment_ids  # None: rows
+    ids = _array(given, "`segment_ids`", "integer segment ids", (jnp.integer,))
     if ids.shape != shape:
         raise ValueError(f"`segment_ids` must have the tokens' shape {shape}; got {ids.shape}.")
-    high = ids.max() if ids.size else 0
-    if not isinstance(high, jax.core.Tracer) and high > shape[-1]:
-        raise ValueError(f"`segment_ids` must be at most {shape[-1]}; got {high}.")
-    return ids
+    high = jnp.max(ids, initial=0)
+    message = f"`segment_ids` must be at most {shape[-1]}, the tokens a row; got {{}}."
+    return ids, check_value(high <= shape[-1], message, high)
 
 
 def _sequences(weights: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each token's sequence's weight, and the sequences with weight (NaN: an id out of range)."""
+    """Each token's sequence's weight, and the number of sequences with weight."""
     tokens, rows = weights.shape[-1], math.prod(weights.shape[:-1])  # not -1: maybe no tokens
     ids = ids.reshape(rows, tokens)
 
@@ -106,11 +132,12 @@ def _sequences(weights: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array
 
     # row by row (a vmap): rows split over mesh axes stay where they are
     per_token, counts = jax.vmap(row)(weights.reshape(rows, tokens), ids)
-    count = jnp.where(jnp.all(ids <= tokens), jnp.sum(counts), jnp.nan)
-    return per_token.reshape(weights.shape), count
+    return per_token.reshape(weights.shape), jnp.sum(counts)
 
 
-def _array(x, name, expected="an array of numbers", kinds=(jnp.number, jnp.bool), shape=None):
+def _array(
+    x: Any, name: str, expected: str = "an array of numbers", kinds: tuple = (jnp.number, jnp.bool)
+) -> jax.Array:
     try:
         array = jnp.asarray(x)
     except (TypeError, ValueError):  # None, strings, objects
@@ -118,10 +145,7 @@ def _array(x, name, expected="an array of numbers", kinds=(jnp.number, jnp.bool)
     if array is None or not any(jnp.issubdtype(array.dtype, kind) for kind in kinds):
         got = f"dtype {x.dtype}" if hasattr(x, "dtype") else f"{x!r} of type {type(x).__name__}"
         raise TypeError(f"{name} must be {expected}; got {got}.")
-    try:
-        return array if shape is None else jnp.broadcast_to(array, shape)
-    except ValueError:
-        raise ValueError(f"{name} must broadcast to {shape}; got {array.shape}.") from None
+    return array
 
 
 def token_cross_entropy(
@@ -131,10 +155,20 @@ def token_cross_entropy(
     *,
     normalize: str = "token_mean",
     segment_ids: Any = None,
+    label_smoothing: float = 0.0,
 ) -> Mean:
     """The softmax cross-entropy of ``logits`` ``[..., vocab]`` as a `jaxga.Mean`.
 
-    ``mask`` (weights), ``normalize`` and ``segment_ids`` are [`Mean.of`][jaxga.Mean.of]'s.
+    Args:
+        logits: the model's outputs, floats ``[..., vocab]``.
+        labels: the target token ids ``[...]``; a token left out may hold any (``-100``).
+        mask: the tokens' weights, 0 to leave one out: [`Mean.of`][jaxga.Mean.of]'s ``where``.
+        normalize: ``"token_mean"``, ``"sequence_mean"`` or ``"sequence_sum"``, as `Mean.of`'s.
+        segment_ids: the packed sequences' ids, <= 0 padding; ``None``: a sequence a row.
+        label_smoothing: α in [0, 1): targets (1 - α)·one-hot + α / vocab, as optax.smooth_labels.
+
+    Returns:
+        A `Mean` of the counted tokens' losses; NaN for traced bad values, as `Mean.of`'s.
 
     Examples:
         >>> import jax.numpy as jnp, jaxga
@@ -146,17 +180,22 @@ def token_cross_entropy(
     labels = _array(labels, "`labels`", "integer token ids", (jnp.integer,))
     if not logits.ndim or logits.shape[:-1] != labels.shape:
         raise TypeError(f"`logits` {logits.shape} must be [..., vocab] for labels {labels.shape}.")
-    mask = _array(1 if mask is None else mask, "`mask`", shape=labels.shape)
-    counted = mask != 0
-    if segment_ids is not None:
-        counted &= _segment_ids(segment_ids, labels) > 0
+    number = isinstance(label_smoothing, float | int) and not isinstance(label_smoothing, bool)
+    if not (number and 0 <= label_smoothing < 1):
+        raise ValueError(f"`label_smoothing` must be a float in [0, 1); got {label_smoothing!r}.")
+    weights, ok = _weights(mask, "`mask`", labels)
+    ids, _ = _segment_ids(segment_ids, labels, normalize)  # and checked by Mean.of
+    counted = (weights != 0) if ids is None else (weights != 0) & (ids > 0)
     labels = jnp.where(counted, labels, 0)  # tokens left out: their labels are not looked up
     vocab = logits.shape[-1]
     low, high = (labels.min(), labels.max()) if labels.size else (0, 0)
-    if not isinstance(low, jax.core.Tracer) and not 0 <= low <= high < vocab:  # as in Mean.of
-        raise ValueError(f"counted `labels` must be in [0, {vocab}); got {low} to {high}.")
+    message = f"counted `labels` must be in [0, {vocab}); got {{}} to {{}}."
+    ok &= check_value((low >= 0) & (high < vocab), message, low, high)
     # a one-hot, not a gather: it runs on logits sharded over the vocabulary (Explicit axes),
     # and optax's one-hot cross-entropy is its integer one to the bit
-    one_hot = labels[..., None] == jnp.arange(vocab, dtype=labels.dtype)
-    losses = optax.softmax_cross_entropy(logits.astype(jnp.float32), one_hot)
-    return Mean.of(losses, where=mask, normalize=normalize, segment_ids=segment_ids)
+    targets = labels[..., None] == jnp.arange(vocab, dtype=labels.dtype)
+    if label_smoothing:
+        targets = optax.smooth_labels(targets.astype(jnp.float32), label_smoothing)
+    losses = optax.softmax_cross_entropy(logits.astype(jnp.float32), targets)
+    where = jnp.where(ok, weights, jnp.nan)  # a bad value, traced: Mean.of's NaN
+    return Mean.of(losses, where, normalize=normalize, segment_ids=segment_ids)

@@ -141,10 +141,12 @@ def memory_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryRe
             raise
         raise TypeError(mistake) from None  # a static argument may be either, if it traces
     compiled = traced.lower().compile()
-    stats = compiled.memory_analysis()
+    stats, backend = compiled.memory_analysis(), jax.default_backend()
     if stats is None:
-        raise ValueError(f"The {jax.default_backend()} backend gives no memory analysis of `fn`.")
+        raise ValueError(f"The {backend} backend gives no memory analysis of `fn`.")
     flops = dot_flops(getattr(traced, "traced", traced).jaxpr)  # nnx.jit: flax's Traced
     device, host = _sizes(compiled, stats)
-    peaks = [argument + output + temp - alias for argument, output, temp, alias in (device, host)]
-    return MemoryReport(*device, *peaks, *flops, jax.default_backend())
+    named = {f"{kind}_bytes": n for kind, n in zip(_KINDS, device)}  # argument_bytes, ...
+    named |= {"dot_flops": flops.flops, "dot_flops_exact": flops.exact}
+    peak, host_peak = (sum(sizes[:3]) - sizes[3] for sizes in (device, host))  # ... - alias
+    return MemoryReport(**named, peak_bytes=peak, host_bytes=host_peak, backend=backend)

@@ -9,6 +9,9 @@ import jax.numpy as jnp
 import optax
 
 from jaxga import _checks, collectives
+from jaxga.loss import check_value
+
+_POSITIONAL = "`weight` is keyword-only: tx.update(grads, state, params, weight=...); got {}."
 
 
 class MultiStepsState(NamedTuple):
@@ -88,16 +91,20 @@ def _never_skip(grads: Any, gradient_step: Any, params: Any) -> tuple[jax.Array,
     return jnp.zeros((), jnp.bool_), ()
 
 
-def _init(params: Any, *, inner: Any, sum_dtype: Any, should_skip: Any) -> MultiStepsState:
+def _init(params: Any, *, inner: Any, accumulator_dtype: Any, should_skip: Any) -> MultiStepsState:
     _check_arrays(params, "params", like=params)
     out = jax.eval_shape(should_skip, params, jnp.zeros((), jnp.int32), params)
     pair = isinstance(out, tuple) and len(out) == 2
     if not pair or jnp.shape(out[0]) != () or jnp.result_type(out[0]) != jnp.bool_:
         raise TypeError(f"`should_skip_update_fn` must return (a bool, a report); got {out}.")
+
+    def zeros(leaf: Any) -> jax.Array:  # an accumulator: at least float32, or accumulator_dtype
+        return jnp.zeros_like(leaf, _checks.sum_dtype(accumulator_dtype, jnp.result_type(leaf)))
+
     return MultiStepsState(
         mini_step=jnp.int32(0),
         gradient_step=jnp.int32(0),
-        acc_grads=jax.tree.map(lambda z: jnp.zeros_like(z, sum_dtype(jnp.result_type(z))), params),
+        acc_grads=jax.tree.map(zeros, params),
         weight_sum=jnp.float32(0),
         weighted=jnp.bool_(False),
         inner_opt_state=optax.with_extra_args_support(inner).init(params),
@@ -107,21 +114,22 @@ def _init(params: Any, *, inner: Any, sum_dtype: Any, should_skip: Any) -> Multi
     )
 
 
-def _accumulate(grads, state, params, weight, should_skip, /):
-    mixed = (state.mini_step > 0) & (state.weighted != (weight is not None))
-    if not isinstance(mixed, jax.core.Tracer) and mixed:  # known eagerly
-        got = "none after weighted calls" if weight is None else "one after unweighted calls"
-        raise ValueError(f"`weight` must be given to all calls of a group or none; got {got}.")
+def _accumulate(
+    grads: Any, state: MultiStepsState, params: Any, weight: Any, should_skip: Callable, /
+) -> tuple[MultiStepsState, jax.Array]:
+    """``state`` with ``grads`` added at ``weight``, and whether they were (not skipped)."""
+    got = "none after weighted calls" if weight is None else "one after unweighted calls"
+    mixed = (state.mini_step > 0) & (state.weighted != (weight is not None))  # traced: weighs 1
+    check_value(~mixed, f"`weight` must be given to all calls of a group or none; got {got}.")
     w = 1.0 if weight is None else weight
     w = _checks.scalar(w, "weight", (jnp.integer, jnp.floating), "an int or float scalar")
-    valid = jnp.isfinite(w) & (w >= 0)
-    if not isinstance(valid, jax.core.Tracer) and not valid:
-        raise ValueError(f"`weight` must be finite and non-negative; got {float(w)}.")
+    message = "`weight` must be finite and non-negative; got {}."
+    valid = check_value(jnp.isfinite(w) & (w >= 0), message, w)  # traced: the call is skipped
     w = w.astype(jnp.float32)
     skip, report = should_skip(grads, state.gradient_step, params)
     report = optax.tree.cast_like(jax.tree.map(jnp.asarray, report), state.skip_state)
     skip, report = collectives.psum_varying((jnp.asarray(skip), report))  # devices agree
-    keep = valid & ~skip  # a traced invalid weight skips: it cannot raise
+    keep = valid & ~skip
     prior = jnp.where(state.mini_step == 0, 0.0, state.weight_sum)  # 0 for a new group
     weight_sum = prior + w
     ratio = jnp.where(weight_sum > 0, w / weight_sum, 0.0)  # 0: no items, its 0 / 0 stays out
@@ -142,19 +150,30 @@ def _accumulate(grads, state, params, weight, should_skip, /):
     ), keep
 
 
-def _update(grads, state, params=None, *, inner, every_k, should_skip, **extra_args):
+def update(
+    grads: Any,
+    state: MultiStepsState,
+    params: Any = None,
+    *misplaced: Any,
+    weight: Any = None,
+    end_group: Any = False,
+    inner: optax.GradientTransformation,
+    every_k: Any,
+    should_skip: Callable,
+    **extra_args: Any,
+) -> tuple[Any, MultiStepsState]:
+    """A `MultiStepsTransformation`'s ``update``: ``weight`` and ``end_group`` by keyword only."""
+    if misplaced:
+        raise TypeError(_POSITIONAL.format(f"{misplaced!r:.60} after params"))
     _check_arrays(grads, "grads", like=_check_state(state).acc_grads)
-    weight = extra_args.pop("weight", None)
-    end_group = _checks.scalar(
-        extra_args.pop("end_group", False), "end_group", (jnp.bool_,), "a bool"
-    )
+    end_group = _checks.scalar(end_group, "end_group", (jnp.bool_,), "a bool")
     with jax.named_scope("accumulate"):
         group, keep = _accumulate(grads, state, params, weight, should_skip)
     k = jnp.asarray(every_k(state.gradient_step) if callable(every_k) else every_k)  # group size
-    is_int = k.shape == () and jnp.issubdtype(k.dtype, jnp.integer)
-    if not is_int or (not isinstance(k, jax.core.Tracer) and k < 1):  # traced: taken as >= 1
-        error = ValueError if is_int else TypeError
-        raise error(f"The `every_k` schedule must return an int scalar >= 1; got {k!r}.")
+    message = "The `every_k` schedule must return an int scalar >= 1; got {!r}."
+    if k.shape != () or not jnp.issubdtype(k.dtype, jnp.integer):
+        raise TypeError(message.format(k))
+    check_value(k >= 1, message, k)  # traced: taken as 1
     done = (keep & (group.mini_step >= jnp.maximum(k, 1))) | (end_group & (group.mini_step > 0))
     apply = done & (group.weight_sum > 0)  # a group without weight holds no items
     inner = optax.with_extra_args_support(inner)
@@ -206,7 +225,8 @@ def MultiSteps(
 ) -> MultiStepsTransformation:
     """Accumulates gradients over ``every_k`` calls, then applies ``inner`` to their mean.
 
-    ``update`` takes ``weight=`` (e.g. a token count) and ``end_group=True`` to end a group early.
+    ``update`` takes, by keyword, ``weight=`` (e.g. a token count; a bad one raises, or traced
+    skips its call, counted in ``num_skipped``) and ``end_group=True`` to end a group early.
 
     Args:
         inner: the optimiser to apply once per group, e.g. `optax.adamw(1e-3)` or a chain.
@@ -237,6 +257,6 @@ def MultiSteps(
     else:
         every_k = _checks.positive_int(every_k, "every_k", "a positive int or a schedule")
     options = {"inner": inner, "should_skip": should_skip}
-    sum_dtype = functools.partial(_checks.sum_dtype, _checks.float_dtype(accumulator_dtype))
-    init = functools.partial(_init, sum_dtype=sum_dtype, **options)
-    return MultiStepsTransformation(init, functools.partial(_update, every_k=every_k, **options))
+    dtype = _checks.float_dtype(accumulator_dtype)
+    init = functools.partial(_init, accumulator_dtype=dtype, **options)
+    return MultiStepsTransformation(init, functools.partial(update, every_k=every_k, **options))

@@ -198,6 +198,8 @@ def _build_one(
     k, size, remat, keywords = config
     try:
         step = build(k, remat, **keywords)
+        if not callable(step):
+            raise TypeError(f"`build` returned {step!r:.40}; it must return a step to compile.")
         report = memory_report(step, *args)
     except IndivisibleBatchError as e:  # k micro-batches a device do not divide its rows
         if strict:  # the user asked for k: it must compile
@@ -250,9 +252,8 @@ def _search(
     for i, config in enumerate(configs):
         if step is not None and not every:
             return _Searched(candidates, _chosen(candidates, budget), step, len(configs) - i)
-        if any(
-            c.num_microbatches == config.num_microbatches and c.report is None for c in candidates
-        ):
+        undivided = {c.num_microbatches for c in candidates if c.report is None}
+        if config.num_microbatches in undivided:
             continue  # the devices do not divide k micro-batches, whatever the rest
         built = _build_one(build, args, config, budget=budget, strict=strict)
         if built.candidate.fits and step is None:  # the others' steps and programs are freed

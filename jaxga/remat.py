@@ -12,6 +12,11 @@ from jaxga._checks import check_arity, check_bool, leading_size, positive_int
 
 Policy = str | Sequence[str] | Callable[..., Any] | None
 _STACK = "jax.tree.map(lambda *p: jnp.stack(p), *layers)"
+_UNSTACKED = (
+    "`stacked_params` looks like one layer's parameters: its leading axis was read as L={} "
+    "layers, layer_fn(stacked_params[i], x) {}, but layer_fn(stacked_params, x) gives a carry "
+    f"like x. Stack the layers' parameters: {_STACK}."
+)
 
 
 class Remat(NamedTuple):
@@ -103,22 +108,27 @@ def _like(x: Any, y: Any) -> bool:  # whether y has the structure, shapes and dt
     return jax.tree.flatten(_describe(x)) == jax.tree.flatten(_describe(y))
 
 
-def _apply_layer(layer_fn: Callable[..., Any], num_layers: int, x: Any, params: Any) -> Any:
+def _gives_carry(layer_fn: Callable[..., Any], x: Any, *args: Any) -> bool:
+    try:  # whether layer_fn(*args) returns a carry like x
+        return _like(x, jax.eval_shape(layer_fn, *args))
+    except Exception:  # a probe on the error path: the original error is raised instead
+        return False
+
+
+def _apply_layer(layer_fn: Callable[..., Any], stacked: Any, x: Any, params: Any) -> Any:
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
     try:
         y = layer_fn(params, x)
     except Exception as e:
-        error = e
-        got = f"raised {type(e).__name__}"
+        error, got = e, f"raised {type(e).__name__}"
     else:
         if _like(x, y):
             return y, None
         got = f"returned {_describe(y)} for x of {_describe(x)}"
         error = TypeError(f"`layer_fn` must return a carry like x; it {got} (L={num_layers}).")
-    try:  # whether layer_fn(x, params), the arguments swapped, returns a carry like x
-        swapped = _like(x, jax.eval_shape(layer_fn, x, params))
-    except Exception:  # a probe on the error path: the original error is raised instead
-        swapped = False
-    if swapped:
+    if _gives_carry(layer_fn, x, stacked, x):  # all of stacked_params as one layer's
+        raise ValueError(_UNSTACKED.format(num_layers, got))
+    if _gives_carry(layer_fn, x, x, params):
         raise TypeError(f"`layer_fn` takes its arguments swapped: as layer_fn(params, x) it {got}.")
     raise error
 
@@ -168,7 +178,7 @@ def remat_scan(
     if check_bool(unroll, "unroll") and save is not None:  # only a loop keeps remat apart
         got = getattr(policy, "__name__", repr(policy))
         raise ValueError(f"`unroll`=True needs policy='none' or None; got policy={got}.")
-    one_layer = functools.partial(_apply_layer, layer_fn, num_layers)
+    one_layer = functools.partial(_apply_layer, layer_fn, stacked_params)
     if save is not None:  # inside a scan the loop keeps XLA from merging recomputation
         one_layer = jax.checkpoint(one_layer, policy=save, prevent_cse=False)
     layers = functools.partial(jax.lax.scan, one_layer, unroll=unroll)  # (x, params) -> (x, None)

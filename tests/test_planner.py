@@ -327,9 +327,13 @@ def test_build_as_a_partial_or_with_defaults_is_accepted():
 
 
 def test_build_must_return_a_step():
-    returned = r"`fn` must be a function; got 3 of type int\.\n\(jaxga\.plan, building "
-    with pytest.raises(TypeError, match=returned):
-        jaxga.plan(lambda k, r: 3, *ARGS, budget="1GiB")
+    """Issue 38: a `build` returning None was named as memory_report's internal `fn`."""
+    for got, returned in ((None, "None"), (3, "3")):
+        message = (
+            rf"^`build` returned {returned}; it must return a step to compile\.\n\(jaxga\.plan, "
+        )
+        with pytest.raises(TypeError, match=message + r"building num_microbatches=1, remat="):
+            jaxga.plan(lambda k, r, got=got: got, *ARGS, budget="1GiB")
     with pytest.raises(
         TypeError, match=r"`build` must be callable as build\(.*; got .step. of type str"
     ):
@@ -340,18 +344,21 @@ def test_build_must_return_a_step():
 
 
 def fake_plan(peaks, budget, search):
-    """jaxga.plan over counts whose compiled peaks are ``peaks[k]``: build returns k and the
-    report is looked up, so any table, monotone or not, can be searched. The chosen count
-    (None if none fits) and the counts built, in the order built."""
+    """jaxga.plan over counts whose compiled peaks are ``peaks[k]``: build returns a step
+    that gives k and the report is looked up, so any table, monotone or not, can be
+    searched. The chosen count (None if none fits) and the counts built, in the order built."""
     batch = jax.ShapeDtypeStruct((max(peaks), 1), jnp.float32)
 
+    def build(k, remat):
+        return lambda: k
+
     def report(step, *args):
-        return jaxga.MemoryReport(0, 0, 0, 0, peaks[step], 0, 0, True, "fake")
+        return jaxga.MemoryReport(0, 0, 0, 0, peaks[step()], 0, 0, True, "fake")
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(jaxga.planner, "memory_report", report)
         try:
-            p = jaxga.plan(lambda k, r: k, batch, budget=budget, remat=(None,), search=search)
+            p = jaxga.plan(build, batch, budget=budget, remat=(None,), search=search)
         except InfeasibleBudgetError as e:
             return None, [c.num_microbatches for c in e.candidates]
     return p.num_microbatches, [c.num_microbatches for c in p.candidates]

@@ -301,9 +301,27 @@ def test_error_when_layer_changes_the_carry(bad_layer, match, policy):
         jaxga.remat_scan(bad_layer, W, X, policy=policy)
 
 
-def test_error_on_one_layer_not_stacked_names_the_layers_it_was_taken_for():
-    with pytest.raises(TypeError, match=r"returned float32\[2\] for x of float32\[2, 3\] \(L=3\)"):
+def test_error_on_one_layer_not_stacked_says_unstacked_and_how_to_stack():
+    """Issue 38: one layer's weights, where L layers' go, blamed `layer_fn` with "(L=3)"."""
+    expected = (
+        "`stacked_params` looks like one layer's parameters: its leading axis was read as L=3 "
+        "layers, layer_fn(stacked_params[i], x) returned float32[2] for x of float32[2, 3], but "
+        "layer_fn(stacked_params, x) gives a carry like x. Stack the layers' parameters: "
+        "jax.tree.map(lambda *p: jnp.stack(p), *layers)."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}"):  # then jax's traceback note
         jaxga.remat_scan(lambda w, x: jnp.tanh(x @ w), W[0], X)
+    # a layer that raises on a slice: the same error, after it raised
+
+    def layer(p, x):
+        return jnp.tanh(jnp.einsum("bi,io->bo", x, p["w"]) + p["b"])
+
+    layers = [{"w": W[i], "b": jnp.ones(3)} for i in range(2)]
+    with pytest.raises(ValueError, match=r"read as L=3 layers, layer_fn.* raised ValueError, but"):
+        jaxga.remat_scan(layer, layers[0], X)
+    stacked = jax.tree.map(lambda *p: jnp.stack(p), *layers)  # the advice, followed
+    expected = jnp.tanh(jnp.tanh(X @ W[0] + 1) @ W[1] + 1)
+    chex.assert_trees_all_close(jaxga.remat_scan(layer, stacked, X), expected, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
