@@ -10,11 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import checkify
 from jax.tree_util import keystr, tree_flatten_with_path
 
 from jaxga import _checks, collectives, modules
-from jaxga.loss import Mean
+from jaxga.loss import Mean, check_value
 from jaxga.microbatch import IndivisibleBatchError
 
 
@@ -99,18 +98,16 @@ def check_state_reduction(value: Any) -> Any:
 def check_num_real(value: Any, num_microbatches: int) -> Any:
     """An int32 count, checked where it can be read: not traced (`docs/architecture.md`'s rule)."""
     name, expected = "num_real_microbatches", "an int scalar or None"
-    bad = f"`{name}` must be in 1..{num_microbatches} (num_microbatches); got {{n}}."
+    bad = f"`{name}` must be in 1..{num_microbatches} (num_microbatches); got {{}}."
     if value is None:
         return None
     if isinstance(value, jax.core.Tracer):  # unread: 0 gives a NaN loss; checkify reports it
         n = _checks.scalar(value, name, (jnp.integer,), expected).astype(jnp.int32)
-        checkify.debug_check((n >= 1) & (n <= num_microbatches), bad, n=n)
-        return n
-    n = np.asarray(value)
-    if n.shape != () or n.dtype.kind not in "iu":
-        raise TypeError(f"`{name}` must be {expected}; got {value!r:.60}.")
-    if not 1 <= n <= num_microbatches:
-        raise ValueError(bad.format(n=n))
+    else:
+        n = np.asarray(value)
+        if n.shape != () or n.dtype.kind not in "iu":
+            raise TypeError(f"`{name}` must be {expected}; got {value!r:.60}.")
+    check_value((n >= 1) & (n <= num_microbatches), bad, n)
     return jnp.asarray(n, jnp.int32)  # one compiled step for every count
 
 

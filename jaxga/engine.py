@@ -6,13 +6,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, arguments, auxiliary, collectives, modules
 from jaxga.arguments import Options
 from jaxga.convolution import canonical_convolutions, rewrites
-from jaxga.loss import Mean
+from jaxga.loss import Mean, check_value
 from jaxga.microbatch import split_microbatches
 
 
@@ -256,14 +255,9 @@ def reduce(sums: Carry, options: Options, call: Call) -> Sums:
 def finish(sums: Sums, options: Options, call: Call, *, aux: Any) -> Accumulated:
     """Phase 3b: one division, modules' state written back."""
     grads, total, count, threaded = sums
-    valid, bad = (
-        jnp.isfinite(count) & (count >= 0),
-        "Mean counts summed to {} items; expected finite and >= 0.",
-    )
-    if not isinstance(count, jax.core.Tracer) and not valid:
-        raise ValueError(bad.format(float(count)))
-    checkify.debug_check(valid, bad, count)  # traced: unread (the rule); the count NaN
-    count = jnp.where(valid, count, jnp.nan)
+    bad = "Mean counts summed to {} items; expected finite and >= 0."
+    valid = check_value(jnp.isfinite(count) & (count >= 0), bad, count)  # the rule: traced,
+    count = jnp.where(valid, count, jnp.nan)  # a NaN count
     grads = jax.tree.map(lambda g, p: (g / count).astype(jnp.result_type(p)), grads, call.primals)
     modules.write_back(call.parts, threaded.modules)
     return Accumulated(
