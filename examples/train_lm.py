@@ -24,6 +24,12 @@ several documents to a row with Grain's first-fit packing, attention kept within
 the micro-batches a step leaves empty (one compiled step for every count):
 
     python examples/train_lm.py --pack --tokens-per-step 3072 --normalize sequence_mean
+
+``--stages S`` (with ``--devices``) splits the blocks into a pipeline of S stages over a
+``"stage"`` mesh axis beside ``"data"`` (``jaxga.pipeline_scan``; ``--schedule gpipe`` or
+``circular``), with the losses of one device, to float32 rounding (docs/pipeline.md):
+
+    python examples/train_lm.py --devices 8 --stages 4 --layers 8 --schedule circular
 """
 
 from __future__ import annotations
@@ -304,12 +310,28 @@ class Transformer(nnx.Module):
         if segment_ids is not None:
             same_segment = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
         graphdef, stacked = nnx.split(self.blocks)
-        x = jaxga.remat_scan(
-            lambda layer, h: nnx.merge(graphdef, layer)(h, same_segment),
-            stacked,
-            x,
-            **layer_options(self.cfg.remat),
-        )
+        if self.cfg.stages > 1:  # the blocks split into stages, laid out over "stage"
+
+            def block(layer: Any, carry: tuple) -> tuple:  # the mask streams with its rows
+                h, same = carry
+                return nnx.merge(graphdef, layer)(h, same), same
+
+            x, _ = jaxga.pipeline_scan(
+                block,
+                stacked,
+                (x, same_segment),
+                num_microbatches=self.cfg.pipeline_microbatches,
+                schedule=self.cfg.schedule,
+                repeats=self.cfg.repeats,
+                policy=remat_options(self.cfg.remat)["policy"],
+            )
+        else:
+            x = jaxga.remat_scan(
+                lambda layer, h: nnx.merge(graphdef, layer)(h, same_segment),
+                stacked,
+                x,
+                **layer_options(self.cfg.remat),
+            )
         return self.embed.attend(self.norm(x)).astype(jnp.float32)
 
     def position(self, positions: jax.Array | None, length: int) -> jax.Array:
@@ -338,6 +360,13 @@ class Config:
     dropout: float = 0.1
     remat: str = "full"
     dtype: str = "float32"  # of the matrix products; parameters are always float32
+    stages: int = 1  # pipeline stages (a "stage" mesh axis); 1: no pipeline
+    schedule: str = "gpipe"  # with stages: "gpipe" or "circular" (2 chunks a stage)
+    pipeline_microbatches: int = 1  # with stages: the pipeline's micro-batches
+
+    @property
+    def repeats(self) -> int:
+        return 2 if self.schedule == "circular" else 1
 
     def flops_per_token(self) -> float:
         """Model FLOPs per token of a training step (PaLM, appendix B): 6 per parameter of
@@ -474,6 +503,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="with --devices: the state replicated, or sharded (see docs/distributed.md)",
     )
     p.add_argument("--offload", action="store_true", help="keep the optimiser state in host memory")
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=1,
+        help="with --devices: pipeline stages of the blocks (docs/pipeline.md)",
+    )
+    p.add_argument("--schedule", choices=("gpipe", "circular"), default="gpipe")
+    p.add_argument(
+        "--pipeline-microbatches", type=int, default=None, help="with --stages; default: stages"
+    )
     return p.parse_args(argv)
 
 
@@ -540,6 +579,51 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--dropout must be in [0, 1); got {args.dropout}")
     if args.tokens_per_step is not None:
         check_token_budget(args)
+    check_stages(args)
+
+
+def check_stages(args: argparse.Namespace) -> None:
+    """``--stages``: a pipeline over a ``"stage"`` axis beside ``"data"``, checked."""
+    if args.pipeline_microbatches is None:
+        args.pipeline_microbatches = args.stages
+    if args.stages == 1:
+        return
+    repeats = 2 if args.schedule == "circular" else 1
+    if args.stages < 1 or args.devices % args.stages:
+        raise UsageError(f"--stages {args.stages} must divide --devices {args.devices}")
+    if args.layers % (args.stages * repeats):
+        raise UsageError(
+            f"--layers {args.layers} must be a multiple of --stages {args.stages} × {repeats} "
+            f"(--schedule {args.schedule})"
+        )
+    if args.plan is not None or args.microbatches == "auto" or args.strategy != "data_parallel":
+        raise UsageError("--stages needs a fixed --microbatches and --strategy data_parallel")
+    rows = args.batch_size // (args.devices // args.stages) // args.microbatches
+    if args.pipeline_microbatches < args.stages or rows % args.pipeline_microbatches:
+        raise UsageError(
+            f"--pipeline-microbatches {args.pipeline_microbatches} must be at least --stages "
+            f"{args.stages} and divide a micro-batch's {rows} rows on a device"
+        )
+
+
+def pipeline_specs(params: Any) -> Any:
+    """The layout of ``params`` over the ``("data", "stage")`` mesh: each stage's blocks on
+    it (the stacked layer axis split over ``"stage"``), the rest on every device."""
+
+    def spec(path: tuple, _: Any) -> jax.sharding.PartitionSpec:
+        stacked = any(getattr(key, "key", None) == "blocks" for key in path)
+        return jax.P("stage") if stacked else jax.P()
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def mesh_of(args: argparse.Namespace) -> jax.sharding.Mesh | None:
+    """``("data",)`` over ``--devices``; with ``--stages``, ``("data", "stage")``."""
+    if args.devices == 1:
+        return None
+    if args.stages > 1:
+        return jax.make_mesh((args.devices // args.stages, args.stages), ("data", "stage"))
+    return jax.make_mesh((args.devices,), ("data",))
 
 
 def check_token_budget(args: argparse.Namespace) -> None:
@@ -590,7 +674,7 @@ def make_step(
 ):
     """The jaxga train step, on a mesh of ``--devices`` with ``strategy`` if more than one;
     with ``num_microbatches="auto"`` it plans its own for ``--memory-budget``."""
-    mesh = jax.make_mesh((args.devices,), ("data",)) if args.devices > 1 else None
+    mesh = mesh_of(args)
     auto = num_microbatches == "auto"
     return jaxga.make_train_step(
         jaxga.nnx_loss(graphdef, functools.partial(loss, normalize=args.normalize)),
@@ -647,6 +731,12 @@ def train(args: argparse.Namespace) -> dict:
     cfg = Config(
         args.seq_len, args.dim, args.heads, args.layers, args.dropout, args.remat, args.dtype
     )
+    cfg = dataclasses.replace(
+        cfg,
+        stages=args.stages,
+        schedule=args.schedule if args.stages > 1 else Config.schedule,
+        pipeline_microbatches=args.pipeline_microbatches if args.stages > 1 else 1,
+    )
     config_file = args.checkpoint_dir / "config.json"
     if args.resume and config_file.exists():
         saved = json.loads(config_file.read_text())
@@ -654,7 +744,10 @@ def train(args: argparse.Namespace) -> dict:
             raise UsageError(f"--resume: {config_file} holds another model: {saved}")
 
     model = nnx.jit(lambda: Transformer(cfg, nnx.Rngs(args.seed)))()  # one compile, not 100s of ops
+    if cfg.repeats > 1:  # each stage's chunks of blocks together (docs/pipeline.md)
+        nnx.update(model.blocks, jaxga.pipeline_order(nnx.state(model.blocks), cfg.stages, 2))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    strategy = pipeline_specs(params) if cfg.stages > 1 else args.strategy
     tx = optimizer(args.lr)
     state = jaxga.TrainState.create(params=params, tx=tx, model_state=rest, rng=args.seed + 1)
     example = Batches(rows, args.batch_size, args.seed)(0)[0]  # a full batch's shapes
@@ -662,7 +755,7 @@ def train(args: argparse.Namespace) -> dict:
     if args.plan is not None:
         graphdef = plan_step(args, cfg, state, example)
         cfg = dataclasses.replace(cfg, remat=args.remat)  # the model trained, as saved
-    step_fn = make_step(args, graphdef, args.microbatches, args.strategy, args.offload)
+    step_fn = make_step(args, graphdef, args.microbatches, strategy, args.offload)
     try:
         # per device ("auto" plans here); with --tokens-per-step, the program that skips
         real = () if args.tokens_per_step is None else (1,)
@@ -675,7 +768,7 @@ def train(args: argparse.Namespace) -> dict:
 
     manager = checkpointer(args.checkpoint_dir)
     config_file.write_text(json.dumps(dataclasses.asdict(cfg)))
-    state = resume_or_replace(args, manager, state)
+    state = resume_or_replace(args, manager, state, strategy)
     start = int(state.step)
 
     n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -684,7 +777,7 @@ def train(args: argparse.Namespace) -> dict:
         f"{args.microbatches} micro-batches × {args.batch_size // args.microbatches}, "
         f"remat {args.remat}, {args.dtype} matmuls, loss {args.normalize}, "
         f"steps {start}→{args.steps}"
-        + (f", {args.devices} devices ({args.strategy})" if args.devices > 1 else "")
+        + (f", {args.devices} devices ({describe_layout(args)})" if args.devices > 1 else "")
         + (", optimiser state in host memory" if args.offload else "")
     )
     batches = make_batches(args, rows)
@@ -707,7 +800,12 @@ def train(args: argparse.Namespace) -> dict:
         )
     print_speed(args, cfg, history)
     if args.sample:
-        trained = nnx.merge(graphdef, state.params, state.model_state)
+        trained = nnx.merge(graphdef, *jax.device_get((state.params, state.model_state)))
+        if cfg.stages > 1:  # on one device, the blocks in layer order, no pipeline
+            if cfg.repeats > 1:
+                layers = jaxga.pipeline_order(nnx.state(trained.blocks), 2, cfg.stages)
+                nnx.update(trained.blocks, layers)
+            trained.cfg = dataclasses.replace(cfg, stages=1)
         text = sample(trained, "def ", args.sample, jax.random.key(args.seed))
         print("sample:\n" + text)
     return {
@@ -719,8 +817,18 @@ def train(args: argparse.Namespace) -> dict:
     }
 
 
+def describe_layout(args: argparse.Namespace) -> str:
+    if args.stages == 1:
+        return args.strategy
+    data = args.devices // args.stages
+    return f"{data} data × {args.stages} {args.schedule} pipeline stages"
+
+
 def resume_or_replace(
-    args: argparse.Namespace, manager: ocp.CheckpointManager, state: jaxga.TrainState
+    args: argparse.Namespace,
+    manager: ocp.CheckpointManager,
+    state: jaxga.TrainState,
+    strategy: Any = "data_parallel",
 ) -> jaxga.TrainState:
     """The latest checkpoint's state with ``--resume``; else ``state``, and the checkpoints
     of an earlier run in the directory are deleted."""
@@ -739,8 +847,8 @@ def resume_or_replace(
     if args.resume and manager.latest_step() is not None:
         shardings = None
         if args.devices > 1:  # a checkpoint from any device count, laid out for this one
-            mesh = jax.make_mesh((args.devices,), ("data",))
-            shardings = jaxga.sharding.state_shardings(state, mesh, args.strategy)
+            mesh = mesh_of(args)
+            shardings = jaxga.sharding.state_shardings(state, mesh, strategy)
         state = restore(manager, state, shardings)
     return state
 

@@ -76,6 +76,22 @@ def test_train_lm_fsdp_on_eight_devices_resumes_on_four(tmp_path, capsys):
     assert sharded  # FSDP: parameters are split over the 4 devices
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (the CPU has them here)")
+@pytest.mark.parametrize("schedule", ["gpipe", "circular"])
+def test_train_lm_pipelined_on_eight_devices_trains_as_one_device(tmp_path, capsys, schedule):
+    """--devices 8 --stages 4: 2 data-parallel copies of a 4-stage pipeline of the 8 blocks
+    train with the losses of one device, to float32 rounding; the sample runs unpipelined."""
+    wide = [*TINY, "--batch-size", "16", "--dropout", "0", "--layers", "8", "--steps", "2"]
+    one = train_lm.train(train_lm.parse_args([*wide, "--checkpoint-dir", str(tmp_path / "a")]))
+    pipelined = [*wide, "--devices", "8", "--stages", "4", "--schedule", schedule, "--sample", "4"]
+    piped = train_lm.train(
+        train_lm.parse_args([*pipelined, "--checkpoint-dir", str(tmp_path / "b")])
+    )
+    np.testing.assert_allclose(piped["losses"], one["losses"], rtol=1e-5)
+    out = capsys.readouterr().out
+    assert f"8 devices (2 data × 4 {schedule} pipeline stages)" in out and "sample:" in out
+
+
 def test_train_lm_on_user_text(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -119,6 +135,7 @@ def test_train_lm_plans_its_micro_batches(tmp_path, capsys):
             "--tokens-per-step needs a fixed --microbatches; --microbatches auto chooses it",
         ),
         (["--tokens-per-step", "32", "--plan", "1MiB"], "fixed --microbatches; --plan chooses"),
+        (["--stages", "3"], "--stages 3 must divide --devices 1"),
     ],
 )
 def test_train_lm_bad_input(tmp_path, capsys, extra, message):
