@@ -12,7 +12,7 @@ from flax.training import train_state
 from jaxga import _checks, modules, sharding, steps
 from jaxga.accumulation import accumulate
 from jaxga.arguments import StateStructureError, check_num_real
-from jaxga.state import StateFields, check_field_names, state_fields, unaliased
+from jaxga.state import StateFields, TrainState, check_field_names, state_fields, unaliased
 from jaxga.steps import Metrics, StepOptions
 
 
@@ -115,12 +115,13 @@ def _accumulate_state(
 
 
 def _check_apply_gradients(state: Any, extra: dict[str, Any]) -> None:
+    """Flax's ``apply_gradients`` sends keywords to ``replace``; jaxga.TrainState's to ``tx``."""
     flax_own = type(state).apply_gradients is train_state.TrainState.apply_gradients
     if flax_own and not isinstance(state.params, Mapping):  # it looks for fp8's key in them
         got = f"{type(state).__name__} with params of type {type(state.params).__name__}"
         raise TypeError(f"Flax's TrainState.apply_gradients needs dict params; got {got}.")
-    takes = inspect.signature(state.apply_gradients).parameters
-    if missing := [name for name in extra if name not in takes]:
+    takes = inspect.signature(state.apply_gradients).parameters  # a subclass of ours: **kwargs
+    if missing := [] if isinstance(state, TrainState) else [n for n in extra if n not in takes]:
         got = f"{type(state).__name__}.apply_gradients takes no `{missing[0]}`"
         fix = "or build the step with weight=False" if missing[0] == "weight" else "or a subclass"
         raise TypeError(f"The step passes {got}: expected a jaxga.TrainState, {fix}.")
