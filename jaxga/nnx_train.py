@@ -1,7 +1,7 @@
 """`jaxga.nnx_train_step`: a jitted train step of a Flax NNX model and optimizer, in place."""
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,25 +71,28 @@ class NNXTrainStep(steps.JittedStep):
         model: Any,
         optimizer: Any,
         batch: Any,
-        num_real_microbatches=None,
-        rngs=None,
-        end_group=None,
+        num_real_microbatches: Any = None,
+        *,
+        rngs: Any = None,
+        end_group: Any = None,
     ) -> tuple[Any, ...]:
         _check_model(model, optimizer)
         if not (rngs is None or isinstance(rngs, nnx.Rngs) or arguments.is_key(rngs)):
             got = type(rngs).__name__
             raise TypeError(f"`rngs` must be an nnx.Rngs, a PRNG key or None; got {got}.")
-        graphdef, state = nnx.split(
-            (model, optimizer, *([rngs] if isinstance(rngs, nnx.Rngs) else []))
-        )
+        streams = [rngs] if isinstance(rngs, nnx.Rngs) else []
+        graphdef, state = nnx.split((model, optimizer, *streams))
         self._once((graphdef, state), _check_wrt, model, optimizer)
         layout = self.options.layout
         if layout is not None:  # where the model put it; on the mesh, replicated, if nowhere
             state = sharding.onto(state, layout.mesh)
         state = sharding.lay_out(state, None, offload_state=self.options.offload)
-        real = check_num_real(num_real_microbatches, self.options.num_microbatches)
-        key = None if rngs is None or isinstance(rngs, nnx.Rngs) else rngs
-        return graphdef, state, batch, real, key, steps.check_end_group(end_group)
+        call = _Call(
+            num_real=check_num_real(num_real_microbatches, self.options.num_microbatches),
+            key=None if streams else rngs,
+            end_group=steps.check_end_group(end_group),
+        )
+        return graphdef, state, batch, call
 
     def __call__(
         self,
@@ -103,17 +106,23 @@ class NNXTrainStep(steps.JittedStep):
     ) -> steps.Metrics:
         if self.options.num_microbatches == "auto" and rngs is not None:
             raise ValueError('`rngs` needs a fixed num_microbatches; "auto" plans without them.')
-        if (planned := self._planned((model, optimizer, batch, num_real_microbatches))) is not self:
-            return planned(
-                model, optimizer, batch, num_real_microbatches, rngs=rngs, end_group=end_group
-            )
-        args = self._arguments(model, optimizer, batch, num_real_microbatches, rngs, end_group)
-        graphdef, state, *rest = args
+        args = (model, optimizer, batch, num_real_microbatches)
+        if (planned := self._planned(args)) is not self:
+            return planned(*args, rngs=rngs, end_group=end_group)
+        graphdef, state, batch, call = self._arguments(*args, rngs=rngs, end_group=end_group)
         run = self._update if steps.traced(state) else self._jitted  # in a jit: inlined in it
         state = unaliased(state) if self.options.donate else state
-        state, metrics = run(graphdef, state, *rest)
+        state, metrics = run(graphdef, state, batch, call)
         nnx.update((model, optimizer, *([rngs] if isinstance(rngs, nnx.Rngs) else [])), state)
         return metrics
+
+
+class _Call(NamedTuple):
+    """What a call hands the jitted step besides the model's state and the batch."""
+
+    num_real: Any  # `num_real_microbatches`, checked
+    key: Any  # `rngs` given as a PRNG key, or None
+    end_group: Any  # a bool scalar, or None
 
 
 def _check_model(model: Any, optimizer: Any) -> None:
@@ -152,14 +161,8 @@ def _accumulate_wrt(loss: Callable[..., Any], options: steps.StepOptions, wrt: A
 def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[..., Any]:
     checked = steps.loss_alone(loss, "`loss(model, batch)`", pair=False, aux=options.has_aux)
 
-    def train_step(
-        graphdef: Any,
-        state: Any,
-        batch: Any,
-        num_real: Any = None,
-        key: Any = None,
-        end_group: Any = None,
-    ) -> tuple[Any, steps.Metrics]:
+    def train_step(graphdef: Any, state: Any, batch: Any, call: _Call) -> tuple[Any, steps.Metrics]:
+        key = call.key
         if options.offload:
             state = sharding.offload(state, "device", select=options.offload)
         model, optimizer, *streams = nnx.merge(graphdef, state)  # streams: [an nnx.Rngs] or []
@@ -168,7 +171,7 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
             checked,
             options,
             optimizer.wrt,
-            num_real_microbatches=num_real,
+            num_real_microbatches=call.num_real,
             rng_argnums=None if key is None else 2,  # a key, typed or raw: folded
         )
         if options.layout is None:
@@ -179,7 +182,7 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
                 batch = sharding.place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))
                 acc = accumulate_model(model, batch, *rngs)
 
-        extra = steps.tx_args(options, optimizer.tx, acc, end_group)
+        extra = steps.tx_args(options, optimizer.tx, acc, call.end_group)
 
         def apply_tx(state: Any, grads: Any) -> Any:
             model, optimizer, *streams = nnx.merge(graphdef, state)

@@ -312,11 +312,11 @@ class JittedStep:
         options = dataclasses.replace(self.options, num_microbatches=num_microbatches)
         return type(self)(self._build, self._loss, options, self._devices)
 
-    def lower(self, *args: Any) -> jax.stages.Lowered:
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Lowers the step (planned, with `"auto"`) for these arguments, as a call lays them out."""
-        return self.trace(*args).lower()
+        return self.trace(*args, **kwargs).lower()
 
-    def trace(self, *args: Any) -> jax.stages.Traced:
+    def trace(self, *args: Any, **kwargs: Any) -> jax.stages.Traced:
         """Traces the step (planned, with `"auto"`) for these arguments, as a call lays them out."""
         step = self._planned(args)
-        return step._jitted.trace(*step._arguments(*args))
+        return step._jitted.trace(*step._arguments(*args, **kwargs))

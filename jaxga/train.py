@@ -36,7 +36,7 @@ class TrainStep(steps.JittedStep):
     _arity = 2
 
     def _arguments(
-        self, state: Any, batch: Any, num_real_microbatches: Any = None, end_group: Any = None
+        self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
     ) -> tuple[Any, ...]:
         self._once(state, _check_state, state, self.options.offload)
         state = sharding.lay_out(state, self.options.layout, offload_state=self.options.offload)
@@ -52,7 +52,7 @@ class TrainStep(steps.JittedStep):
             return self._update(state, batch, num_real_microbatches, end_group)
         if isinstance(leaf := getattr(state, "step", None), jax.Array) and leaf.is_deleted():
             raise ValueError("`state` holds arrays an earlier call deleted: it donates them.")
-        state, *rest = self._arguments(state, batch, num_real_microbatches, end_group)
+        state, *rest = self._arguments(state, batch, num_real_microbatches, end_group=end_group)
         return self._jitted(unaliased(state) if self.options.donate else state, *rest)
 
 
@@ -221,10 +221,7 @@ def make_train_step(
         >>> float(metrics["loss"]), int(metrics["count"]), int(state.step)
         (1.0, 8, 1)
     """
-    if unexpected or callable(getattr(num_microbatches, "update", None)):
-        got = ", ".join(_describe(x) for x in (num_microbatches, *unexpected))
-        fix = "pass tx to TrainState.create and num_microbatches= alone"
-        raise TypeError(f"make_train_step takes no optimiser (it runs state.tx); got {got}: {fix}.")
+    _check_no_optimizer(num_microbatches, *unexpected)
     _checks.check_arity(loss, "loss", 4, "`loss(params, batch, model_state, rng)`")
     if mesh is None and axis_name is not None:
         mesh = jax.make_mesh((1,), (axis_name,), devices=jax.local_devices()[:1])
@@ -255,5 +252,14 @@ def make_train_step(
     return TrainStep(_state_step, loss, options, devices)
 
 
-def _describe(x: Any) -> str:
-    return f"an optimiser ({type(x).__name__})" if hasattr(x, "update") else repr(x)
+def _check_no_optimizer(*positional: Any) -> None:
+    """Raises if an optimiser (or more) follows ``loss``: the step runs ``state.tx``."""
+    if len(positional) > 1 or callable(getattr(positional[0], "update", None)):
+        got = [
+            f"an optimiser ({type(x).__name__})" if hasattr(x, "update") else repr(x)
+            for x in positional
+        ]
+        fix = "pass tx to TrainState.create and num_microbatches= alone"
+        raise TypeError(
+            f"make_train_step takes no optimiser (it runs state.tx); got {', '.join(got)}: {fix}."
+        )
