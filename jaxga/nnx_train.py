@@ -143,18 +143,21 @@ def _check_wrt(model: Any, optimizer: Any) -> None:
             raise ValueError(f"`optimizer.wrt` must select floats; got {got}.")
 
 
-def _accumulate_wrt(loss: Callable[..., Any], options: steps.StepOptions, wrt: Any, **kwargs: Any):
+def _accumulate_wrt(
+    loss: Callable[..., Any], options: steps.StepOptions, wrt: Any, call: _Call
+) -> Callable[..., Any]:
     layout = options.layout
     return accumulate(  # the gradient of what the optimizer updates, and only that
         loss,
         nnx.DiffState(0, wrt),
         has_aux=options.has_aux,
         num_microbatches=options.num_microbatches,
+        num_real_microbatches=call.num_real,
+        rng_argnums=None if call.key is None else 2,  # a key, typed or raw: folded
         axis_name=None if layout is None else layout.loop_axes,
         accumulator_dtype=options.accumulator_dtype,
         unroll=options.unroll,
         canonical_convolutions=options.canonical_convolutions,
-        **kwargs,
     )
 
 
@@ -162,18 +165,10 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
     checked = steps.loss_alone(loss, "`loss(model, batch)`", pair=False, aux=options.has_aux)
 
     def train_step(graphdef: Any, state: Any, batch: Any, call: _Call) -> tuple[Any, steps.Metrics]:
-        key = call.key
-        if options.offload:
-            state = sharding.offload(state, "device", select=options.offload)
+        state = sharding.offload(state, "device", select=options.offload)
         model, optimizer, *streams = nnx.merge(graphdef, state)  # streams: [an nnx.Rngs] or []
-        rngs = streams or ([] if key is None else [key])
-        accumulate_model = _accumulate_wrt(
-            checked,
-            options,
-            optimizer.wrt,
-            num_real_microbatches=call.num_real,
-            rng_argnums=None if key is None else 2,  # a key, typed or raw: folded
-        )
+        rngs = streams or ([] if call.key is None else [call.key])
+        accumulate_model = _accumulate_wrt(checked, options, optimizer.wrt, call)
         if options.layout is None:
             acc = accumulate_model(model, batch, *rngs)
         else:  # jit's global view of the mesh: the batch over its axis, the model as laid out
@@ -197,9 +192,7 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
         metrics = steps.metrics(acc, optimizer.tx, opt_state, options, "weight" in extra)
         if options.has_aux:
             metrics["aux"] = acc.aux
-        return (
-            sharding.offload(state, select=options.offload) if options.offload else state
-        ), metrics
+        return sharding.offload(state, select=options.offload), metrics
 
     return train_step
 

@@ -131,6 +131,8 @@ def as_key(rng: Any) -> jax.Array:
 
 def unaliased(tree: Any) -> Any:
     """``tree`` with a copy of each array whose buffer it already holds (donated only once)."""
+    # every call, not once per signature: sharing a buffer is a fact of the values, not of
+    # shapes (jit hands back an input it passes through; device_put may keep the buffer)
     seen: set[Any] = set()
     leaves, treedef = jax.tree.flatten(tree)
     for i, x in enumerate(leaves):

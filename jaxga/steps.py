@@ -209,14 +209,10 @@ def step_options(num_microbatches: Any, **options: Any) -> StepOptions:
         raise ValueError(f"`num_microbatches` must be {expected}; got {num_microbatches!r}.")
     else:
         num_microbatches = _checks.positive_int(num_microbatches, "num_microbatches", expected)
-    if (weight := options.pop("weight")) not in (None, True, False):
-        raise TypeError(
-            f"`weight` must be None (for a jaxga.MultiSteps), True or False; got {weight!r}."
-        )
-    if not callable(rate := options.pop("learning_rate") or injected_learning_rate):
-        raise TypeError(
-            f"`learning_rate` must be a function of the optimiser state or None; got {rate!r}."
-        )
+    if not isinstance(weight := options.pop("weight"), bool | None):
+        raise TypeError(f"`weight` must be None, True or False; got {weight!r}.")
+    rate = options.pop("learning_rate") or injected_learning_rate
+    _checks.check_callable(rate, "learning_rate", "a function of the optimiser state or None")
     return StepOptions(
         num_microbatches=num_microbatches,
         memory_budget=budget,

@@ -132,8 +132,7 @@ def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[...,
 
     def train_step(state: Any, batch: Any, num_real: Any = None, end_group: Any = None) -> tuple:
         _check_state(state)
-        if options.offload:
-            state = sharding.offload(state, "device", select=options.offload)
+        state = sharding.offload(state, "device", select=options.offload)
         fields = state_fields(state, options.model_state_fields, options.rng_field)
         looped = _accumulate_state(checked, options, fields, state, batch, num_real=num_real)
         acc = looped.accumulated
@@ -150,7 +149,7 @@ def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[...,
         if options.layout is not None:
             new = sharding.place(options.layout.mesh, new, looped.specs)
         metrics = steps.metrics(acc, state.tx, new.opt_state, options, "weight" in extra)
-        return (sharding.offload(new, select=options.offload) if options.offload else new), metrics
+        return sharding.offload(new, select=options.offload), metrics
 
     return train_step
 
@@ -255,11 +254,6 @@ def make_train_step(
 def _check_no_optimizer(*positional: Any) -> None:
     """Raises if an optimiser (or more) follows ``loss``: the step runs ``state.tx``."""
     if len(positional) > 1 or callable(getattr(positional[0], "update", None)):
-        got = [
-            f"an optimiser ({type(x).__name__})" if hasattr(x, "update") else repr(x)
-            for x in positional
-        ]
+        got = ", ".join(type(x).__name__ if hasattr(x, "update") else repr(x) for x in positional)
         fix = "pass tx to TrainState.create and num_microbatches= alone"
-        raise TypeError(
-            f"make_train_step takes no optimiser (it runs state.tx); got {', '.join(got)}: {fix}."
-        )
+        raise TypeError(f"make_train_step takes no optimiser (it runs state.tx); got {got}: {fix}.")

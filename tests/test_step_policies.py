@@ -110,7 +110,7 @@ def test_weight_needs_a_transformation_that_takes_it():
         r"expected one that does \(jaxga.MultiSteps\), or build the step with weight=False",
     ):
         jaxga.make_train_step(loss, 2, weight=True)(state, make_batch(0))
-    with pytest.raises(TypeError, match=r"`weight` must be None .*, True or False; got 'yes'"):
+    with pytest.raises(TypeError, match=r"`weight` must be None, True or False; got 'yes'"):
         jaxga.make_train_step(loss, 2, weight="yes")
 
 
@@ -297,11 +297,11 @@ def test_checks_run_once_per_signature_and_aliasing_every_call(monkeypatch):
 def test_an_optimiser_given_positionally_is_named():
     with pytest.raises(
         TypeError,
-        match=r"make_train_step takes no optimiser \(it runs state.tx\); got an optimiser "
-        r"\(\w+\), 2: pass tx to TrainState.create and num_microbatches= alone",
+        match=r"make_train_step takes no optimiser \(it runs state.tx\); got "
+        r"GradientTransformation\w*, 2: pass tx to TrainState.create and num_microbatches= alone",
     ):
         jaxga.make_train_step(loss, optax.adam(1e-3), 2)
-    with pytest.raises(TypeError, match=r"got 2, an optimiser \(\w+\): pass tx to"):
+    with pytest.raises(TypeError, match=r"got 2, GradientTransformation\w*: pass tx to"):
         jaxga.make_train_step(loss, 2, optax.adam(1e-3))
 
 
