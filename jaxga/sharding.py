@@ -88,7 +88,7 @@ def axes_size(mesh: Any, axis_name: Any) -> int:
 
 
 def onto(tree: Any, mesh: Mesh) -> Any:
-    """``tree`` replicated on ``mesh``, but arrays on it already kept; another mesh: an error.
+    """``tree``, what is not on ``mesh`` replicated on it (`replicate`: all); another mesh: error.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxga
@@ -110,7 +110,7 @@ def onto(tree: Any, mesh: Mesh) -> Any:
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
-    """``put`` replicated on ``mesh``, arrays on it too (every process passes the same values)."""
+    """``put`` of all of ``tree`` replicated on ``mesh`` (`onto`: what is not on it yet)."""
     check_mesh(mesh, concrete=True)
     return put(tree, NamedSharding(mesh, P()))
 
