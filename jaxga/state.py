@@ -77,8 +77,7 @@ class TrainState(train_state.TrainState):
             >>> state.apply_gradients(grads=jnp.zeros(2), weight=1).params.tolist()
             [-0.75, -0.75]
         """
-        extra = {"weight": weight, "end_group": end_group}
-        extra = {name: value for name, value in extra.items() if value is not None}
+        extra = {k: v for k, v in (("weight", weight), ("end_group", end_group)) if v is not None}
         tx = self.tx
 
         def update(updates: Any, opt_state: Any, params: Any = None) -> tuple[Any, Any]:
