@@ -120,7 +120,9 @@ def check_on_device(state: Any) -> None:
 def signature(tree: Any) -> tuple[Any, ...]:
     """What a check or plan is kept for: ``tree``'s structure, leaves' shapes, dtypes, shardings."""
     leaves, treedef = jax.tree.flatten(tree)
-    kinds = [(jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves]
+    kinds = [
+        (jnp.shape(x), getattr(x, "dtype", type(x)), getattr(x, "sharding", None)) for x in leaves
+    ]
     return treedef, tuple(kinds)
 
 
