@@ -74,13 +74,13 @@ def metrics(
     and applied: ``tx.has_updated(opt_state)`` if ``tx`` has one."""
     counted = acc.mean.count > 0
     has_updated = getattr(tx, "has_updated", None)
+    applied = counted if has_updated is None else has_updated(opt_state)
     return {
         "loss": acc.mean.value,
         "count": acc.mean.count,
         "grad_norm": optax.tree.norm(acc.grads),
         "learning_rate": jnp.asarray(options.learning_rate(opt_state), jnp.float32),
-        "applied": (counted | always)
-        & (counted if has_updated is None else has_updated(opt_state)),
+        "applied": (counted | always) & applied,
     }
 
 
@@ -100,11 +100,9 @@ def tx_args(options: "StepOptions", tx: Any, acc: Accumulated, end_group: Any) -
 
 def check_end_group(end_group: Any) -> jax.Array | None:
     """A call's ``end_group``: ``None``, or a bool scalar (traced: one program for both)."""
-    return (
-        None
-        if end_group is None
-        else _checks.scalar(end_group, "end_group", (jnp.bool_,), "a bool")
-    )
+    if end_group is None:
+        return None
+    return _checks.scalar(end_group, "end_group", (jnp.bool_,), "a bool")
 
 
 def check_on_device(state: Any) -> None:
@@ -119,10 +117,8 @@ def check_on_device(state: Any) -> None:
 
 def signature(tree: Any) -> tuple[Any, ...]:
     """What a check or plan is kept for: ``tree``'s structure, leaves' shapes, dtypes, shardings."""
-    leaves, treedef = jax.tree.flatten(tree)
-    kinds = [
-        (jnp.shape(x), getattr(x, "dtype", type(x)), getattr(x, "sharding", None)) for x in leaves
-    ]
+    xs, treedef = jax.tree.flatten(tree)
+    kinds = [(jnp.shape(x), getattr(x, "dtype", type(x)), getattr(x, "sharding", None)) for x in xs]
     return treedef, tuple(kinds)
 
 

@@ -20,8 +20,9 @@ class TrainStep(steps.JittedStep):
     """`step(state, batch, num_real_microbatches=None, *, end_group=None) -> (state, metrics)`.
 
     `num_real_microbatches`: as for [`jaxga.accumulate`][jaxga.accumulate]; one compiled
-    step for every count. `end_group`: a bool (may be traced) handed to `state.tx.update`
-    (`jaxga.MultiSteps` ends its group early). With `"auto"`, `step.plan` is the last call's.
+    step for every count. `end_group`: a bool (may be traced) for `state.tx.update`, through
+    `state.apply_gradients` (`jaxga.MultiSteps` ends its group early). With `"auto"`,
+    `step.plan` is the last call's.
 
     Examples:
         >>> import jax.numpy as jnp, optax, jaxga
@@ -57,6 +58,7 @@ class TrainStep(steps.JittedStep):
 
 
 def _check_state(state: Any, offload: Any = True) -> None:
+    """Raises unless ``state`` is a Flax TrainState, on the device unless ``offload``."""
     if not isinstance(state, train_state.TrainState):
         nnx_model = modules.is_graph_node(state) or isinstance(state, nnx.State)
         hint = "; for a Flax NNX model use jaxga.nnx_train_step" if nnx_model else ""
