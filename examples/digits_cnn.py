@@ -50,6 +50,9 @@ class TrainState(train_state.TrainState):
     batch_stats: Any
 
 
+FIELDS = ("batch_stats",)  # make_train_step's model_state: {"batch_stats": ...}; no key field
+
+
 def data(test_size: int = 297):
     """Returns ((x_train, y_train), (x_test, y_test)) as 8×8×1 images in [0, 1]."""
     digits = load_digits()
@@ -82,7 +85,9 @@ def eval_mode_check(state: TrainState, batch, k: int) -> float:
     """Max |Δparam| between one k-micro-batch step and one full-batch step, BatchNorm frozen."""
     results = []
     for num_microbatches in (k, 1):
-        step = jaxga.make_train_step(loss_fn(CNN(train=False)), num_microbatches, donate=False)
+        step = jaxga.make_train_step(
+            loss_fn(CNN(train=False)), num_microbatches, donate=False, model_state_fields=FIELDS
+        )
         results.append(step(state, batch)[0].params)
     return max(
         float(jnp.max(jnp.abs(a - b)))
@@ -122,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # The micro-batch loop stays rolled: on a CPU its convolutions are put in the layout
     # XLA's fast kernels take (canonical_convolutions="auto", docs/gpus.md).
-    step = jaxga.make_train_step(loss_fn(CNN(train=True)), args.microbatches)
+    step = jaxga.make_train_step(
+        loss_fn(CNN(train=True)), args.microbatches, model_state_fields=FIELDS
+    )
     rng = np.random.default_rng(1)
     for i in range(args.steps):
         rows = rng.choice(len(x_train), args.batch_size, replace=False)

@@ -1,7 +1,7 @@
 """`jaxga.nnx_train_step`: a jitted train step of a Flax NNX model and optimizer, in place."""
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,20 +40,23 @@ def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
         try:
             model = modules.put_together(part, params, model_state)
         except ValueError as e:
-            message = f"`nnx_loss` could not rebuild the model ({e}): pass `model_state=rest`."
-            raise ValueError(message) from None
+            got = f"`params` and `model_state` ({e})"
+            split = "`graphdef, params, rest = nnx.split(model, nnx.Param, ...)`"
+            fix = f"pass `model_state=rest`, from {split}, to jaxga.TrainState.create"
+            raise ValueError(f"`nnx_loss` cannot rebuild the model from {got}: {fix}.") from None
         return loss(model, batch, rng), modules.new_rest(model, part, nnx.Param)
 
     return functional
 
 
 class NNXTrainStep(steps.JittedStep):
-    """`step(model, optimizer, batch, num_real_microbatches=None, *, rngs=None) -> metrics`.
+    """`step(model, optimizer, batch, num_real_microbatches=None, *, rngs, end_group) -> metrics`.
 
     It trains `optimizer.wrt` of `model` in place. `rngs`: an `nnx.Rngs` (its streams
     advance in every micro-batch, and are folded with the device on a mesh) or a PRNG key
     (`fold_in(key, g)` in global micro-batch `g`), handed to the loss as its third argument.
-    `num_real_microbatches` and `step.plan`: as for a [`jaxga.TrainStep`][jaxga.TrainStep].
+    `num_real_microbatches`, `end_group` and `step.plan`: as for a
+    [`jaxga.TrainStep`][jaxga.TrainStep].
 
     Examples:
         >>> import jaxga
@@ -64,21 +67,32 @@ class NNXTrainStep(steps.JittedStep):
     _arity, _static_argnums = 3, (0,)  # the graphdef of the model, optimizer (and rngs)
 
     def _arguments(
-        self, model: Any, optimizer: Any, batch: Any, num_real_microbatches=None, rngs=None
+        self,
+        model: Any,
+        optimizer: Any,
+        batch: Any,
+        num_real_microbatches: Any = None,
+        *,
+        rngs: Any = None,
+        end_group: Any = None,
     ) -> tuple[Any, ...]:
         _check_model(model, optimizer)
         if not (rngs is None or isinstance(rngs, nnx.Rngs) or arguments.is_key(rngs)):
             got = type(rngs).__name__
             raise TypeError(f"`rngs` must be an nnx.Rngs, a PRNG key or None; got {got}.")
-        modules_ = (model, optimizer, *([rngs] if isinstance(rngs, nnx.Rngs) else []))
-        graphdef, state = nnx.split(modules_)
+        streams = [rngs] if isinstance(rngs, nnx.Rngs) else []
+        graphdef, state = nnx.split((model, optimizer, *streams))
+        self._once((graphdef, state), _check_wrt, model, optimizer)
         layout = self.options.layout
         if layout is not None:  # where the model put it; on the mesh, replicated, if nowhere
             state = sharding.onto(state, layout.mesh)
         state = sharding.lay_out(state, None, offload_state=self.options.offload)
-        real = check_num_real(num_real_microbatches, self.options.num_microbatches)
-        key = None if rngs is None or isinstance(rngs, nnx.Rngs) else rngs
-        return graphdef, state, batch, real, key
+        call = _Call(
+            num_real=check_num_real(num_real_microbatches, self.options.num_microbatches),
+            key=None if streams else rngs,
+            end_group=steps.check_end_group(end_group),
+        )
+        return graphdef, state, batch, call
 
     def __call__(
         self,
@@ -88,18 +102,27 @@ class NNXTrainStep(steps.JittedStep):
         num_real_microbatches: Any = None,
         *,
         rngs: Any = None,
+        end_group: Any = None,
     ) -> steps.Metrics:
         if self.options.num_microbatches == "auto" and rngs is not None:
             raise ValueError('`rngs` needs a fixed num_microbatches; "auto" plans without them.')
-        if (planned := self._planned((model, optimizer, batch, num_real_microbatches))) is not self:
-            return planned(model, optimizer, batch, num_real_microbatches, rngs=rngs)
-        args = self._arguments(model, optimizer, batch, num_real_microbatches, rngs)
-        graphdef, state, batch, real, key = args
+        args = (model, optimizer, batch, num_real_microbatches)
+        if (planned := self._planned(args)) is not self:
+            return planned(*args, rngs=rngs, end_group=end_group)
+        graphdef, state, batch, call = self._arguments(*args, rngs=rngs, end_group=end_group)
         run = self._update if steps.traced(state) else self._jitted  # in a jit: inlined in it
         state = unaliased(state) if self.options.donate else state
-        state, metrics = run(graphdef, state, batch, real, key)
+        state, metrics = run(graphdef, state, batch, call)
         nnx.update((model, optimizer, *([rngs] if isinstance(rngs, nnx.Rngs) else [])), state)
         return metrics
+
+
+class _Call(NamedTuple):
+    """What a call hands the jitted step besides the model's state and the batch."""
+
+    num_real: Any  # `num_real_microbatches`, checked
+    key: Any  # `rngs` given as a PRNG key, or None
+    end_group: Any  # a bool scalar, or None
 
 
 def _check_model(model: Any, optimizer: Any) -> None:
@@ -111,62 +134,65 @@ def _check_model(model: Any, optimizer: Any) -> None:
         raise TypeError(f"`model` must be the NNX module `optimizer` updates; got {got}.")
     if isinstance(optimizer, nnx.ModelAndOptimizer) and optimizer.model is not model:
         raise ValueError("`optimizer` is a ModelAndOptimizer of another model: use its .model.")
+
+
+def _check_wrt(model: Any, optimizer: Any) -> None:
     for path, leaf in jax.tree.leaves_with_path(nnx.as_pure(nnx.state(model, optimizer.wrt))):
         if not jnp.issubdtype(leaf.dtype, jnp.inexact):
             got = f"model{jax.tree_util.keystr(path)} of dtype {leaf.dtype}"
             raise ValueError(f"`optimizer.wrt` must select floats; got {got}.")
 
 
-def _accumulated(loss: Callable[..., Any], options: steps.StepOptions, wrt: Any, **kwargs: Any):
+def _accumulate_wrt(
+    loss: Callable[..., Any], options: steps.StepOptions, wrt: Any, call: _Call
+) -> Callable[..., Any]:
     layout = options.layout
     return accumulate(  # the gradient of what the optimizer updates, and only that
         loss,
         nnx.DiffState(0, wrt),
         has_aux=options.has_aux,
         num_microbatches=options.num_microbatches,
+        num_real_microbatches=call.num_real,
+        rng_argnums=None if call.key is None else 2,  # a key, typed or raw: folded
         axis_name=None if layout is None else layout.loop_axes,
         accumulator_dtype=options.accumulator_dtype,
         unroll=options.unroll,
         canonical_convolutions=options.canonical_convolutions,
-        **kwargs,
     )
 
 
 def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[..., Any]:
     checked = steps.loss_alone(loss, "`loss(model, batch)`", pair=False, aux=options.has_aux)
 
-    def train_step(graphdef: Any, state: Any, batch: Any, num_real=None, key=None) -> tuple:
-        if options.offload:
-            state = sharding.offload(state, "device")
+    def train_step(graphdef: Any, state: Any, batch: Any, call: _Call) -> tuple[Any, steps.Metrics]:
+        state = sharding.offload(state, "device", select=options.offload)
         model, optimizer, *streams = nnx.merge(graphdef, state)  # streams: [an nnx.Rngs] or []
-        rngs = streams or ([] if key is None else [key])
-        accumulated = _accumulated(
-            checked,
-            options,
-            optimizer.wrt,
-            num_real_microbatches=num_real,
-            rng_argnums=None if key is None else 2,  # a key, typed or raw: folded
-        )
+        rngs = streams or ([] if call.key is None else [call.key])
+        accumulate_model = _accumulate_wrt(checked, options, optimizer.wrt, call)
         if options.layout is None:
-            acc = accumulated(model, batch, *rngs)
+            acc = accumulate_model(model, batch, *rngs)
         else:  # jit's global view of the mesh: the batch over its axis, the model as laid out
             mesh, axis_name = options.layout.mesh, options.layout.axis_name
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
                 batch = sharding.place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))
-                acc = accumulated(model, batch, *rngs)
+                acc = accumulate_model(model, batch, *rngs)
 
-        def apply_tx(state, grads):
+        extra = steps.tx_args(options, optimizer.tx, acc, call.end_group)
+
+        def apply_tx(state: Any, grads: Any) -> Any:
             model, optimizer, *streams = nnx.merge(graphdef, state)
             held = isinstance(optimizer, nnx.ModelAndOptimizer)
-            optimizer.update(*(() if held else (model,)), grads, **steps.weight(optimizer.tx, acc))
+            optimizer.update(*(() if held else (model,)), grads, **extra)
             return nnx.state((model, optimizer, *streams))
 
-        state = steps.apply_update(acc, apply_tx, nnx.state((model, optimizer, *streams)))
+        before = nnx.state((model, optimizer, *streams))
+        state = steps.apply_update(acc, apply_tx, before, "weight" in extra)
         _, after, *_ = nnx.merge(graphdef, state)  # `optimizer` still holds the state before
-        metrics = steps.metrics(acc, nnx.as_pure(optimizer.opt_state), nnx.as_pure(after.opt_state))
+        opt_state = nnx.as_pure(after.opt_state)
+        metrics = steps.metrics(acc, optimizer.tx, opt_state, options, "weight" in extra)
         if options.has_aux:
             metrics["aux"] = acc.aux
-        return (sharding.offload(state) if options.offload else state), metrics
+        return sharding.offload(state, select=options.offload), metrics
 
     return train_step
 
@@ -181,11 +207,13 @@ def nnx_train_step(
     memory_budget: int | str | None = None,
     accumulator_dtype: Any = None,
     donate: bool = True,
-    offload: bool = False,
+    offload: bool | Callable[[Any, Any], bool] = False,
     reduce_once: bool = True,
     unroll: int | bool = 1,
     canonical_convolutions: bool | str = "auto",
     compiler_options: Mapping[str, Any] | None = None,
+    weight: bool | None = None,
+    learning_rate: Callable[[Any], Any] | None = None,
 ) -> NNXTrainStep:
     """Builds an NNX step `(model, optimizer, batch) -> metrics` training `optimizer.wrt` in place.
 
@@ -203,6 +231,9 @@ def nnx_train_step(
         axis_name: the batch's mesh axis (or axes); `None`: `"data"`.
         reduce_once: `False` runs the loop in jit's global view of `mesh` (for a model that
             names `axis_name` in its own sharding annotations): exact; JAX reduces each time.
+        weight: pass the call's item count to `optimizer.update(..., weight=)`; `None`: when
+            `optimizer.tx` is a `jaxga.MultiSteps` (as for `make_train_step`).
+        learning_rate: `metrics["learning_rate"]`, a function of the (pure) optimiser state.
 
     Returns:
         A [`jaxga.NNXTrainStep`][jaxga.NNXTrainStep].
@@ -234,6 +265,8 @@ def nnx_train_step(
         unroll=unroll,
         canonical_convolutions=canonical_convolutions,
         compiler_options=compiler_options,
+        weight=weight,
+        learning_rate=learning_rate,
     )
     devices = 1 if mesh is None else sharding.axes_size(mesh, axis_name)
     return NNXTrainStep(_nnx_step, loss, options, devices)

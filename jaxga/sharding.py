@@ -12,7 +12,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxga import _checks, collectives, memory
+from jaxga import _checks, collectives
 from jaxga.engine import Accumulated
 from jaxga.microbatch import IndivisibleBatchError
 
@@ -49,7 +49,7 @@ def check_strategy(strategy: Any) -> Any:
 
 
 def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
-    """Places this process's rows of a batch on ``mesh``, split over ``axis_name``.
+    """Places this process's rows of a batch on ``mesh``, split over ``axis_name`` (concrete).
 
     Examples:
         >>> import jax, numpy as np, jaxga
@@ -61,7 +61,7 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
     sharding = NamedSharding(mesh, P(axis_name))
     shards = int(np.prod([mesh.local_mesh.shape[a] for a in collectives.axes(axis_name)]))
 
-    def place(path, x):
+    def rows(path, x):
         on_devices = isinstance(x, jax.Array) and x.ndim > 0  # global rows: keep or reshard
         if on_devices and (_laid_out_as(x, sharding) or not x.is_fully_addressable):
             return jax.device_put(x, sharding)
@@ -73,7 +73,7 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
             )
         return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
-    return jax.tree_util.tree_map_with_path(place, batch)
+    return jax.tree_util.tree_map_with_path(rows, batch)
 
 
 def axes_size(mesh: Any, axis_name: Any) -> int:
@@ -88,7 +88,7 @@ def axes_size(mesh: Any, axis_name: Any) -> int:
 
 
 def onto(tree: Any, mesh: Mesh) -> Any:
-    """``tree`` with every array on one device replicated on ``mesh``; another mesh: an error.
+    """``tree``, what is not on ``mesh`` replicated on it (`replicate`: all); another mesh: error.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxga
@@ -110,13 +110,13 @@ def onto(tree: Any, mesh: Mesh) -> Any:
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
-    """Places ``tree`` on every device of ``mesh`` (every process passes the same values)."""
+    """``put`` of all of ``tree`` replicated on ``mesh`` (`onto`: what is not on it yet)."""
     check_mesh(mesh, concrete=True)
     return put(tree, NamedSharding(mesh, P()))
 
 
 def put(tree: Any, sharding: Any) -> Any:
-    """``jax.device_put`` of ``tree`` on a tree of shardings; PRNG keys and shape structs too.
+    """``jax.device_put`` of ``tree`` on a tree of shardings (concrete); keys and shape structs too.
 
     Args:
         tree: a pytree of arrays, PRNG keys or `jax.ShapeDtypeStruct`s.
@@ -156,15 +156,22 @@ def _optimizer_leaves(state: Any) -> list[bool]:
     paths = [tuple(jax.tree_util.keystr(p, simple=True, separator="/").split("/")) for p, _ in flat]
     scoped = any("opt_state" in p for p in paths)  # a train state's or optimiser's; else all
     groups = {p[:i] for p in paths for i, k in enumerate(p) if k == "inner_opt_state"}
-
-    def accumulator(p: tuple[str, ...]) -> bool:  # what a MultiSteps' inner_opt_state does not hold
-        return any(p[: len(g)] == g and p[len(g)] != "inner_opt_state" for g in groups)
-
-    return [("opt_state" in p or not scoped) and not accumulator(p) for p in paths]
+    # in a MultiSteps state, but not in its inner_opt_state:
+    held = [any(p[: len(g)] == g and p[len(g)] != "inner_opt_state" for g in groups) for p in paths]
+    return [("opt_state" in p or not scoped) and not h for p, h in zip(paths, held)]
 
 
-def offload(state: Any, memory_kind: str = "pinned_host") -> Any:
-    """Moves the optimiser state in ``state`` to ``memory_kind`` (``"device"`` brings it back).
+def check_select(select: Any, name: str) -> Any:
+    if not (callable(select) or isinstance(select, bool)):
+        raise TypeError(f"`{name}` must be a bool or a function of (path, leaf); got {select!r}.")
+    return select
+
+
+def offload(state: Any, memory_kind: str = "pinned_host", *, select: Any = True) -> Any:
+    """Moves the leaves ``select(path, leaf)`` picks to ``memory_kind`` (``"device"``: back).
+
+    ``select=True`` picks the optimiser state: the leaves under an ``opt_state`` (all, if no
+    path names one), but of a MultiSteps state only its ``inner_opt_state``; ``False``: none.
 
     Examples:
         >>> import jax.numpy as jnp, optax, jaxga
@@ -174,8 +181,13 @@ def offload(state: Any, memory_kind: str = "pinned_host") -> Any:
     """
     if memory_kind not in _SPACES:
         raise ValueError(f"`memory_kind` must be 'pinned_host' or 'device'; got {memory_kind!r}.")
-    leaves, treedef = jax.tree.flatten(state)
-    moved = _MOVED.get(treedef) or _MOVED.setdefault(treedef, _optimizer_leaves(state))
+    check_select(select, "select")
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    if callable(select):
+        moved = [bool(select(path, x)) for path, x in flat]
+    else:  # the rule above, cached by tree structure
+        moved = _MOVED.get(treedef) or _MOVED.setdefault(treedef, _optimizer_leaves(state))
+        moved = [m and bool(select) for m in moved]
 
     def move(x: Any) -> Any:
         if isinstance(x, jax.core.Tracer):
@@ -184,16 +196,7 @@ def offload(state: Any, memory_kind: str = "pinned_host") -> Any:
         where = (now or SingleDeviceSharding(jax.local_devices()[0])).with_memory_kind(memory_kind)
         return x if now and now.memory_kind == memory_kind else put(x, where)
 
-    return jax.tree.unflatten(treedef, [move(x) if m else x for x, m in zip(leaves, moved)])
-
-
-def check_on_device(state: Any) -> None:
-    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-        kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
-        if kind in memory.HOST_KINDS:
-            where = f"`state`{jax.tree_util.keystr(path)}"
-            fix = "pass offload=True, or move it back with jaxga.sharding.offload(state, 'device')"
-            raise ValueError(f"{where} is in host memory ({kind}): {fix}.")
+    return jax.tree.unflatten(treedef, [move(x) if m else x for (_, x), m in zip(flat, moved)])
 
 
 def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:
@@ -285,7 +288,7 @@ def state_shardings(
 
 
 def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
-    """``tree`` constrained to ``specs`` on ``mesh`` (resharded on a mesh of explicit axes)."""
+    """Inside a jit, ``tree`` constrained to ``specs`` on ``mesh`` (on Explicit axes: resharded)."""
     move = jax.reshard if AxisType.Explicit in mesh.axis_types else jax.lax.with_sharding_constraint
     return jax.tree.map(lambda x, spec: move(x, NamedSharding(mesh, spec)), tree, specs)
 
@@ -304,8 +307,8 @@ class MeshLayout(NamedTuple):
         return self.axis_name if self.reduce_once else ()
 
 
-def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool) -> Any:
-    """``state`` where a step keeps it: laid out on the mesh, optimiser state offloaded."""
+def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Callable) -> Any:
+    """``state`` ``put`` where a step keeps it (concrete): on the mesh, offloaded as asked."""
     if layout is not None:  # laid out already if its step and first parameter are
         mesh, axis_name, strategy, _ = layout
         first = jax.tree.leaves(state.params)[:1]
@@ -319,7 +322,7 @@ def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool) -> An
         first = jax.tree.leaves(state)[0]
         if not getattr(first, "committed", True):
             state = jax.device_put(state, first.sharding)  # committed, as the step returns it
-    return offload(state) if offload_state else state
+    return offload(state, select=offload_state) if offload_state else state
 
 
 class OnMesh(NamedTuple):

@@ -54,10 +54,48 @@ class TrainState(train_state.TrainState):
         )
         return unaliased(state.replace(step=jnp.zeros((), jnp.int32)))
 
+    def apply_gradients(
+        self, *, grads: Any, weight: Any = None, end_group: Any = None, **kwargs: Any
+    ) -> "TrainState":
+        """Flax's ``apply_gradients`` (fp8 too), passing ``weight`` and ``end_group`` to ``tx``.
+
+        Args:
+            grads: the gradient, shaped as ``params``.
+            weight: if not ``None``, ``tx.update``'s ``weight=``: the items counted
+                ([`jaxga.MultiSteps`][jaxga.MultiSteps] weighs the call by it).
+            end_group: if not ``None``, ``tx.update``'s ``end_group=`` (a MultiSteps' group ends).
+            **kwargs: other fields to replace, as Flax's.
+
+        Returns:
+            The state after one update: ``step + 1``, new ``params`` and ``opt_state``.
+
+        Examples:
+            >>> import jax.numpy as jnp, optax, jaxga
+            >>> tx = jaxga.MultiSteps(optax.sgd(1.0), every_k=2)
+            >>> state = jaxga.TrainState.create(params=jnp.zeros(2), tx=tx)
+            >>> state = state.apply_gradients(grads=jnp.ones(2), weight=3)
+            >>> state.apply_gradients(grads=jnp.zeros(2), weight=1).params.tolist()
+            [-0.75, -0.75]
+        """
+        extra = {k: v for k, v in (("weight", weight), ("end_group", end_group)) if v is not None}
+        tx = self.tx
+
+        def update(updates: Any, opt_state: Any, params: Any = None) -> tuple[Any, Any]:
+            return tx.update(updates, opt_state, params, **extra)
+
+        if isinstance(grads, Mapping):  # Flax's, with its fp8 overwrite-with-gradient
+            with_extra = self.replace(tx=optax.GradientTransformation(tx.init, update))
+            new = train_state.TrainState.apply_gradients(with_extra, grads=grads, **kwargs)
+            return new.replace(tx=tx)
+        updates, opt_state = update(grads, self.opt_state, self.params)  # arrays, tuples...
+        params = optax.apply_updates(self.params, updates)
+        return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)
+
 
 def check_arrays(tree: Any, name: str, empty_ok: bool = False) -> None:
     """Raises unless ``tree`` is a pytree of arrays (``nnx.Param``s only, for an NNX state)."""
-    split = "split it as `graphdef, params, rest = nnx.split(model, nnx.Param, ...)`"
+    split = "split it as `graphdef, params, rest = nnx.split(model, nnx.Param, ...)` and pass"
+    split += " `model_state=rest` (jaxga.TrainState.create)"
     if modules.holds_module(tree):
         raise TypeError(f"`{name}` is (or holds) a module; {split}, or use jaxga.nnx_train_step.")
     variables = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -92,6 +130,8 @@ def as_key(rng: Any) -> jax.Array:
 
 def unaliased(tree: Any) -> Any:
     """``tree`` with a copy of each array whose buffer it already holds (donated only once)."""
+    # every call, not once per signature: sharing a buffer is a fact of the values, not of
+    # shapes (jit hands back an input it passes through; device_put may keep the buffer)
     seen: set[Any] = set()
     leaves, treedef = jax.tree.flatten(tree)
     for i, x in enumerate(leaves):
@@ -113,7 +153,6 @@ class StateFields:
 
     model_state: str | tuple[str, ...]  # jaxga.TrainState's "model_state"; Flax's ("batch_stats",)
     rng: str | None  # the key's field (a seed, a typed key or key data), folded with the step
-    guessed: bool = False  # whether jaxga found these fields itself (said in errors)
 
     def read(self, state: Any) -> Any:
         if isinstance(self.model_state, str):
@@ -131,26 +170,10 @@ class StateFields:
         return jax.random.fold_in(as_key(getattr(state, self.rng)), state.step)
 
     def describe(self, state: Any) -> str:
-        how = "guessed" if self.guessed else "given"
         return (
             f"the step reads {type(state).__name__}'s model state from {self.model_state!r} and "
-            f"its key from {self.rng!r} ({how}; name them with make_train_step's "
-            f"`model_state_fields=` and `rng_field=`)"
+            f"its key from {self.rng!r} (make_train_step's `model_state_fields=`, `rng_field=`)"
         )
-
-
-def _guess_fields(state: Any, *, rng_given: bool) -> StateFields:
-    """``jaxga.TrainState``'s fields; a Flax subclass's added dict fields and key field."""
-    if isinstance(state, TrainState):
-        return StateFields("model_state", "rng")
-    nodes = [f.name for f in dataclasses.fields(state) if f.metadata.get("pytree_node", True)]
-    flax_fields = {f.name for f in dataclasses.fields(train_state.TrainState)}
-    added = {name: getattr(state, name) for name in nodes if name not in flax_fields}
-    keys = [name for name, x in added.items() if name in ("rng", "key") or is_key(x, raw=False)]
-    if len(keys) > 1 and not rng_given:
-        raise ValueError(f"`state` has PRNG-key fields {keys}; expected one, or pass `rng_field=`.")
-    dicts = [name for name, x in added.items() if name not in keys and isinstance(x, Mapping)]
-    return StateFields(tuple(dicts), keys[0] if keys else None, guessed=True)
 
 
 def check_field_names(fields: Any, rng_field: Any) -> tuple[Any, str | None]:
@@ -165,13 +188,24 @@ def check_field_names(fields: Any, rng_field: Any) -> tuple[Any, str | None]:
     return tuple(fields), rng_field
 
 
+_NAME_THEM = (
+    "pass make_train_step's `model_state_fields=` (the fields holding model state, e.g. "
+    "('batch_stats',), or ()) and `rng_field=` (the key's field, or None): jaxga does not guess"
+)
+
+
 def state_fields(state: Any, model_state_fields: Any, rng_field: Any) -> StateFields:
-    """The fields of ``state`` holding model state and the key: as given, else guessed."""
-    guess = _guess_fields(state, rng_given=rng_field is not None)
+    """The fields of ``state`` holding model state and the key: as given, else its class's."""
+    ours = isinstance(state, TrainState)
+    flax_fields = {f.name for f in dataclasses.fields(train_state.TrainState)}
+    nodes = [f.name for f in dataclasses.fields(state) if f.metadata.get("pytree_node", True)]
+    if not ours and model_state_fields is None and (added := sorted(set(nodes) - flax_fields)):
+        raise ValueError(f"`state`, a {type(state).__name__}, adds fields {added}: {_NAME_THEM}.")
+    if not ours:  # nnx.split's variables other than nnx.Param belong in the model state
+        check_arrays(state.params, "params", empty_ok=True)
     given = StateFields(
-        guess.model_state if model_state_fields is None else model_state_fields,
-        guess.rng if rng_field is None else rng_field,
-        guessed=guess.guessed and (model_state_fields is None or rng_field is None),
+        ("model_state" if ours else ()) if model_state_fields is None else model_state_fields,
+        ("rng" if ours else None) if rng_field is None else rng_field,
     )
     names = [given.model_state] if isinstance(given.model_state, str) else given.model_state
     for name in [*names, *([given.rng] if given.rng else [])]:

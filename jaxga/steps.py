@@ -16,23 +16,21 @@ from jaxga.arguments import check_unroll
 from jaxga.compiler import compiler_options
 from jaxga.engine import Accumulated
 from jaxga.loss import Mean
-from jaxga.memory import format_bytes
-from jaxga.multistep import MultiStepsState
+from jaxga.memory import HOST_KINDS, format_bytes
+from jaxga.multistep import MultiStepsTransformation
 
 Metrics = dict[str, jax.Array]
 _LOG = logging.getLogger("jaxga")
 
 
-def find(tree: Any, kind: type) -> Any:
-    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kind))
-    return next((x for x in leaves if isinstance(x, kind)), None)
-
-
 _HINT = "was it built for these parameters?"
 
 
-def apply_update(acc: Accumulated, update: Callable[[Any, Any], Any], state: Any) -> Any:
-    """``update(state, grads)``, checked; with no items counted, ``state`` (a MultiSteps: zeros)."""
+def apply_update(
+    acc: Accumulated, update: Callable[[Any, Any], Any], state: Any, always: bool
+) -> Any:
+    """``update(state, grads)``, checked; with no items counted, ``state`` unless ``always``
+    (then with zero gradients: a transformation given ``weight`` weighs the call 0 itself)."""
     try:
         shapes = jax.eval_shape(update, state, acc.grads)
     except (TypeError, ValueError) as e:
@@ -43,7 +41,7 @@ def apply_update(acc: Accumulated, update: Callable[[Any, Any], Any], state: Any
             change = f"{jax.tree_util.keystr(path)} from {jnp.shape(before)} to {after.shape}"
             raise ValueError(f"The optimiser's update changes the shape of {change}: {_HINT}")
     counted = acc.mean.count > 0
-    if find(state, MultiStepsState) is not None:  # it counts the call: give it zeros
+    if always:
         zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))  # not a constant
         return update(state, jax.tree.map(lambda g: jnp.where(counted, g, zero), acc.grads))
 
@@ -58,30 +56,74 @@ def apply_update(acc: Accumulated, update: Callable[[Any, Any], Any], state: Any
     return jax.tree.unflatten(jax.tree.structure(shapes), leaves)
 
 
-def metrics(acc: Accumulated, old_opt_state: Any, opt_state: Any) -> Metrics:
-    applied = acc.mean.count > 0
-    if (ours := find(opt_state, MultiStepsState)) is not None:
-        applied = ours.applied
-    elif (theirs := find(opt_state, optax.MultiStepsState)) is not None:
-        applied = theirs.gradient_step > find(old_opt_state, optax.MultiStepsState).gradient_step
+def injected_learning_rate(opt_state: Any) -> jax.Array:
+    """The one learning rate ``optax.inject_hyperparams`` holds in ``opt_state``, else NaN."""
     rates = optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate")
-    found = [v for path, v in rates if any(getattr(k, "name", None) == "hyperparams" for k in path)]
+    found = [(p, v) for p, v in rates if any(getattr(k, "name", None) == "hyperparams" for k in p)]
+    if len(found) > 1:
+        where = ", ".join(jax.tree_util.keystr(path) for path, _ in found)
+        fix = "pass the step's `learning_rate=`, a function of the optimiser state, to pick one"
+        raise ValueError(f"The optimiser state holds {len(found)} learning rates ({where}): {fix}.")
+    return jnp.asarray(found[0][1] if found else jnp.nan, jnp.float32)
+
+
+def metrics(
+    acc: Accumulated, tx: Any, opt_state: Any, options: "StepOptions", always: bool
+) -> Metrics:
+    """The step's metrics; ``applied``: whether the update ran (``always``, or items counted)
+    and applied: ``tx.has_updated(opt_state)`` if ``tx`` has one."""
+    counted = acc.mean.count > 0
+    has_updated = getattr(tx, "has_updated", None)
+    applied = counted if has_updated is None else has_updated(opt_state)
     return {
         "loss": acc.mean.value,
         "count": acc.mean.count,
         "grad_norm": optax.tree.norm(acc.grads),
-        "learning_rate": jnp.asarray(found[0] if len(found) == 1 else jnp.nan, jnp.float32),
-        "applied": applied,
+        "learning_rate": jnp.asarray(options.learning_rate(opt_state), jnp.float32),
+        "applied": (counted | always) & applied,
     }
 
 
-def weight(tx: Any, acc: Accumulated) -> dict[str, jax.Array]:
-    takes_extra_args = isinstance(tx, optax.GradientTransformationExtraArgs)
-    return {"weight": acc.mean.count} if takes_extra_args else {}
+def tx_args(options: "StepOptions", tx: Any, acc: Accumulated, end_group: Any) -> dict[str, Any]:
+    """What the step passes to ``tx.update`` besides the gradient: ``weight``, ``end_group``."""
+    weigh = isinstance(tx, MultiStepsTransformation) if options.weight is None else options.weight
+    extra = {"weight": acc.mean.count} if weigh else {}
+    if end_group is not None:
+        extra["end_group"] = end_group
+    plain = not isinstance(tx, optax.GradientTransformationExtraArgs)
+    if extra and plain and isinstance(tx, optax.GradientTransformation):
+        got = f"{', '.join(extra)} to an optax {type(tx).__name__}, which takes no extra args"
+        fix = "one that does (jaxga.MultiSteps), or build the step with weight=False"
+        raise TypeError(f"The step passes {got}: expected {fix}.")
+    return extra
+
+
+def check_end_group(end_group: Any) -> jax.Array | None:
+    """A call's ``end_group``: ``None``, or a bool scalar (traced: one program for both)."""
+    if end_group is None:
+        return None
+    return _checks.scalar(end_group, "end_group", (jnp.bool_,), "a bool")
+
+
+def check_on_device(state: Any) -> None:
+    """Raises if a leaf of ``state`` is in host memory (a step without ``offload``)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+        if kind in HOST_KINDS:
+            where = f"`state`{jax.tree_util.keystr(path)}"
+            fix = "pass offload=True, or move it back with jaxga.sharding.offload(state, 'device')"
+            raise ValueError(f"{where} is in host memory ({kind}): {fix}.")
+
+
+def signature(tree: Any) -> tuple[Any, ...]:
+    """What a check or plan is kept for: ``tree``'s structure, leaves' shapes, dtypes, shardings."""
+    xs, treedef = jax.tree.flatten(tree)
+    kinds = [(jnp.shape(x), getattr(x, "dtype", type(x)), getattr(x, "sharding", None)) for x in xs]
+    return treedef, tuple(kinds)
 
 
 def loss_alone(
-    loss: Callable[..., Any], signature: str, *, pair: bool, aux: bool = False
+    loss: Callable[..., Any], called_as: str, *, pair: bool, aux: bool = False
 ) -> Callable[..., Any]:
     @functools.wraps(loss)
     def checked(*args):
@@ -89,15 +131,15 @@ def loss_alone(
         if pair and (isinstance(out, Mean) or not (isinstance(out, tuple) and len(out) == 2)):
             got = type(out).__name__ if isinstance(out, Mean | tuple) else None
             got = got or f"an array of shape {jnp.shape(out)}"
-            raise TypeError(f"{signature} must return a pair (loss, new_model_state); got {got}.")
+            raise TypeError(f"{called_as} must return a pair (loss, new_model_state); got {got}.")
         if aux and not (isinstance(out, tuple) and len(out) == 2):
             got = type(out).__name__
-            raise TypeError(f"With has_aux=True, {signature} must return (loss, aux); got {got}.")
+            raise TypeError(f"With has_aux=True, {called_as} must return (loss, aux); got {got}.")
         value = out[0] if pair or aux else out
         if isinstance(value, tuple | list):
             got = f"{type(value).__name__} of length {len(value)}"
             hint = "; or build the step with has_aux=True" if not (pair or aux) else ""
-            raise TypeError(f"{signature} must give the loss alone, no aux; got a {got}{hint}.")
+            raise TypeError(f"{called_as} must give the loss alone, no aux; got a {got}{hint}.")
         return out  # the engine checks the new model state (state_argnums)
 
     return checked
@@ -111,9 +153,21 @@ def traced(tree: Any) -> bool:
 class StepOptions:
     """What a train step was built with (`step.options`): the arguments, checked.
 
-    Its fields are [`make_train_step`][jaxga.make_train_step]'s arguments of the same names
-    (`compiler_options` filled in, `memory_budget` in bytes), and `layout`: the mesh, the
-    batch's axis and the state's layout (a `MeshLayout`), or `None` without a mesh.
+    Attributes:
+        num_microbatches: micro-batches per step (and device), or `"auto"`.
+        accumulator_dtype: the gradient sums' dtype; `None`: at least float32.
+        donate: whether the step donates the state's buffers.
+        offload: `True`, `False` or a function `(path, leaf) -> bool`: what lives in host memory.
+        unroll: the micro-batch loop's `lax.scan` `unroll`.
+        compiler_options: the XLA options the step compiles with (`None` filled in).
+        layout: the mesh, the batch's axis and the state's layout, or `None` without a mesh.
+        model_state_fields: the train state's model-state field(s); `None`: jaxga.TrainState's.
+        rng_field: the train state's key field; `None`: jaxga.TrainState's (or none).
+        memory_budget: with `"auto"`, the bytes a device may use.
+        has_aux: (NNX) whether the loss returns `(loss, aux)`, given back as `metrics["aux"]`.
+        canonical_convolutions: the loop's convolutions in XLA:CPU's fast layout.
+        weight: whether `tx.update` gets `weight=`; `None`: for a `jaxga.MultiSteps` only.
+        learning_rate: the `learning_rate` metric, a function of the optimiser state.
 
     Examples:
         >>> import jaxga
@@ -124,15 +178,17 @@ class StepOptions:
     num_microbatches: int
     accumulator_dtype: Any
     donate: bool
-    offload: bool
+    offload: bool | Callable[[Any, Any], bool]
     unroll: int | bool
     compiler_options: Mapping[str, Any]
     layout: sharding.MeshLayout | None = None
     model_state_fields: str | tuple[str, ...] | None = None
     rng_field: str | None = None
     memory_budget: int | None = None
-    has_aux: bool = False  # NNX: the loss returns (loss, aux), given back as metrics["aux"]
-    canonical_convolutions: bool | str = "auto"  # the loop's convolutions NHWC/HWIO (XLA:CPU)
+    has_aux: bool = False
+    canonical_convolutions: bool | str = "auto"
+    weight: bool | None = None
+    learning_rate: Callable[[Any], Any] = injected_learning_rate
 
 
 def step_options(num_microbatches: Any, **options: Any) -> StepOptions:
@@ -151,25 +207,38 @@ def step_options(num_microbatches: Any, **options: Any) -> StepOptions:
         raise ValueError(f"`num_microbatches` must be {expected}; got {num_microbatches!r}.")
     else:
         num_microbatches = _checks.positive_int(num_microbatches, "num_microbatches", expected)
+    if not isinstance(weight := options.pop("weight"), bool | None):
+        raise TypeError(f"`weight` must be None, True or False; got {weight!r}.")
+    rate = options.pop("learning_rate") or injected_learning_rate
+    _checks.check_callable(rate, "learning_rate", "a function of the optimiser state or None")
     return StepOptions(
         num_microbatches=num_microbatches,
         memory_budget=budget,
         accumulator_dtype=_checks.float_dtype(options.pop("accumulator_dtype")),
         donate=_checks.check_bool(options.pop("donate"), "donate"),
-        offload=_checks.check_bool(options.pop("offload"), "offload"),
+        offload=sharding.check_select(options.pop("offload"), "offload"),
         unroll=check_unroll(options.pop("unroll")),
         canonical_convolutions=convolution.check_option(options.pop("canonical_convolutions")),
         compiler_options=dict(xla),
+        weight=weight,
+        learning_rate=rate,
         **options,
     )
 
 
 class JittedStep:
-    """A jitted step; with `"auto"`, planned per call signature (`plan`, `max_plans`)."""
+    """A jitted train step; with `num_microbatches="auto"`, the one planned for each call.
+
+    Attributes:
+        options: the `StepOptions` it was built with.
+        plan: with `"auto"`, the [`jaxga.Plan`][jaxga.Plan] of the last call's arguments.
+        max_plans: with `"auto"`, how many argument signatures' plans it keeps (8).
+        plan_search: with `"auto"`, how it plans: [`jaxga.plan`][jaxga.plan]'s `search`.
+    """
 
     _arity: int  # a call's arguments, the batch last, before `num_real_microbatches`
     _static_argnums: tuple[int, ...] = ()  # of the jitted function's arguments
-    plan_search = "predict"  # how "auto" plans: jaxga.plan's `search`
+    plan_search = "predict"
 
     def __init__(self, build: Callable[..., Any], loss: Any, options: StepOptions, devices=1):
         self.options = options
@@ -177,6 +246,7 @@ class JittedStep:
         self.max_plans = 8
         self._build, self._loss, self._devices = build, loss, devices
         self._plans: dict[Any, planner.Plan] = {}
+        self._checked: set[Any] = set()  # the signatures `_once` checked
         if options.num_microbatches == "auto":
             return
         self._update = build(loss, options)
@@ -198,14 +268,19 @@ class JittedStep:
         if traced(args):
             message = 'num_microbatches="auto" cannot plan (compile) inside an enclosing jax.jit.'
             raise ValueError(message)
-        leaves, treedef = jax.tree.flatten(args)
-        kinds = [(jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves]
-        key = (treedef, tuple(kinds))
+        key = signature(args)
         self.plan = self._plans.pop(key, None) or self._search(args)
         self._plans[key] = self.plan  # the most recent last
         if len(self._plans) > self.max_plans:
             del self._plans[next(iter(self._plans))]
         return self.plan.step
+
+    def _once(self, tree: Any, check: Callable[..., Any], *args: Any) -> None:
+        """Runs ``check(*args)`` once per `signature` of ``tree`` (all it depends on)."""
+        if (key := signature(tree)) not in self._checked:
+            check(*args)
+            self._checked = set() if len(self._checked) >= 64 else self._checked
+            self._checked.add(key)
 
     def _search(self, args: tuple[Any, ...]) -> planner.Plan:
         local = (_checks.leading_size(args[-1], "batch", "batch") or 0) // self._devices
@@ -231,11 +306,11 @@ class JittedStep:
         options = dataclasses.replace(self.options, num_microbatches=num_microbatches)
         return type(self)(self._build, self._loss, options, self._devices)
 
-    def lower(self, *args: Any) -> jax.stages.Lowered:
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Lowers the step (planned, with `"auto"`) for these arguments, as a call lays them out."""
-        return self.trace(*args).lower()
+        return self.trace(*args, **kwargs).lower()
 
-    def trace(self, *args: Any) -> jax.stages.Traced:
+    def trace(self, *args: Any, **kwargs: Any) -> jax.stages.Traced:
         """Traces the step (planned, with `"auto"`) for these arguments, as a call lays them out."""
         step = self._planned(args)
-        return step._jitted.trace(*step._arguments(*args))
+        return step._jitted.trace(*step._arguments(*args, **kwargs))

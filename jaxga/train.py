@@ -1,26 +1,28 @@
 """`jaxga.make_train_step`: a jitted train step of a Flax `TrainState`, on one device or a mesh."""
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import optax
 from flax import nnx
 from flax.training import train_state
 
 from jaxga import _checks, modules, sharding, steps
 from jaxga.accumulation import accumulate
 from jaxga.arguments import StateStructureError, check_num_real
-from jaxga.state import check_field_names, state_fields, unaliased
+from jaxga.state import StateFields, TrainState, check_field_names, state_fields, unaliased
 from jaxga.steps import Metrics, StepOptions
 
 
 class TrainStep(steps.JittedStep):
-    """`step(state, batch, num_real_microbatches=None) -> (state, metrics)`: `make_train_step`'s.
+    """`step(state, batch, num_real_microbatches=None, *, end_group=None) -> (state, metrics)`.
 
     `num_real_microbatches`: as for [`jaxga.accumulate`][jaxga.accumulate]; one compiled
-    step for every count. With `num_microbatches="auto"`, `step.plan` is the last call's.
+    step for every count. `end_group`: a bool (may be traced) for `state.tx.update`, through
+    `state.apply_gradients` (`jaxga.MultiSteps` ends its group early). With `"auto"`,
+    `step.plan` is the last call's.
 
     Examples:
         >>> import jax.numpy as jnp, optax, jaxga
@@ -34,37 +36,49 @@ class TrainStep(steps.JittedStep):
 
     _arity = 2
 
-    def _arguments(self, state: Any, batch: Any, num_real_microbatches: Any = None) -> tuple:
-        _check_state(state)
-        if not self.options.offload:
-            sharding.check_on_device(state)
+    def _arguments(
+        self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
+    ) -> tuple[Any, ...]:
+        self._once(state, _check_state, state, self.options.offload)
         state = sharding.lay_out(state, self.options.layout, offload_state=self.options.offload)
-        return state, batch, check_num_real(num_real_microbatches, self.options.num_microbatches)
+        real = check_num_real(num_real_microbatches, self.options.num_microbatches)
+        return state, batch, real, steps.check_end_group(end_group)
 
     def __call__(
-        self, state: Any, batch: Any, num_real_microbatches: Any = None
+        self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
     ) -> tuple[Any, Metrics]:
         if (planned := self._planned((state, batch, num_real_microbatches))) is not self:
-            return planned(state, batch, num_real_microbatches)
+            return planned(state, batch, num_real_microbatches, end_group=end_group)
         if steps.traced(state):  # inside a jit: inlined, compiled with the enclosing one's options
-            return self._update(state, batch, num_real_microbatches)
+            return self._update(state, batch, num_real_microbatches, end_group)
         if isinstance(leaf := getattr(state, "step", None), jax.Array) and leaf.is_deleted():
             raise ValueError("`state` holds arrays an earlier call deleted: it donates them.")
-        state, batch, real = self._arguments(state, batch, num_real_microbatches)
-        return self._jitted(unaliased(state) if self.options.donate else state, batch, real)
+        state, *rest = self._arguments(state, batch, num_real_microbatches, end_group=end_group)
+        return self._jitted(unaliased(state) if self.options.donate else state, *rest)
 
 
-def _check_state(state: Any) -> None:
+def _check_state(state: Any, offload: Any = True) -> None:
+    """Raises unless ``state`` is a Flax TrainState, on the device unless ``offload``."""
     if not isinstance(state, train_state.TrainState):
         nnx_model = modules.is_graph_node(state) or isinstance(state, nnx.State)
         hint = "; for a Flax NNX model use jaxga.nnx_train_step" if nnx_model else ""
         got = f"{type(state).__name__}{hint}"
         raise TypeError(f"`state` must be a flax.training.train_state.TrainState; got {got}.")
+    if not offload:
+        steps.check_on_device(state)
 
 
-def _accumulate_state(loss, options, fields, state, batch, *, num_real) -> sharding.OnMesh:
+def _accumulate_state(
+    loss: Callable[..., Any],
+    options: StepOptions,
+    fields: StateFields,
+    state: Any,
+    batch: Any,
+    *,
+    num_real: Any,
+) -> sharding.OnMesh:
     layout = options.layout
-    accumulated = functools.partial(
+    configured = functools.partial(
         accumulate,
         num_microbatches=options.num_microbatches,
         num_real_microbatches=num_real,
@@ -85,11 +99,11 @@ def _accumulate_state(loss, options, fields, state, batch, *, num_real) -> shard
                     layout,
                     state,
                     batch,
-                    accumulate=accumulated,
+                    accumulate=configured,
                     model_state=model_state,
                     rng=rng,
                 )
-        acc = accumulated(loss)(state.params, batch, model_state, rng)
+        acc = configured(loss)(state.params, batch, model_state, rng)
         return sharding.OnMesh(accumulated=acc, state=state, specs=None, params=state.params)
     except TypeError as e:
         if isinstance(e, StateStructureError):
@@ -102,33 +116,42 @@ def _accumulate_state(loss, options, fields, state, batch, *, num_real) -> shard
         raise
 
 
+def _check_apply_gradients(state: Any, extra: dict[str, Any]) -> None:
+    """Flax's ``apply_gradients`` sends keywords to ``replace``; jaxga.TrainState's to ``tx``."""
+    flax_own = type(state).apply_gradients is train_state.TrainState.apply_gradients
+    if flax_own and not isinstance(state.params, Mapping):  # it looks for fp8's key in them
+        got = f"{type(state).__name__} with params of type {type(state.params).__name__}"
+        raise TypeError(f"Flax's TrainState.apply_gradients needs dict params; got {got}.")
+    takes = inspect.signature(state.apply_gradients).parameters  # a subclass of ours: **kwargs
+    if missing := [] if isinstance(state, TrainState) else [n for n in extra if n not in takes]:
+        got = f"{type(state).__name__}.apply_gradients takes no `{missing[0]}`"
+        fix = "or build the step with weight=False" if missing[0] == "weight" else "or a subclass"
+        raise TypeError(f"The step passes {got}: expected a jaxga.TrainState, {fix}.")
+
+
 def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[..., Any]:
     checked = steps.loss_alone(loss, "`loss(params, batch, model_state, rng)`", pair=True)
 
-    def train_step(state: Any, batch: Any, num_real: Any = None) -> tuple[Any, Metrics]:
+    def train_step(state: Any, batch: Any, num_real: Any = None, end_group: Any = None) -> tuple:
         _check_state(state)
-        if options.offload:
-            state = sharding.offload(state, "device")
+        state = sharding.offload(state, "device", select=options.offload)
         fields = state_fields(state, options.model_state_fields, options.rng_field)
         looped = _accumulate_state(checked, options, fields, state, batch, num_real=num_real)
-        acc, state = looped.accumulated, looped.state
+        acc = looped.accumulated
+        extra = steps.tx_args(options, state.tx, acc, end_group)
+        _check_apply_gradients(state, extra)
 
-        def apply_tx(params_and_opt_state, grads):
-            params, opt_state = params_and_opt_state
-            weight = steps.weight(state.tx, acc)
-            updates, opt_state = state.tx.update(grads, opt_state, looped.params, **weight)
-            if options.layout is not None:
-                updates = sharding.place(options.layout.mesh, updates, looped.specs.params)
-            return optax.apply_updates(params, updates), opt_state
+        def apply(state: Any, grads: Any) -> Any:  # Flax's update, or a subclass's
+            return state.apply_gradients(grads=grads, **extra)
 
-        params, opt_state = steps.apply_update(acc, apply_tx, (state.params, state.opt_state))
-        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        new = fields.write(new, acc.state)
+        # the optimiser sees the parameters laid out as the gradients (ZeRO-1: sharded)
+        before = looped.state.replace(params=looped.params)
+        new = steps.apply_update(acc, apply, before, "weight" in extra)
+        new = fields.write(new.replace(step=state.step + 1), acc.state)
         if options.layout is not None:
             new = sharding.place(options.layout.mesh, new, looped.specs)
-        if options.offload:
-            new = sharding.offload(new)
-        return new, steps.metrics(acc, state.opt_state, opt_state)
+        metrics = steps.metrics(acc, state.tx, new.opt_state, options, "weight" in extra)
+        return sharding.offload(new, select=options.offload), metrics
 
     return train_step
 
@@ -136,20 +159,22 @@ def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[...,
 def make_train_step(
     loss: Callable[..., Any],
     num_microbatches: int | str = 1,
-    *,
+    *unexpected: Any,
     memory_budget: int | str | None = None,
     mesh: jax.sharding.Mesh | None = None,
     axis_name: str | None = None,
     strategy: Any = "data_parallel",
     accumulator_dtype: Any = None,
     donate: bool = True,
-    offload: bool = False,
+    offload: bool | Callable[[Any, Any], bool] = False,
     reduce_once: bool = True,
     unroll: int | bool = 1,
     canonical_convolutions: bool | str = "auto",
     compiler_options: Mapping[str, Any] | None = None,
     model_state_fields: str | Sequence[str] | None = None,
     rng_field: str | None = None,
+    weight: bool | None = None,
+    learning_rate: Callable[[Any], Any] | None = None,
 ) -> TrainStep:
     """Builds a jitted train step `(state, batch) -> (state, metrics)` of a Flax `TrainState`.
 
@@ -157,6 +182,7 @@ def make_train_step(
         loss: `loss(params, batch, model_state, rng) -> (loss, new_model_state)`, the loss a
             [`jaxga.Mean`][jaxga.Mean] or a scalar mean over its micro-batch.
         num_microbatches: micro-batches per step (and device), or `"auto"` (`step.plan`).
+        unexpected: none: the step takes no optimiser (it runs `state.tx`), an error says so.
         memory_budget: with `"auto"`, a device's bytes (`"8GiB"`); `None`: 90 % of its limit.
         mesh: shard the batch over this mesh's `axis_name`; gradients are reduced once.
         axis_name: the batch's mesh axis (`"data"`); without a `mesh`, a one-device mesh of it.
@@ -164,7 +190,8 @@ def make_train_step(
             `"zero3"` or specs ([`jaxga.sharding.state_specs`][jaxga.sharding.state_specs]).
         accumulator_dtype: the gradient sums' dtype; `None`: at least float32.
         donate: donate the state's buffers to the step.
-        offload: keep the optimiser state in pinned host memory between steps (`sharding.offload`).
+        offload: keep the optimiser state in pinned host memory between steps; a function
+            `(path, leaf) -> bool` picks the leaves (`jaxga.sharding.offload`'s `select`).
         reduce_once: `False` runs the loop in jit's global view of `mesh`, for a model that
             names `axis_name` in its own sharding annotations (exact; JAX then reduces the
             gradient in every micro-batch).
@@ -172,8 +199,14 @@ def make_train_step(
         canonical_convolutions: the loop's convolutions in XLA:CPU's fast layout; `"auto"`:
             on CPU backends only (as for [`jaxga.accumulate`][jaxga.accumulate]).
         compiler_options: XLA options; `None`: [`jaxga.compiler_options()`][jaxga.compiler_options].
-        model_state_fields: `state`'s model-state field(s); `None`: jaxga.TrainState's, or guessed.
-        rng_field: `state`'s PRNG key field; `None`: jaxga.TrainState's, or guessed.
+        model_state_fields: `state`'s model-state field(s); `None`: jaxga.TrainState's, or none
+            for a Flax TrainState that adds no fields (one that adds fields must name them).
+        rng_field: `state`'s PRNG key field; `None`: jaxga.TrainState's, or none.
+        weight: pass the call's item count to `state.apply_gradients(weight=)`; `None`: when
+            `state.tx` is a `jaxga.MultiSteps` (docs/multisteps.md). Weighed, a call counting
+            no items still runs the update (weight 0); unweighed, it leaves the state alone.
+        learning_rate: `metrics["learning_rate"]`, a function of `state.opt_state`; `None`: the
+            one `learning_rate` of `optax.inject_hyperparams` (NaN without; several: an error).
 
     Returns:
         A [`jaxga.TrainStep`][jaxga.TrainStep]; its `metrics`: `loss`,
@@ -189,9 +222,7 @@ def make_train_step(
         >>> float(metrics["loss"]), int(metrics["count"]), int(state.step)
         (1.0, 8, 1)
     """
-    if callable(getattr(num_microbatches, "update", None)):
-        got = f"{num_microbatches=}"
-        raise TypeError(f"make_train_step takes no optimiser (it runs state.tx); got {got}.")
+    _check_no_optimizer(num_microbatches, *unexpected)
     _checks.check_arity(loss, "loss", 4, "`loss(params, batch, model_state, rng)`")
     if mesh is None and axis_name is not None:
         mesh = jax.make_mesh((1,), (axis_name,), devices=jax.local_devices()[:1])
@@ -215,6 +246,16 @@ def make_train_step(
         layout=None if mesh is None else sharding.MeshLayout(mesh, axis_name, strategy, once),
         model_state_fields=fields,
         rng_field=key,
+        weight=weight,
+        learning_rate=learning_rate,
     )
     devices = 1 if mesh is None else sharding.axes_size(mesh, axis_name)
     return TrainStep(_state_step, loss, options, devices)
+
+
+def _check_no_optimizer(*positional: Any) -> None:
+    """Raises if an optimiser (or more) follows ``loss``: the step runs ``state.tx``."""
+    if len(positional) > 1 or callable(getattr(positional[0], "update", None)):
+        got = ", ".join(type(x).__name__ if hasattr(x, "update") else repr(x) for x in positional)
+        fix = "pass tx to TrainState.create and num_microbatches= alone"
+        raise TypeError(f"make_train_step takes no optimiser (it runs state.tx); got {got}: {fix}.")

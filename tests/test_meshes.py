@@ -304,8 +304,7 @@ def test_nnx_train_step_on_a_mesh_keeps_the_models_layout(kind):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
     assert model.w.value.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
     assert model.b.value.sharding.is_equivalent_to(NamedSharding(mesh, P("model")), 1)
-    graphdef, state = nnx.split((model, optimizer))
-    compiled = step._jitted.lower(graphdef, state, batch, None, None).compile()
+    compiled = step.lower(model, optimizer, batch).compile()
     assert not loop_reductions(compiled, jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert jnp.isfinite(metrics["loss"])
 

@@ -193,10 +193,34 @@ def test_offload_arguments_are_checked():
         ValueError, match=r"`memory_kind` must be 'pinned_host' or 'device'; got 'host'"
     ):
         jaxga.sharding.offload({"opt_state": jnp.ones(2)}, "host")
-    with pytest.raises(TypeError, match=r"`offload` must be a bool; got 'yes'"):
+    expected = r"must be a bool or a function of \(path, leaf\)"
+    with pytest.raises(TypeError, match=rf"`offload` {expected}; got 'yes'"):
         jaxga.make_train_step(loss, 2, offload="yes")
-    with pytest.raises(TypeError, match=r"`offload` must be a bool; got 1"):
+    with pytest.raises(TypeError, match=rf"`offload` {expected}; got 1"):
         jaxga.nnx_train_step(lambda m, b: 0.0, 2, offload=1)
+    with pytest.raises(TypeError, match=rf"`select` {expected}; got 'all'"):
+        jaxga.sharding.offload({"opt_state": jnp.ones(2)}, select="all")
+
+
+def test_offload_takes_a_function_picking_the_leaves():
+    """offload=select(path, leaf): Adam's first moment alone in host memory, the second on
+    the device; bit-exact with the state kept on the device."""
+
+    def first_moment(path, leaf):
+        return "mu" in jax.tree_util.keystr(path)
+
+    reference = train(optax.adam(0.05), None, "data_parallel", offload=False)
+    state = train(optax.adam(0.05), None, "data_parallel", offload=first_moment)
+    assert set(kinds(state.opt_state[0].mu).values()) == {"pinned_host"}
+    assert set(kinds(state.opt_state[0].nu).values()) == {"device"}
+    assert set(kinds(state.params).values()) == {"device"}
+    fields = (state.params, state.opt_state)
+    chex.assert_trees_all_equal(
+        host_arrays(fields), host_arrays((reference.params, reference.opt_state))
+    )
+    moved = jaxga.sharding.offload(reference, select=first_moment)
+    assert set(kinds(moved.opt_state[0].mu).values()) == {"pinned_host"}
+    assert set(kinds(jaxga.sharding.offload(reference, select=False)).values()) == {"device"}
 
 
 # --------------------------------------------------------------------------- plan
