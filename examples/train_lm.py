@@ -682,6 +682,7 @@ def make_step(
         memory_budget=args.memory_budget if auto else None,
         mesh=mesh,
         strategy=strategy if mesh is not None else "data_parallel",
+        pipeline_axis="stage" if args.stages > 1 else None,
         offload=offload,
     )
 

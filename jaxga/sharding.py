@@ -13,15 +13,14 @@ from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSh
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, collectives
-from jaxga.engine import Accumulated
-from jaxga.microbatch import IndivisibleBatchError
 
 STRATEGIES = ("data_parallel", "zero1", "fsdp", "zero3")
 _SPACES = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Device}
 _MOVED: dict[Any, list[bool]] = {}  # offload's leaves to move, by tree structure
 
 
-def _is_spec(x: Any) -> bool:
+def is_spec(x: Any) -> bool:
+    """Whether ``x`` is a ``PartitionSpec`` (a leaf of a tree of specs)."""
     return isinstance(x, P)
 
 
@@ -214,14 +213,14 @@ def fsdp_specs(tree: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
 
 
 def _check_param_specs(specs: Any, params: Any, mesh: Mesh) -> None:
-    got, want = jax.tree.structure(specs, is_leaf=_is_spec), jax.tree.structure(params)
+    got, want = jax.tree.structure(specs, is_leaf=is_spec), jax.tree.structure(params)
     if got != want:
         raise ValueError(f"`strategy`'s specs must have the params' tree {want}; got {got}.")
     leaves = jax.tree_util.tree_leaves_with_path(params)
-    for (path, x), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=_is_spec)):
+    for (path, x), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=is_spec)):
         where, shape = f"The spec for params{jax.tree_util.keystr(path)}", jnp.shape(x)
         named = [a for entry in spec if entry is not None for a in collectives.axes(entry)]
-        if not _is_spec(spec) or len(spec) > len(shape) or set(named) - set(mesh.axis_names):
+        if not is_spec(spec) or len(spec) > len(shape) or set(named) - set(mesh.axis_names):
             raise ValueError(
                 f"{where} must be a PartitionSpec of at most {len(shape)} entries (its shape is "
                 f"{shape}), each None or axes of the mesh {mesh.axis_names}; got {spec!r}."
@@ -274,7 +273,7 @@ def state_specs(
         return spec
 
     opt_state = optax.tree_map_params(
-        state.tx, follow, state.opt_state, strategy, transform_non_params=shard, is_leaf=_is_spec
+        state.tx, follow, state.opt_state, strategy, transform_non_params=shard, is_leaf=is_spec
     )
     return specs.replace(params=strategy, opt_state=opt_state)
 
@@ -284,7 +283,7 @@ def state_shardings(
 ) -> Any:
     """[`state_specs`][jaxga.sharding.state_specs] as `NamedSharding`s on `mesh`."""
     specs = state_specs(state, mesh, strategy, axis_name=axis_name)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=_is_spec)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=is_spec)
 
 
 def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
@@ -300,6 +299,7 @@ class MeshLayout(NamedTuple):
     axis_name: Any
     strategy: Any  # a name of STRATEGIES, a tree of the parameters' PartitionSpecs, or None
     reduce_once: bool = True  # False: the loop in jit's global view, JAX reducing each time
+    pipeline_axis: str | None = None  # a pipeline's stage axis: manual in the loop too
 
     @property
     def loop_axes(self) -> Any:
@@ -310,9 +310,9 @@ class MeshLayout(NamedTuple):
 def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Callable) -> Any:
     """``state`` ``put`` where a step keeps it (concrete): on the mesh, offloaded as asked."""
     if layout is not None:  # laid out already if its step and first parameter are
-        mesh, axis_name, strategy, _ = layout
+        mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
         first = jax.tree.leaves(state.params)[:1]
-        specs = jax.tree.leaves(strategy, is_leaf=_is_spec)[:1]  # a tree of specs
+        specs = jax.tree.leaves(strategy, is_leaf=is_spec)[:1]  # a tree of specs
         if isinstance(strategy, str):
             specs = fsdp_specs(first, mesh, axis_name) if strategy in ("fsdp", "zero3") else [P()]
         wanted = [NamedSharding(mesh, spec) for spec in [P(), *specs]]
@@ -323,127 +323,3 @@ def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Call
         if not getattr(first, "committed", True):
             state = jax.device_put(state, first.sharding)  # committed, as the step returns it
     return offload(state, select=offload_state) if offload_state else state
-
-
-class OnMesh(NamedTuple):
-    """What the loop on a mesh gives the train step."""
-
-    accumulated: Accumulated  # gradients laid out as the optimiser state (ZeRO-1: sharded)
-    state: Any  # the train state, laid out
-    specs: Any  # the train state's PartitionSpecs
-    params: Any  # the parameters as the optimiser sees them, laid out as the gradients
-
-
-def _split_over(spec: P, axis_name: Any, *, batch: bool) -> P:
-    """``spec``'s entries naming the batch's axes (``batch``), or naming the others only."""
-    batch_axes = set(collectives.axes(axis_name))
-
-    def entry(e: Any) -> Any:
-        return tuple(a for a in collectives.axes(e or ()) if (a in batch_axes) == batch) or None
-
-    return P(*map(entry, spec))
-
-
-def _on_split_axes(fn: Callable[..., Any], tree: Any, specs: Any) -> Any:
-    """``fn(x, axis=...)`` on the leaves whose (batch-axes) spec splits an axis; others as is."""
-
-    def apply(x: Any, spec: P) -> Any:
-        axis = next((i for i, entry in enumerate(spec) if entry is not None), None)
-        return x if axis is None else fn(x, axis=axis)
-
-    return jax.tree.map(apply, tree, specs, is_leaf=_is_spec)
-
-
-def accumulate_on_mesh(
-    loss: Callable[..., Any],
-    layout: MeshLayout,
-    state: Any,
-    batch: Any,
-    *,
-    accumulate: Callable[[Callable[..., Any]], Callable[..., Accumulated]],
-    model_state: Any,
-    rng: Any,
-) -> OnMesh:
-    """``accumulate(loss)`` over ``layout.mesh``: the batch split over ``layout.axis_name``.
-
-    In a ``shard_map`` over the batch's axes alone (the mesh's other axes stay in jit's
-    global view): ``"fsdp"`` gathers the parameters once before the loop and reduce-scatters
-    the gradients once after it, ``"zero1"`` reduce-scatters them as the optimiser state,
-    ``"zero3"`` gathers in every micro-batch. ``reduce_once=False``: the loop in jit's global
-    view instead, the parameters gathered once, JAX reducing in every micro-batch.
-    """
-    mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
-    k, devices = accumulate(loss).options.num_microbatches, axes_size(mesh, axis_name)
-    size = _checks.leading_size(batch, "batch", "batch") or 0  # 0: no leaves, as accumulate says
-    if size % (devices * k):
-        raise IndivisibleBatchError.of(size, k, devices, axis_name)
-    specs = state_specs(state, mesh, strategy, axis_name=axis_name)
-    state = place(mesh, state, specs)
-    batch = place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))
-    grad_specs = fsdp_specs(state.params, mesh, axis_name) if strategy == "zero1" else specs.params
-    gather = functools.partial(_split_over, axis_name=axis_name, batch=False)
-    gathered = jax.tree.map(gather, specs.params, is_leaf=_is_spec)
-    batch_axes = collectives.axes(axis_name)
-    others = [t for a, t in zip(mesh.axis_names, mesh.axis_types) if a not in batch_axes]
-    if strategy == "zero3" and (AxisType.Explicit in others or not layout.reduce_once):
-        raise ValueError(f"`strategy`='zero3' {_ZERO3_GATHERS}; got {mesh}.")
-    if not layout.reduce_once or AxisType.Explicit in others:  # gathered once; the engine's
-        # route reduces (all-reduced: jax 0.12 cannot reduce-scatter beside Explicit axes)
-        params = place(mesh, state.params, gathered)
-        accumulated = accumulate(loss)(params, batch, model_state, rng)
-    else:  # gathered once, reduce-scattered once (ZeRO-3: gathered per micro-batch)
-        batch_part = functools.partial(_split_over, axis_name=axis_name, batch=True)
-        in_specs = jax.tree.map(batch_part, specs.params, is_leaf=_is_spec)
-        out_specs = jax.tree.map(batch_part, grad_specs, is_leaf=_is_spec)
-        local = _local_accumulation(loss, layout, in_specs, out_specs, accumulate)
-        accumulated = jax.shard_map(
-            local,
-            in_specs=(in_specs, P(axis_name), P(), P()),
-            out_specs=Accumulated(mean=P(), grads=out_specs, aux=P(), state=P()),
-            axis_names=set(batch_axes),
-        )(state.params, batch, model_state, rng)
-    grads = place(mesh, accumulated.grads, grad_specs)
-    return OnMesh(
-        accumulated=accumulated._replace(grads=grads),
-        state=state,
-        specs=specs,
-        params=place(mesh, state.params, grad_specs),
-    )
-
-
-_ZERO3_GATHERS = (
-    "gathers in every micro-batch in a shard_map over the batch's axes, which needs "
-    "reduce_once=True and no other Explicit mesh axes (JAX 0.12 cannot differentiate the "
-    "gather beside them): use 'fsdp', or make the other axes Auto"
-)
-
-
-def _local_accumulation(
-    loss: Callable[..., Any],
-    layout: MeshLayout,
-    in_specs: Any,
-    out_specs: Any,
-    accumulate: Callable[[Callable[..., Any]], Callable[..., Accumulated]],
-) -> Callable[..., Accumulated]:
-    """One device's accumulation in `accumulate_on_mesh`'s ``shard_map`` (manual axes)."""
-    axis_name = layout.axis_name
-    gather = functools.partial(jax.lax.all_gather, axis_name=axis_name, tiled=True)
-
-    def scatter(x: jax.Array, axis: int) -> jax.Array:
-        return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
-
-    def varying(x: jax.Array, axis: int) -> jax.Array:  # summed by the scatter, not by the loop
-        return collectives.varying(x, axis_name)
-
-    def on_shards(shards, batch, model_state, rng):  # ZeRO-3: gathered per micro-batch
-        shards, batch = jax.lax.optimization_barrier((shards, batch))  # no hoisting of the gather
-        return loss(_on_split_axes(gather, shards, in_specs), batch, model_state, rng)
-
-    def local(params, batch, model_state, rng):
-        if layout.strategy == "zero3":
-            return accumulate(on_shards)(params, batch, model_state, rng)
-        full = _on_split_axes(varying, _on_split_axes(gather, params, in_specs), out_specs)
-        acc = accumulate(loss)(full, batch, model_state, rng)
-        return acc._replace(grads=_on_split_axes(scatter, acc.grads, out_specs))
-
-    return local

@@ -9,7 +9,7 @@ import jax
 from flax import nnx
 from flax.training import train_state
 
-from jaxga import _checks, modules, sharding, steps
+from jaxga import _checks, mesh_loop, modules, sharding, steps
 from jaxga.accumulation import accumulate
 from jaxga.arguments import StateStructureError, check_num_real
 from jaxga.state import StateFields, TrainState, check_field_names, state_fields, unaliased
@@ -76,7 +76,7 @@ def _accumulate_state(
     batch: Any,
     *,
     num_real: Any,
-) -> sharding.OnMesh:
+) -> mesh_loop.OnMesh:
     layout = options.layout
     configured = functools.partial(
         accumulate,
@@ -94,7 +94,7 @@ def _accumulate_state(
     try:  # the errors a train state's fields explain get a note
         if layout is not None:
             with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
-                return sharding.accumulate_on_mesh(
+                return mesh_loop.accumulate_on_mesh(
                     loss,
                     layout,
                     state,
@@ -104,7 +104,7 @@ def _accumulate_state(
                     rng=rng,
                 )
         acc = configured(loss)(state.params, batch, model_state, rng)
-        return sharding.OnMesh(accumulated=acc, state=state, specs=None, params=state.params)
+        return mesh_loop.OnMesh(accumulated=acc, state=state, specs=None, params=state.params)
     except TypeError as e:
         if isinstance(e, StateStructureError):
             e.add_note(f"jaxga: {fields.describe(state)}.")
@@ -175,6 +175,7 @@ def make_train_step(
     rng_field: str | None = None,
     weight: bool | None = None,
     learning_rate: Callable[[Any], Any] | None = None,
+    pipeline_axis: str | None = None,
 ) -> TrainStep:
     """Builds a jitted train step `(state, batch) -> (state, metrics)` of a Flax `TrainState`.
 
@@ -207,6 +208,9 @@ def make_train_step(
             no items still runs the update (weight 0); unweighed, it leaves the state alone.
         learning_rate: `metrics["learning_rate"]`, a function of `state.opt_state`; `None`: the
             one `learning_rate` of `optax.inject_hyperparams` (NaN without; several: an error).
+        pipeline_axis: the `mesh` axis of a pipeline's stages (`jaxga.pipeline_scan`): manual
+            in the loop beside `axis_name`, so that each stage's parameters, split over it by
+            `strategy`'s specs, never move (docs/pipeline.md).
 
     Returns:
         A [`jaxga.TrainStep`][jaxga.TrainStep]; its `metrics`: `loss`,
@@ -227,13 +231,8 @@ def make_train_step(
     if mesh is None and axis_name is not None:
         mesh = jax.make_mesh((1,), (axis_name,), devices=jax.local_devices()[:1])
     axis_name = "data" if axis_name is None else axis_name
-    sharding.check_strategy(strategy)
-    if mesh is not None:
-        sharding.check_mesh(mesh, axis_name, concrete=True)
-    elif not (isinstance(strategy, str) and strategy == "data_parallel"):
-        raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
+    layout = _layout(mesh, axis_name, strategy, reduce_once, pipeline_axis)
     fields, key = check_field_names(model_state_fields, rng_field)
-    once = _checks.check_bool(reduce_once, "reduce_once")
     options = steps.step_options(
         num_microbatches,
         memory_budget=memory_budget,
@@ -243,7 +242,7 @@ def make_train_step(
         unroll=unroll,
         canonical_convolutions=canonical_convolutions,
         compiler_options=compiler_options,
-        layout=None if mesh is None else sharding.MeshLayout(mesh, axis_name, strategy, once),
+        layout=layout,
         model_state_fields=fields,
         rng_field=key,
         weight=weight,
@@ -251,6 +250,26 @@ def make_train_step(
     )
     devices = 1 if mesh is None else sharding.axes_size(mesh, axis_name)
     return TrainStep(_state_step, loss, options, devices)
+
+
+def _layout(mesh: Any, axis_name: Any, strategy: Any, reduce_once: Any, pipeline_axis: Any):
+    """The step's `sharding.MeshLayout`, its arguments checked; `None` without a mesh."""
+    sharding.check_strategy(strategy)
+    once = _checks.check_bool(reduce_once, "reduce_once")
+    data_parallel = isinstance(strategy, str) and strategy == "data_parallel"
+    if mesh is None and not data_parallel:
+        raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
+    if mesh is None and pipeline_axis is not None:
+        raise ValueError(f"`pipeline_axis`={pipeline_axis!r} needs a `mesh` with that axis.")
+    if mesh is None:
+        return None
+    sharding.check_mesh(mesh, axis_name, concrete=True)
+    if pipeline_axis is not None and pipeline_axis not in mesh.axis_names:
+        got = f"{pipeline_axis!r} is not an axis of `mesh` {mesh.axis_names}"
+        raise ValueError(f"`pipeline_axis`={got}.")
+    if pipeline_axis is not None and not once:
+        raise ValueError("`pipeline_axis` needs reduce_once=True: the loop runs in a shard_map.")
+    return sharding.MeshLayout(mesh, axis_name, strategy, once, pipeline_axis)
 
 
 def _check_no_optimizer(*positional: Any) -> None:

@@ -389,3 +389,41 @@ def test_inside_jaxgas_own_shard_map_over_the_batch(schedule):
     got = jax.jit(vg)(on_stages(params, mesh), *placed)
     want = jax.value_and_grad(reference, argnums=(0, 1))(params, head)
     chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_make_train_step_keeps_each_stages_weights_on_it(schedule):
+    """make_train_step(pipeline_axis="stage") on a ("data", "stage") mesh: one SGD step of
+    the whole batch, the state laid out by stage, and no weights gathered."""
+    import optax
+
+    mesh = jax.make_mesh((2, 4), ("data", "stage"))
+    head = np.random.default_rng(3).normal(size=(D, 5)).astype(np.float32)
+    params, batch = {"stack": stack(), "head": head}, skewed_batch()
+
+    def loss(params, batch, model_state, rng):
+        pair, options = (
+            (params["stack"], params["head"]),
+            {"num_microbatches": 4, "schedule": schedule},
+        )
+        return jaxga.pipeline_loss(layer, head_fn, pair, batch["x"], batch, **options), model_state
+
+    def reference(params):
+        h = jaxga.remat_scan(layer, params["stack"], batch["x"])
+        return head_fn(params["head"], h, batch).value
+
+    specs = {"stack": {"w": P("stage"), "b": P("stage")}, "head": P()}
+    step = jaxga.make_train_step(
+        loss, 2, mesh=mesh, axis_name="data", strategy=specs, pipeline_axis="stage"
+    )
+    state = jaxga.TrainState.create(params=jax.tree.map(jnp.asarray, params), tx=optax.sgd(0.1))
+    hlo = step.lower(state, batch).compile().as_text()
+    state, metrics = step(state, batch)
+    value, grads = jax.value_and_grad(reference)(params)
+    chex.assert_trees_all_close(metrics["loss"], value, rtol=1e-5)
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    chex.assert_trees_all_close(state.params, want, rtol=1e-4, atol=1e-6)
+    assert state.params["stack"]["w"].sharding.spec[0] == "stage"
+    assert "collective-permute" in hlo and " all-gather(" not in hlo
+    with pytest.raises(ValueError, match=r"`pipeline_axis`='pipe' is not an axis of `mesh`"):
+        jaxga.make_train_step(loss, 2, mesh=mesh, strategy=specs, pipeline_axis="pipe")
