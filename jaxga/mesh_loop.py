@@ -77,8 +77,7 @@ def accumulate_on_mesh(
     grad_specs = fsdp_specs(state.params, mesh, axis_name) if strategy == "zero1" else specs.params
     gather = functools.partial(_split_over, axis_name=axis_name, batch=False)
     gathered = jax.tree.map(gather, specs.params, is_leaf=is_spec)
-    batch_axes = collectives.axes(axis_name)
-    manual = (*batch_axes, *([layout.pipeline_axis] if layout.pipeline_axis else []))
+    manual = _manual_axes(layout)
     others = [t for a, t in zip(mesh.axis_names, mesh.axis_types) if a not in manual]
     if strategy == "zero3" and (AxisType.Explicit in others or not layout.reduce_once):
         raise ValueError(f"`strategy`='zero3' {_ZERO3_GATHERS}; got {mesh}.")
@@ -87,26 +86,48 @@ def accumulate_on_mesh(
         params = place(mesh, state.params, gathered)
         accumulated = accumulate(loss)(params, batch, model_state, rng)
     else:  # gathered once, reduce-scattered once (ZeRO-3: gathered per micro-batch)
-
-        def part(specs: Any, axes: tuple[Any, ...]) -> Any:  # the specs' entries over `axes`
-            over = functools.partial(_split_over, axis_name=axes, batch=True)
-            return jax.tree.map(over, specs, is_leaf=is_spec)
-
-        in_specs, out_specs = part(specs.params, batch_axes), part(grad_specs, batch_axes)
-        local = _local_accumulation(loss, layout, in_specs, out_specs, accumulate)
-        grads = part(grad_specs, manual)  # a pipeline's stages keep their own parameters
-        accumulated = jax.shard_map(
-            local,
-            in_specs=(part(specs.params, manual), P(axis_name), P(), P()),
-            out_specs=Accumulated(mean=P(), grads=grads, aux=P(), state=P()),
-            axis_names=set(manual),
-        )(state.params, batch, model_state, rng)
+        loop = _sharded_loop(loss, layout, specs.params, grad_specs, accumulate)
+        accumulated = loop(state.params, batch, model_state, rng)
     grads = place(mesh, accumulated.grads, grad_specs)
     return OnMesh(
         accumulated=accumulated._replace(grads=grads),
         state=state,
         specs=specs,
         params=place(mesh, state.params, grad_specs),
+    )
+
+
+def _manual_axes(layout: MeshLayout) -> tuple[Any, ...]:
+    """The axes the loop's ``shard_map`` makes manual: the batch's, and a pipeline's."""
+    pipeline = (layout.pipeline_axis,) if layout.pipeline_axis else ()
+    return (*collectives.axes(layout.axis_name), *pipeline)
+
+
+def _part(specs: Any, axes: tuple[Any, ...]) -> Any:
+    """Each spec of ``specs`` with its entries over ``axes`` alone."""
+    return jax.tree.map(
+        functools.partial(_split_over, axis_name=axes, batch=True), specs, is_leaf=is_spec
+    )
+
+
+def _sharded_loop(
+    loss: Callable[..., Any],
+    layout: MeshLayout,
+    param_specs: Any,
+    grad_specs: Any,
+    accumulate: Callable[[Callable[..., Any]], Callable[..., Accumulated]],
+) -> Callable[..., Accumulated]:
+    """`_local_accumulation` in a ``shard_map`` over `_manual_axes`: ``(params, batch,
+    model_state, rng) -> Accumulated``, the gradients laid out as ``grad_specs``."""
+    batch_axes, manual = collectives.axes(layout.axis_name), _manual_axes(layout)
+    in_specs, out_specs = _part(param_specs, batch_axes), _part(grad_specs, batch_axes)
+    local = _local_accumulation(loss, layout, in_specs, out_specs, accumulate)
+    grads = _part(grad_specs, manual)  # a pipeline's stages keep their own parameters
+    return jax.shard_map(
+        local,
+        in_specs=(_part(param_specs, manual), P(layout.axis_name), P(), P()),
+        out_specs=Accumulated(mean=P(), grads=grads, aux=P(), state=P()),
+        axis_names=set(manual),
     )
 
 
