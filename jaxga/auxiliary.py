@@ -38,7 +38,10 @@ def kinds(given: Any, aux: Any, *, k: int, rows: int) -> Any:
 
     ``"sum"``: summed over the micro-batches (a `Mean` always is); ``"rows"``: one row per
     example, merged back into the batch's ``k · rows`` rows; ``"stack"``: one value per
-    micro-batch; ``"once"``: ``k = 1``'s value as it is.
+    micro-batch; ``"once"`` (``"auto"`` at ``k = 1``): the one micro-batch's value as it is,
+    as ``jax.value_and_grad`` returns it. ``"auto"`` reads shapes: a leaf whose leading axis
+    has the micro-batch's row count is taken as rows — name the kind of one that only
+    happens to (a histogram of as many classes as a micro-batch has rows).
 
     Args:
         given: `aux=`, a kind for each subtree of ``aux`` (a prefix); ``"auto"``: read from
@@ -72,10 +75,10 @@ def _kind(k: int, rows: int, path: Any, x: Any, given: str) -> str:
         raise TypeError(f"`aux` says 'rows' for {where}; expected {rows} rows (a micro-batch's).")
     if given != "auto":
         return given
-    if k == 1:
-        return "once"
     if jnp.shape(x)[1:2] == (rows,):
         return "rows"
+    if k == 1:
+        return "once"
     if jnp.shape(x) == (k,):
         return "stack"
     expected = (
@@ -130,12 +133,13 @@ def combine(aux: Any, kinds: Any) -> Any:
 
 
 def with_device_axis(aux: Any, kinds: Any) -> Any:
-    """A ``shard_map``'s out: ``[k, ...]`` with the devices' axis at 1, concatenated there."""
+    """A ``shard_map``'s out: rows concatenated over the devices; every other leaf ``[k, ...]``
+    given a devices' axis at 1 (``"stack"``: ``[k, devices, ...]``; ``"sum"``: summed after)."""
 
     def one(x: Any, kind: str) -> Any:
-        if kind == "sum":  # a Mean too: summed over the devices after
-            return jax.tree.map(lambda y: y[:, None], x)
-        return x[:, None] if x.ndim == 1 else x  # rows: the devices' rows, in order
+        if kind == "rows":  # the devices' rows, in order
+            return x
+        return jax.tree.map(lambda y: y[:, None], x)  # a Mean, a sum: summed over it after
 
     return jax.tree.map(one, aux, kinds, is_leaf=is_mean)
 

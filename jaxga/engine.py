@@ -172,7 +172,7 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
 
     def skip(carry: Carry, batches: tuple) -> tuple[Carry, Any]:  # no work, nothing counted
         # cond traces `step` first: its aux types are known here without tracing `fun` again
-        types = traced.get("aux") or jax.eval_shape(step, carry, batches)[1]
+        types = traced["aux"] if "aux" in traced else jax.eval_shape(step, carry, batches)[1]
         return carry._replace(index=carry.index + 1), jax.tree.map(collectives.zeros_of, types)
 
     def body(carry: Carry, batches: tuple) -> tuple[Carry, Any]:
@@ -305,7 +305,7 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
     once; JAX closes over no arrays of Explicit axes), everything else closed over. Aux
     comes out as the whole batch gives it: a `Mean` summed over the devices, rows the
     batch's rows in order; a value per micro-batch, one per micro-batch and device
-    (`[k, devices · ...]`).
+    (`[k, devices, ...]`).
     """
     axes = call.route.axes
     rows = call.rows // collectives.axis_size(call.route)

@@ -82,8 +82,8 @@ class Mean:
         count = jnp.sum(weights) if normalize == "token_mean" else sequences
         # a select, not only a product: a masked-out item may hold a NaN or an inf
         total = jnp.sum(jnp.where(weights != 0, values * weights, 0))
-        nan = jnp.where(ok & in_range, 0.0, jnp.nan)  # added, not selected: a NaN gradient too
-        return cls(total + nan, count + nan)
+        scale = jnp.where(ok & in_range, 1.0, jnp.nan)  # multiplied: a NaN gradient too
+        return cls(total * scale, count * scale)
 
 
 NORMALIZATIONS = ("token_mean", "sequence_mean", "sequence_sum")

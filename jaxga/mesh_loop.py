@@ -81,6 +81,8 @@ def accumulate_on_mesh(
     others = [t for a, t in zip(mesh.axis_names, mesh.axis_types) if a not in manual]
     if strategy == "zero3" and (AxisType.Explicit in others or not layout.reduce_once):
         raise ValueError(f"`strategy`='zero3' {_ZERO3_GATHERS}; got {mesh}.")
+    if layout.pipeline_axis is not None:
+        _check_stages(layout, specs.params, others)
     if not layout.reduce_once or AxisType.Explicit in others:  # gathered once; the engine's
         # route reduces (all-reduced: jax 0.12 cannot reduce-scatter beside Explicit axes)
         params = place(mesh, state.params, gathered)
@@ -95,6 +97,18 @@ def accumulate_on_mesh(
         specs=specs,
         params=place(mesh, state.params, grad_specs),
     )
+
+
+def _check_stages(layout: MeshLayout, param_specs: Any, others: list[Any]) -> None:
+    """Raises unless a pipeline's stage axis splits some parameters and the loop is manual."""
+    specs = jax.tree.leaves(param_specs, is_leaf=is_spec)
+    named = [s for s in specs if any(layout.pipeline_axis in collectives.axes(e or ()) for e in s)]
+    if not named:
+        fix = f"give `strategy` specs with P({layout.pipeline_axis!r}) on the stacked layers"
+        raise ValueError(f"`pipeline_axis`={layout.pipeline_axis!r} splits no parameter: {fix}.")
+    if AxisType.Explicit in others:
+        got = [a for a in layout.mesh.axis_names if a not in _manual_axes(layout)]
+        raise ValueError(f"`pipeline_axis` needs the mesh's other axes {got} Auto, not Explicit.")
 
 
 def _manual_axes(layout: MeshLayout) -> tuple[Any, ...]:

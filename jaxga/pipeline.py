@@ -79,16 +79,16 @@ def _check_layers(num_layers: int, stages: int, repeats: int) -> None:
 
 def _stage_mesh(axis_name: str, stacked_params: Any, mesh: Any) -> tuple[str, Any]:
     """Whether the stage axis is ``"manual"`` here or to be ``"opened"``, and its mesh."""
-    if mesh is not None:
-        if axis_name not in mesh.axis_names:
-            raise ValueError(
-                f"`axis_name`={axis_name!r} is not an axis of `mesh` {mesh.axis_names}."
-            )
-        return "opened", mesh
     context = jax.sharding.get_abstract_mesh()
     if axis_name in context.axis_names:
         manual = dict(zip(context.axis_names, context.axis_types))[axis_name] == AxisType.Manual
-        return ("manual" if manual else "opened"), context
+        if manual or mesh is None:
+            return ("manual" if manual else "opened"), context
+    if mesh is not None:
+        if axis_name not in mesh.axis_names:
+            got = f"{axis_name!r} is not an axis of `mesh` {mesh.axis_names}"
+            raise ValueError(f"`axis_name`={got}.")
+        return "opened", mesh
     for leaf in jax.tree.leaves(stacked_params):  # Explicit axes: the type says
         typed = getattr(jax.typeof(leaf), "sharding", None)
         if axis_name in getattr(getattr(typed, "mesh", None), "axis_names", ()):
@@ -123,7 +123,7 @@ class Stages(NamedTuple):
 
     layer_fn: Callable[..., Any]  # (params, x) or, with a key, (params, x, key)
     policy: Policy
-    plan: Schedule
+    schedule: Schedule
     axis: str
 
 
@@ -147,7 +147,7 @@ def _run_stages(stages: Stages, params: Any, x: Any, key: Any) -> Any:
     they hold, NaN or garbage, reaches a value or a gradient. Returns the last stage's
     outputs, on every stage.
     """
-    plan, axis = stages.plan, stages.axis
+    plan, axis = stages.schedule, stages.axis
     stage, last = jax.lax.axis_index(axis), plan.stages - 1
     m, items = plan.microbatches, plan.microbatches * plan.repeats
     chunks = jax.tree.map(lambda p: jnp.reshape(p, (plan.repeats, -1, *p.shape[1:])), params)
@@ -156,11 +156,13 @@ def _run_stages(stages: Stages, params: Any, x: Any, key: Any) -> Any:
     xs = split_microbatches(x, m, name="x")
     zeros = collectives.varying(jax.tree.map(jnp.zeros_like, xs), (axis,))
     ring = [(s, (s + 1) % plan.stages) for s in range(plan.stages)]
-    run = jax.checkpoint(  # only a stage's input kept: its layers recomputed backward
-        functools.partial(run_stage, stages), policy=jax.checkpoint_policies.nothing_saveable
-    )
 
-    def skip(chunk: Any, ids: jax.Array, x: Any, key: Any) -> Any:
+    def run_chunk(chunks: Any, c: jax.Array, x: Any, key: Any) -> Any:  # sliced inside:
+        return run_stage(stages, take(chunks, c), ids[c], x, key)  # no weights saved a step
+
+    run = jax.checkpoint(run_chunk, policy=jax.checkpoint_policies.nothing_saveable)
+
+    def skip(chunks: Any, c: jax.Array, x: Any, key: Any) -> Any:
         return x
 
     def iteration(carry: tuple, t: jax.Array) -> tuple:
@@ -171,7 +173,7 @@ def _run_stages(stages: Stages, params: Any, x: Any, key: Any) -> Any:
         first = select(chunk == 0, take(xs, i), take(stored, i))  # stage 0: fresh or around
         given = select(stage == 0, first, held)
         micro_key = None if key is None else jax.random.fold_in(key, i)
-        out = jax.lax.cond(valid, run, skip, take(chunks, chunk), ids[chunk], given, micro_key)
+        out = jax.lax.cond(valid, run, skip, chunks, chunk, given, micro_key)
         done = valid & (stage == last) & (chunk == plan.repeats - 1)
         outputs = put(outputs, i, out, done)
         passed = jax.lax.ppermute(out, axis, ring)  # stage S - 1's goes around to stage 0
@@ -253,6 +255,11 @@ def plan_stages(
     if plan.microbatches < plan.stages:
         got = f"{plan.microbatches}; it must be at least the S={plan.stages} stages"
         raise ValueError(f"`num_microbatches`={got}.")
+    if kind == "manual" and any(
+        axis_name not in collectives.varying_axes(x) for x in jax.tree.leaves(stacked_params)
+    ):
+        fix = f"lay the layer axis out over it: P({axis_name!r}) in the shard_map's in_specs"
+        raise ValueError(f"`stacked_params` are the same on every stage of {axis_name!r}: {fix}.")
     layers = stack_length(stacked_params) * (plan.stages if kind == "manual" else 1)  # L
     _check_layers(layers, plan.stages, repeats)
     return Stages(layer_fn, policy, plan, axis_name), kind, mesh

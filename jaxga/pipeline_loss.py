@@ -126,7 +126,7 @@ def _no_backward(stage: _Stage, h: Any, dy: Any, key: Any) -> tuple:  # typed as
 def _tick(stage: _Stage, carry: tuple, t: jax.Array) -> tuple:
     """Tick ``t``: the forward of micro-batch ``t - s``, the backward of ``t - (2S - 2 - s)``."""
     arrived, returned, saved, sums = carry  # activations from s - 1, cotangents from s + 1
-    plan, axis, s = stage.head.stages.plan, stage.head.stages.axis, stage.index
+    plan, axis, s = stage.head.stages.schedule, stage.head.stages.axis, stage.index
     m, last, ring = plan.microbatches, plan.stages - 1, 2 * plan.stages - 1
     f, b = t - s, t - (2 * plan.stages - 2 - s)
     f_ok, b_ok = (f >= 0) & (f < m), (b >= 0) & (b < m)
@@ -162,7 +162,7 @@ def _one_f_one_b(head: Head, inputs: Inputs) -> tuple[jax.Array, jax.Array, Grad
     the micro-batches between their forward and backward, at most ``2S - 1``: a ring
     buffer whatever m is. Returns the loss's total and count, and its gradients.
     """
-    axis, plan = head.stages.axis, head.stages.plan
+    axis, plan = head.stages.axis, head.stages.schedule
     index, m = jax.lax.axis_index(axis), plan.microbatches
     size = jax.tree.leaves(inputs.params)[0].shape[0]  # layers a stage
     xs = split_microbatches(inputs.x, m, name="x")

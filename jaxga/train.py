@@ -9,7 +9,7 @@ import jax
 from flax import nnx
 from flax.training import train_state
 
-from jaxga import _checks, mesh_loop, modules, sharding, steps
+from jaxga import _checks, collectives, mesh_loop, modules, sharding, steps
 from jaxga.accumulation import accumulate
 from jaxga.arguments import StateStructureError, check_num_real
 from jaxga.state import StateFields, TrainState, check_field_names, state_fields, unaliased
@@ -116,17 +116,21 @@ def _accumulate_state(
         raise
 
 
-def _check_apply_gradients(state: Any, extra: dict[str, Any]) -> None:
-    """Flax's ``apply_gradients`` sends keywords to ``replace``; jaxga.TrainState's to ``tx``."""
-    flax_own = type(state).apply_gradients is train_state.TrainState.apply_gradients
-    if flax_own and not isinstance(state.params, Mapping):  # it looks for fp8's key in them
-        got = f"{type(state).__name__} with params of type {type(state.params).__name__}"
-        raise TypeError(f"Flax's TrainState.apply_gradients needs dict params; got {got}.")
+def _apply_gradients(state: Any, extra: dict[str, Any]) -> Callable[..., Any]:
+    """``state``'s own ``apply_gradients`` (a subclass's override kept), checked for ``extra``.
+
+    Flax's own method sends keywords to ``replace`` and reads fp8's key in dict params:
+    for it, `jaxga.TrainState.apply_gradients`, which runs Flax's for dict params and
+    hands ``weight`` and ``end_group`` to ``tx``.
+    """
+    if type(state).apply_gradients is train_state.TrainState.apply_gradients:
+        return functools.partial(TrainState.apply_gradients, state)
     takes = inspect.signature(state.apply_gradients).parameters  # a subclass of ours: **kwargs
     if missing := [] if isinstance(state, TrainState) else [n for n in extra if n not in takes]:
         got = f"{type(state).__name__}.apply_gradients takes no `{missing[0]}`"
         fix = "or build the step with weight=False" if missing[0] == "weight" else "or a subclass"
         raise TypeError(f"The step passes {got}: expected a jaxga.TrainState, {fix}.")
+    return state.apply_gradients
 
 
 def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[..., Any]:
@@ -139,10 +143,10 @@ def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[...,
         looped = _accumulate_state(checked, options, fields, state, batch, num_real=num_real)
         acc = looped.accumulated
         extra = steps.tx_args(options, state.tx, acc, end_group)
-        _check_apply_gradients(state, extra)
+        _apply_gradients(state, extra)  # checked here, called on the state laid out below
 
         def apply(state: Any, grads: Any) -> Any:  # Flax's update, or a subclass's
-            return state.apply_gradients(grads=grads, **extra)
+            return _apply_gradients(state, extra)(grads=grads, **extra)
 
         # the optimiser sees the parameters laid out as the gradients (ZeRO-1: sharded)
         before = looped.state.replace(params=looped.params)
@@ -267,6 +271,8 @@ def _layout(mesh: Any, axis_name: Any, strategy: Any, reduce_once: Any, pipeline
     if pipeline_axis is not None and pipeline_axis not in mesh.axis_names:
         got = f"{pipeline_axis!r} is not an axis of `mesh` {mesh.axis_names}"
         raise ValueError(f"`pipeline_axis`={got}.")
+    if pipeline_axis is not None and pipeline_axis in collectives.axes(axis_name):
+        raise ValueError(f"`pipeline_axis`={pipeline_axis!r} is the batch's `axis_name` too.")
     if pipeline_axis is not None and not once:
         raise ValueError("`pipeline_axis` needs reduce_once=True: the loop runs in a shard_map.")
     return sharding.MeshLayout(mesh, axis_name, strategy, once, pipeline_axis)
