@@ -1,4 +1,4 @@
-"""Train states and batches on a mesh: layouts (ZeRO-1, FSDP...) and the sharded loop."""
+"""Train states and batches on a mesh: layouts (ZeRO-1, FSDP...); the loop is `mesh_loop`'s."""
 
 import functools
 import math
@@ -13,6 +13,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSh
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, collectives
+from jaxga.microbatch import IndivisibleBatchError  # noqa: F401 (jaxga.sharding's, as before)
 
 STRATEGIES = ("data_parallel", "zero1", "fsdp", "zero3")
 _SPACES = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Device}
