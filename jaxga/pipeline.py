@@ -143,9 +143,10 @@ def _run_stages(stages: Stages, params: Any, x: Any, key: Any) -> Any:
     """One stage's part of the pipeline, inside a ``shard_map`` over the stage axis.
 
     ``params``: this stage's layers, ``[r · L / (S · r), ...]``; ``x``: the whole carry,
-    split here into m micro-batches. Bubble iterations run no layer (a ``cond``): nothing
-    they hold, NaN or garbage, reaches a value or a gradient. Returns the last stage's
-    outputs, on every stage.
+    split here into m micro-batches. A bubble iteration runs the layers on a real
+    micro-batch, never on what the stage holds (zeros, NaN, garbage), and its result is
+    dropped: no value or gradient depends on it. Returns the last stage's outputs, on
+    every stage.
     """
     plan, axis = stages.schedule, stages.axis
     stage, last = jax.lax.axis_index(axis), plan.stages - 1
@@ -162,9 +163,6 @@ def _run_stages(stages: Stages, params: Any, x: Any, key: Any) -> Any:
 
     run = jax.checkpoint(run_chunk, policy=jax.checkpoint_policies.nothing_saveable)
 
-    def skip(chunks: Any, c: jax.Array, x: Any, key: Any) -> Any:
-        return x
-
     def iteration(carry: tuple, t: jax.Array) -> tuple:
         held, stored, outputs = carry  # from the stage before; stage 0's repeats; results
         w = t - stage
@@ -172,8 +170,10 @@ def _run_stages(stages: Stages, params: Any, x: Any, key: Any) -> Any:
         chunk, i = jnp.clip(w, 0, items - 1) // m, jnp.clip(w, 0, items - 1) % m
         first = select(chunk == 0, take(xs, i), take(stored, i))  # stage 0: fresh or around
         given = select(stage == 0, first, held)
+        given = select(valid, given, take(xs, i))  # a bubble runs on a real micro-batch
         micro_key = None if key is None else jax.random.fold_in(key, i)
-        out = jax.lax.cond(valid, run, skip, chunks, chunk, given, micro_key)
+        out = run(chunks, chunk, given, micro_key)  # not in a cond: the weights stay loop
+        # constants of the scan's backward (a cond would save them at every iteration)
         done = valid & (stage == last) & (chunk == plan.repeats - 1)
         outputs = put(outputs, i, out, done)
         passed = jax.lax.ppermute(out, axis, ring)  # stage S - 1's goes around to stage 0

@@ -323,12 +323,12 @@ def test_1f1b_bubbles_never_reach_a_gradient_and_dropout_matches_gpipe():
 
 
 def compiled_temp(schedule: str, m: int) -> int:
-    """The compiled scratch bytes of one gradient step: micro-batches of 16 rows, a wide MLP
+    """The compiled scratch bytes of one gradient step: micro-batches of 64 rows, a wide MLP
     block per layer (activations, not the batch itself, are what a pipeline keeps)."""
-    width = 128
+    width, rows = 128, 64
     params = {"w": jnp.ones((L, width, 4 * width)), "v": jnp.ones((L, 4 * width, width))}
-    head, x = jnp.ones((width, 5)), jnp.ones((16 * m, width))
-    targets = {"labels": jnp.zeros(16 * m, jnp.int32), "mask": jnp.ones(16 * m)}
+    head, x = jnp.ones((width, 5)), jnp.ones((rows * m, width))
+    targets = {"labels": jnp.zeros(rows * m, jnp.int32), "mask": jnp.ones(rows * m)}
 
     def block(p, x):
         return x + jnp.tanh(x @ p["w"]) @ p["v"]
