@@ -132,14 +132,16 @@ def combine(aux: Any, kinds: Any) -> Any:
     return jax.tree.map(one, aux, kinds, is_leaf=is_mean)
 
 
-def with_device_axis(aux: Any, kinds: Any) -> Any:
-    """A ``shard_map``'s out: rows concatenated over the devices; every other leaf ``[k, ...]``
-    given a devices' axis at 1 (``"stack"``: ``[k, devices, ...]``; ``"sum"``: summed after)."""
+def with_device_axis(aux: Any, kinds: Any, rows: int) -> Any:
+    """A ``shard_map``'s out, its leaves ``[k, ...]``: a leaf of one row per example (kind
+    ``"rows"``, or ``"stack"`` with ``rows`` rows at axis 1) concatenated over the devices
+    there, as jit's global view gives it; every other leaf given a devices' axis at 1
+    (``"stack"``: ``[k, devices, ...]``; ``"sum"``, a `Mean`: summed over it after)."""
 
     def one(x: Any, kind: str) -> Any:
-        if kind == "rows":  # the devices' rows, in order
-            return x
-        return jax.tree.map(lambda y: y[:, None], x)  # a Mean, a sum: summed over it after
+        if kind == "rows" or (kind != "sum" and jnp.shape(x)[1:2] == (rows,)):
+            return x  # the devices' rows, in order
+        return jax.tree.map(lambda y: y[:, None], x)
 
     return jax.tree.map(one, aux, kinds, is_leaf=is_mean)
 

@@ -334,7 +334,7 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
         )
         here = on_device(here, collectives.Route("manual", axes))
         sums, aux, found["kinds"] = _scan_and_reduce(fun, options, here)
-        return sums, auxiliary.with_device_axis(aux, found["kinds"])
+        return sums, auxiliary.with_device_axis(aux, found["kinds"], rows)
 
     whole = {"primals": P(), "threaded": P(), "arrays": P()}
     in_specs = (given._replace(microbatches=P(None, axes), **whole),)

@@ -76,18 +76,27 @@ def test_train_lm_fsdp_on_eight_devices_resumes_on_four(tmp_path, capsys):
     assert sharded  # FSDP: parameters are split over the 4 devices
 
 
+PIPELINE = [*TINY, "--batch-size", "16", "--dropout", "0", "--layers", "8", "--steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def one_device_losses(tmp_path_factory):
+    """The losses the pipelined runs must match: the same training on one device."""
+    directory = str(tmp_path_factory.mktemp("one") / "c")
+    return train_lm.train(train_lm.parse_args([*PIPELINE, "--checkpoint-dir", directory]))["losses"]
+
+
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (the CPU has them here)")
-@pytest.mark.parametrize("schedule", ["gpipe", "circular"])
-def test_train_lm_pipelined_on_eight_devices_trains_as_one_device(tmp_path, capsys, schedule):
+@pytest.mark.parametrize("schedule", ["circular"])  # GPipe's run is circular's with r = 1
+def test_train_lm_pipelined_on_eight_devices_trains_as_one_device(
+    tmp_path, capsys, schedule, one_device_losses
+):
     """--devices 8 --stages 4: 2 data-parallel copies of a 4-stage pipeline of the 8 blocks
     train with the losses of one device, to float32 rounding; the sample runs unpipelined."""
-    wide = [*TINY, "--batch-size", "16", "--dropout", "0", "--layers", "8", "--steps", "2"]
-    one = train_lm.train(train_lm.parse_args([*wide, "--checkpoint-dir", str(tmp_path / "a")]))
-    pipelined = [*wide, "--devices", "8", "--stages", "4", "--schedule", schedule, "--sample", "4"]
-    piped = train_lm.train(
-        train_lm.parse_args([*pipelined, "--checkpoint-dir", str(tmp_path / "b")])
-    )
-    np.testing.assert_allclose(piped["losses"], one["losses"], rtol=1e-5)
+    pipelined = [*PIPELINE, "--devices", "8", "--stages", "4", "--schedule", schedule]
+    args = [*pipelined, "--sample", "4", "--checkpoint-dir", str(tmp_path / "b")]
+    piped = train_lm.train(train_lm.parse_args(args))
+    np.testing.assert_allclose(piped["losses"], one_device_losses, rtol=1e-5)
     out = capsys.readouterr().out
     assert f"8 devices (2 data × 4 {schedule} pipeline stages)" in out and "sample:" in out
 
