@@ -6,7 +6,7 @@ from jaxga.accumulation import Accumulate, accumulate, grad, value_and_grad
 from jaxga.compiler import compiler_options
 from jaxga.convolution import canonical_convolutions
 from jaxga.engine import Accumulated
-from jaxga.loss import Mean, token_cross_entropy
+from jaxga.loss import Mean, checkify_values, token_cross_entropy
 from jaxga.memory import MemoryReport, memory_report
 from jaxga.microbatch import merge_microbatches, split_microbatches
 from jaxga.multistep import MultiSteps, MultiStepsState, MultiStepsTransformation, skip_not_finite
@@ -36,6 +36,7 @@ __all__ = [
     "TrainStep",
     "accumulate",
     "canonical_convolutions",
+    "checkify_values",
     "checkpoint_policy",
     "compiler_options",
     "grad",

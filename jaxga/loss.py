@@ -1,7 +1,10 @@
 """Means kept as numerator and denominator, so that they combine exactly."""
 
+import contextlib
+import contextvars
 import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -9,11 +12,41 @@ import jax.numpy as jnp
 import optax
 from jax.experimental import checkify
 
+_CHECKIFY = contextvars.ContextVar("jaxga_checkify", default=False)
+
+
+@contextlib.contextmanager
+def checkify_values() -> Iterator[None]:
+    """Within it, jaxga's checks of traced values are recorded for ``checkify.checkify``.
+
+    Off by default: each recorded check gets a new error code from checkify, so the same
+    step traced twice would compile to two programs, and JAX's compilation cache would miss.
+    JAX caches traces: a function traced before, outside it, keeps its program without
+    the checks; trace a new one (``jax.jit(lambda *a: f(*a))``) within it.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> from jax.experimental import checkify
+        >>> def mean(w):
+        ...     return jaxga.Mean.of(jnp.ones(2), where=w).value
+        >>> with jaxga.checkify_values():
+        ...     error, _ = checkify.checkify(jax.jit(mean))(jnp.array([1.0, -1.0]))
+        >>> error.get().startswith("Mean.of: `where` must hold")
+        True
+    """
+    token = _CHECKIFY.set(True)
+    try:
+        yield
+    finally:
+        _CHECKIFY.reset(token)
+
 
 def check_value(ok: Any, message: str, *got: Any) -> jax.Array:
-    """Raises ``ValueError(message.format(*got))`` unless ``ok``; traced, a checkify debug_check."""
+    """Raises ``ValueError(message.format(*got))`` unless ``ok``; traced, within
+    `checkify_values`, a ``checkify.debug_check`` of it."""
     if isinstance(ok, jax.core.Tracer):
-        checkify.debug_check(ok, message, *got)
+        if _CHECKIFY.get():
+            checkify.debug_check(ok, message, *got)
     elif not ok:
         raise ValueError(message.format(*got))
     return ok

@@ -21,8 +21,13 @@ VALUES = jnp.array([[1.0, 3.0, 4.0, 8.0]])
 def checkify_messages(fn, *args):
     """The error messages of ``fn(*args)`` under ``checkify(jit(fn))`` and ``jit(checkify(fn))``."""
     messages = []
-    for run in (checkify.checkify(jax.jit(fn)), jax.jit(checkify.checkify(fn))):
-        error, _ = run(*args)
+
+    def fresh(*args):  # a function JAX has not traced yet: traced within checkify_values
+        return fn(*args)
+
+    for run in (checkify.checkify(jax.jit(fresh)), jax.jit(checkify.checkify(fresh))):
+        with jaxga.checkify_values():
+            error, _ = run(*args)
         messages.append(error.get())
         if messages[-1] is None:
             error.throw()  # raises nothing
