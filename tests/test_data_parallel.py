@@ -33,9 +33,11 @@ TIMEOUT_S = 240
 
 
 def child_env(**extra):
-    """The environment of a child process: CPU only, no pytest/xdist variables."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XLA_FLAGS"))}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
+    """The environment of a child process: CPU only, no pytest/xdist variables; conftest's
+    XLA_FLAGS, and those of ``extra`` after them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    flags = " ".join([os.environ.get("XLA_FLAGS", ""), extra.pop("XLA_FLAGS", "")]).strip()
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=flags, **extra)
     return env
 
 

@@ -61,7 +61,8 @@ def test_page_code_blocks_run(page, tmp_path):
     if not blocks:
         pytest.skip(f"{page} has no Python block")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES.get(page, 1)}"
+    devices = f"--xla_force_host_platform_device_count={DEVICES.get(page, 1)}"
+    env["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {devices}"  # conftest's, and the devices
     program = f"PAGE = {str(ROOT / page)!r}\nBLOCKS = {blocks!r}\n{RUN_PAGE}"
     run = subprocess.run(
         [sys.executable, "-c", program], cwd=tmp_path, env=env, capture_output=True, text=True
