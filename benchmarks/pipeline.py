@@ -18,7 +18,20 @@ schedule's index arithmetic). Host "devices" share this machine's cores, so an i
 frees a core for another rather than wasting it: the times here show the work, not the
 bubble. The last line: the compiled-peak ratios m = 16 / m = 4, GPipe's and 1F1B's.
 
+``--h100`` gives instead, compiled for described H100s with ``compiled_for_gpu.py``'s machinery
+(nothing runs; its CUDA plugin on the path), the per-device peak of the main example's
+train step (``examples/train_lm.py``'s transformer and optimiser) at GPT-2 small's shape
+(12 blocks of width 768, 12 heads, 1024 tokens a row, bfloat16 matrix products, full remat;
+a byte vocabulary; XLA's attention, not cuDNN's, whose partitioning rule needs concrete
+devices inside a ``shard_map``): on one H100 unpipelined (``m``: jaxga's accumulation
+micro-batches), and over S stages (``make_train_step(..., pipeline_axis="stage")``: each
+stage's blocks and their optimiser state; ``m``: the pipeline's) under GPipe at
+S ∈ {2, 4}, circular (r = 2) at S = 2 (12 blocks do not split into 4 × 2 chunks) and
+1F1B at S = 4, at m ∈ {4, 16}, the same 16 rows a step:
+
     .venv/bin/python benchmarks/pipeline.py            # about 2 minutes on 2 cores
+    bash scripts/test.sh tests/test_h100_compiled.py  # installs the plugin, once
+    JAX_PLATFORMS=cpu PYTHONPATH=.venv/h100-plugin .venv/bin/python benchmarks/pipeline.py --h100
 """
 
 import argparse
@@ -34,12 +47,14 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+sys.path.insert(1, str(Path(__file__).parent))
 import jaxga
 from benchmarks._timing import time_interleaved
 
 jax.config.update("jax_num_cpu_devices", 8)
 
 RESULTS = Path(__file__).parent / "results" / "pipeline_cpu.json"
+H100_RESULTS = Path(__file__).parent / "results" / "pipeline_h100_compiled.json"
 L, WIDTH, VOCAB, ROWS, S = 8, 256, 64, 128, 4
 
 
@@ -142,11 +157,55 @@ def measure(m: int, rounds: int) -> list[dict]:
     return rows
 
 
+def h100_stage_peaks(rows: int = 16) -> list[dict]:
+    """The example's train step at GPT-2 small's shape compiled for described H100s: the
+    peak per device unpipelined on one, and per stage of S = 4 (module doc)."""
+    import compiled_for_gpu as gpu  # benchmarks/, and examples/ through its _workloads
+    import train_lm
+
+    out = []
+    setups = [(2, "gpipe"), (4, "gpipe"), (2, "circular"), (4, "1f1b")]  # circular, S=4: 8 ∤ 12
+    for stages, schedule, m in [(1, "gpipe", k) for k in (1, 4, 16)] + [
+        (*s, m) for s in setups for m in (4, 16)
+    ]:
+        cfg = train_lm.Config(1024, 768, 12, 12, 0.0, "full", "bfloat16", stages, schedule, m)
+        loss, state, batch = train_lm.abstract_step_args(cfg, rows)
+        devices = gpu.h100s(stages)
+        if stages == 1:
+            step, args = jaxga.make_train_step(loss, m), gpu.on(devices[0], (state, batch))
+        else:
+            mesh = jax.sharding.Mesh(np.array(devices).reshape(1, stages), ("data", "stage"))
+            specs = train_lm.pipeline_specs(state.params)
+            step = jaxga.make_train_step(loss, mesh=mesh, strategy=specs, pipeline_axis="stage")
+            args = (state, batch)
+        report = jaxga.memory_report(step, *args)
+        name = "one H100, no pipeline" if stages == 1 else f"{schedule}, S={stages}"
+        out.append(
+            {
+                "method": name,
+                "m": m,
+                "peak_gib": report.peak_bytes / 2**30,
+                "state_gib": report.argument_bytes / 2**30,
+            }
+        )
+        print(f"| {name} | {m} | {out[-1]['peak_gib']:.2f} | {out[-1]['state_gib']:.2f} |")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--h100", action="store_true", help="the compiled-for-H100 rows alone")
     args = parser.parse_args()
+    if args.h100:
+        print("compiled for NVIDIA H100s (XLA target config; nothing runs), per device:")
+        print("| method | m | peak GiB | state GiB |\n| --- | --- | --- | --- |")
+        rows = h100_stage_peaks()
+        device = "described NVIDIA H100 80GB HBM3 (compiled, not run)"
+        H100_RESULTS.write_text(json.dumps({"device": device, "rows": rows}, indent=1))
+        print(f"wrote {H100_RESULTS}")
+        return
     rows = [row for m in args.microbatches for row in measure(m, args.rounds)]
     print("| method | m | peak MiB | scratch MiB | ms | bubble (formula) | idle stage-ticks |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

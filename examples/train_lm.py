@@ -26,8 +26,10 @@ the micro-batches a step leaves empty (one compiled step for every count):
     python examples/train_lm.py --pack --tokens-per-step 3072 --normalize sequence_mean
 
 ``--stages S`` (with ``--devices``) splits the blocks into a pipeline of S stages over a
-``"stage"`` mesh axis beside ``"data"`` (``jaxga.pipeline_scan``; ``--schedule gpipe`` or
-``circular``), with the losses of one device, to float32 rounding (docs/pipeline.md):
+``"stage"`` mesh axis beside ``"data"`` (``jaxga.pipeline_scan``; ``--schedule gpipe``,
+``circular``, or ``1f1b``, whose loss head runs on the last stage through
+``jaxga.pipeline_loss``), with the losses of one device, to float32 rounding
+(docs/pipeline.md):
 
     python examples/train_lm.py --devices 8 --stages 4 --layers 8 --schedule circular
 """
@@ -300,15 +302,7 @@ class Transformer(nnx.Module):
         attention stays within a sequence; ``positions`` counts from each sequence's start.
         Without them, a row is one sequence at positions ``0, 1, ...``.
         """
-        # A one-hot product rather than a gather: its gradient is a matrix product, not a
-        # scatter-add, so it is deterministic on a GPU, and cheap for 256 tokens.
-        onehot = jax.nn.one_hot(tokens, VOCAB, dtype=self.embed.embedding.dtype)
-        x = onehot @ self.embed.embedding[...] + self.position(positions, tokens.shape[-1])
-        x = x.astype(self.cfg.dtype)
-        x = self.drop(x, deterministic=rng is None, rngs=rng)
-        same_segment = None
-        if segment_ids is not None:
-            same_segment = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+        x, same_segment = self.inputs(tokens, rng, segment_ids, positions)
         graphdef, stacked = nnx.split(self.blocks)
         if self.cfg.stages > 1:  # the blocks split into stages, laid out over "stage"
 
@@ -332,7 +326,56 @@ class Transformer(nnx.Module):
                 x,
                 **layer_options(self.cfg.remat),
             )
+        return self.logits(x)
+
+    def inputs(self, tokens: jax.Array, rng: Any, segment_ids: Any, positions: Any) -> tuple:
+        """The first block's input ``[batch, length, dim]``, and which tokens may attend to
+        which (``[batch, 1, length, length]``, None without ``segment_ids``)."""
+        # A one-hot product rather than a gather: its gradient is a matrix product, not a
+        # scatter-add, so it is deterministic on a GPU, and cheap for 256 tokens.
+        onehot = jax.nn.one_hot(tokens, VOCAB, dtype=self.embed.embedding.dtype)
+        x = onehot @ self.embed.embedding[...] + self.position(positions, tokens.shape[-1])
+        x = self.drop(x.astype(self.cfg.dtype), deterministic=rng is None, rngs=rng)
+        if segment_ids is None:
+            return x, None
+        return x, (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The last block's output to next-byte logits (the embedding, tied)."""
         return self.embed.attend(self.norm(x)).astype(jnp.float32)
+
+    def pipelined_loss(self, batch: dict, rng: Any, normalize: str) -> jaxga.Mean:
+        """``loss`` under 1F1B (``jaxga.pipeline_loss``): the head (final norm, the tied
+        embedding and the cross-entropy) runs on the last stage as each micro-batch leaves
+        it. The attention mask streams with its rows, as floats (a carry the stages'
+        gradients pass through)."""
+        segment_ids = batch.get("segment_ids")
+        x, same = self.inputs(batch["inputs"], rng, segment_ids, batch.get("positions"))
+        graphdef, stacked = nnx.split(self.blocks)
+        head_graphdef, head = nnx.split((self.norm, self.embed))
+
+        def block(layer: Any, carry: tuple) -> tuple:
+            h, same = carry
+            return nnx.merge(graphdef, layer)(h, None if same is None else same > 0), same
+
+        def head_fn(head: Any, carry: tuple, targets: dict) -> jaxga.Mean:
+            norm, embed = nnx.merge(head_graphdef, head)
+            logits = embed.attend(norm(carry[0])).astype(jnp.float32)
+            labels, mask, ids = targets["labels"], targets["mask"], targets.get("segment_ids")
+            return jaxga.token_cross_entropy(
+                logits, labels, mask, normalize=normalize, segment_ids=ids
+            )
+
+        targets = {k: batch[k] for k in ("labels", "mask", "segment_ids") if k in batch}
+        return jaxga.pipeline_loss(
+            block,
+            head_fn,
+            (stacked, head),
+            (x, None if same is None else same.astype(x.dtype)),
+            targets,
+            num_microbatches=self.cfg.pipeline_microbatches,
+            policy=remat_options(self.cfg.remat)["policy"],
+        )
 
     def position(self, positions: jax.Array | None, length: int) -> jax.Array:
         """The position embedding of ``positions`` (None: ``0..length-1``). A one-hot
@@ -361,7 +404,7 @@ class Config:
     remat: str = "full"
     dtype: str = "float32"  # of the matrix products; parameters are always float32
     stages: int = 1  # pipeline stages (a "stage" mesh axis); 1: no pipeline
-    schedule: str = "gpipe"  # with stages: "gpipe" or "circular" (2 chunks a stage)
+    schedule: str = "gpipe"  # with stages: "gpipe", "circular" (2 chunks a stage) or "1f1b"
     pipeline_microbatches: int = 1  # with stages: the pipeline's micro-batches
 
     @property
@@ -396,6 +439,8 @@ def loss(
     """Cross-entropy over the real tokens, kept as a ``jaxga.Mean``: a mean per token, or
     per sequence (``--normalize``). A batch without ``segment_ids`` (padded rows) holds one
     sequence a row."""
+    if model.cfg.stages > 1 and model.cfg.schedule == "1f1b":
+        return model.pipelined_loss(batch, rng, normalize)
     segment_ids = batch.get("segment_ids")
     logits = model(batch["inputs"], rng, segment_ids=segment_ids, positions=batch.get("positions"))
     return jaxga.token_cross_entropy(
@@ -509,7 +554,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="with --devices: pipeline stages of the blocks (docs/pipeline.md)",
     )
-    p.add_argument("--schedule", choices=("gpipe", "circular"), default="gpipe")
+    p.add_argument("--schedule", choices=("gpipe", "circular", "1f1b"), default="gpipe")
     p.add_argument(
         "--pipeline-microbatches", type=int, default=None, help="with --stages; default: stages"
     )

@@ -77,12 +77,13 @@ def accumulate_on_mesh(
     grad_specs = fsdp_specs(state.params, mesh, axis_name) if strategy == "zero1" else specs.params
     gather = functools.partial(_split_over, axis_name=axis_name, batch=False)
     gathered = jax.tree.map(gather, specs.params, is_leaf=is_spec)
-    manual = _manual_axes(layout)
+    manual = manual_axes(layout)
     others = [t for a, t in zip(mesh.axis_names, mesh.axis_types) if a not in manual]
     if strategy == "zero3" and (AxisType.Explicit in others or not layout.reduce_once):
         raise ValueError(f"`strategy`='zero3' {_ZERO3_GATHERS}; got {mesh}.")
     if layout.pipeline_axis is not None:
-        _check_stages(layout, specs.params, others)
+        fix = f"give `strategy` specs with P({layout.pipeline_axis!r}) on the stacked layers"
+        check_stages(layout, specs.params, fix)
     if not layout.reduce_once or AxisType.Explicit in others:  # gathered once; the engine's
         # route reduces (all-reduced: jax 0.12 cannot reduce-scatter beside Explicit axes)
         params = place(mesh, state.params, gathered)
@@ -99,25 +100,43 @@ def accumulate_on_mesh(
     )
 
 
-def _check_stages(layout: MeshLayout, param_specs: Any, others: list[Any]) -> None:
-    """Raises unless a pipeline's stage axis splits some parameters and the loop is manual."""
+def check_pipeline_axis(mesh: Any, axis_name: Any, pipeline_axis: Any, reduce_once: bool) -> None:
+    """Raises unless ``pipeline_axis`` (a train step's argument) can be ``mesh``'s stage axis."""
+    if pipeline_axis is None:
+        return
+    if mesh is None:
+        raise ValueError(f"`pipeline_axis`={pipeline_axis!r} needs a `mesh` with that axis.")
+    if pipeline_axis not in mesh.axis_names:
+        got = f"{pipeline_axis!r} is not an axis of `mesh` {mesh.axis_names}"
+        raise ValueError(f"`pipeline_axis`={got}.")
+    if pipeline_axis in collectives.axes(axis_name):
+        raise ValueError(f"`pipeline_axis`={pipeline_axis!r} is the batch's `axis_name` too.")
+    if not reduce_once:
+        raise ValueError("`pipeline_axis` needs reduce_once=True: the loop runs in a shard_map.")
+
+
+def check_stages(layout: MeshLayout, param_specs: Any, fix: str) -> None:
+    """Raises unless a pipeline's stage axis splits some parameters and the mesh's other
+    axes (those the loop leaves in jit's global view) are Auto; ``fix`` says how to split."""
     specs = jax.tree.leaves(param_specs, is_leaf=is_spec)
     named = [s for s in specs if any(layout.pipeline_axis in collectives.axes(e or ()) for e in s)]
     if not named:
-        fix = f"give `strategy` specs with P({layout.pipeline_axis!r}) on the stacked layers"
         raise ValueError(f"`pipeline_axis`={layout.pipeline_axis!r} splits no parameter: {fix}.")
-    if AxisType.Explicit in others:
-        got = [a for a in layout.mesh.axis_names if a not in _manual_axes(layout)]
-        raise ValueError(f"`pipeline_axis` needs the mesh's other axes {got} Auto, not Explicit.")
+    others = [a for a in layout.mesh.axis_names if a not in manual_axes(layout)]
+    types = dict(zip(layout.mesh.axis_names, layout.mesh.axis_types))
+    if any(types[a] == AxisType.Explicit for a in others):
+        raise ValueError(
+            f"`pipeline_axis` needs the mesh's other axes {others} Auto, not Explicit."
+        )
 
 
-def _manual_axes(layout: MeshLayout) -> tuple[Any, ...]:
+def manual_axes(layout: MeshLayout) -> tuple[Any, ...]:
     """The axes the loop's ``shard_map`` makes manual: the batch's, and a pipeline's."""
     pipeline = (layout.pipeline_axis,) if layout.pipeline_axis else ()
     return (*collectives.axes(layout.axis_name), *pipeline)
 
 
-def _part(specs: Any, axes: tuple[Any, ...]) -> Any:
+def part(specs: Any, axes: tuple[Any, ...]) -> Any:
     """Each spec of ``specs`` with its entries over ``axes`` alone."""
     return jax.tree.map(
         functools.partial(_split_over, axis_name=axes, batch=True), specs, is_leaf=is_spec
@@ -131,15 +150,15 @@ def _sharded_loop(
     grad_specs: Any,
     accumulate: Callable[[Callable[..., Any]], Callable[..., Accumulated]],
 ) -> Callable[..., Accumulated]:
-    """`_local_accumulation` in a ``shard_map`` over `_manual_axes`: ``(params, batch,
+    """`_local_accumulation` in a ``shard_map`` over `manual_axes`: ``(params, batch,
     model_state, rng) -> Accumulated``, the gradients laid out as ``grad_specs``."""
-    batch_axes, manual = collectives.axes(layout.axis_name), _manual_axes(layout)
-    in_specs, out_specs = _part(param_specs, batch_axes), _part(grad_specs, batch_axes)
+    batch_axes, manual = collectives.axes(layout.axis_name), manual_axes(layout)
+    in_specs, out_specs = part(param_specs, batch_axes), part(grad_specs, batch_axes)
     local = _local_accumulation(loss, layout, in_specs, out_specs, accumulate)
-    grads = _part(grad_specs, manual)  # a pipeline's stages keep their own parameters
+    grads = part(grad_specs, manual)  # a pipeline's stages keep their own parameters
     return jax.shard_map(
         local,
-        in_specs=(_part(param_specs, manual), P(layout.axis_name), P(), P()),
+        in_specs=(part(param_specs, manual), P(layout.axis_name), P(), P()),
         out_specs=Accumulated(mean=P(), grads=grads, aux=P(), state=P()),
         axis_names=set(manual),
     )

@@ -8,9 +8,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxga import _checks, arguments, modules, sharding, steps
+from jaxga import _checks, arguments, mesh_loop, modules, sharding, steps
 from jaxga.accumulation import accumulate
 from jaxga.arguments import check_num_real
+from jaxga.engine import Accumulated
 from jaxga.state import unaliased
 
 
@@ -169,13 +170,18 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
         model, optimizer, *streams = nnx.merge(graphdef, state)  # streams: [an nnx.Rngs] or []
         rngs = streams or ([] if call.key is None else [call.key])
         accumulate_model = _accumulate_wrt(checked, options, optimizer.wrt, call)
-        if options.layout is None:
+        layout = options.layout
+        if layout is None:
             acc = accumulate_model(model, batch, *rngs)
         else:  # jit's global view of the mesh: the batch over its axis, the model as laid out
-            mesh, axis_name = options.layout.mesh, options.layout.axis_name
-            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                batch = sharding.place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))
-                acc = accumulate_model(model, batch, *rngs)
+            with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
+                specs = jax.tree.map(lambda _: P(layout.axis_name), batch)
+                batch = sharding.place(layout.mesh, batch, specs)
+                if layout.pipeline_axis is None:
+                    acc = accumulate_model(model, batch, *rngs)
+                else:  # the loop in one shard_map over the batch's axes and the stages
+                    nodes, wrt = (model, *streams), optimizer.wrt
+                    acc = _on_stages(accumulate_model, layout, nodes, batch, wrt=wrt, key=call.key)
 
         extra = steps.tx_args(options, optimizer.tx, acc, call.end_group)
 
@@ -197,6 +203,40 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
     return train_step
 
 
+def _on_stages(
+    accumulate_model: Callable[..., Any],
+    layout: sharding.MeshLayout,
+    nodes: tuple,
+    batch: Any,
+    *,
+    wrt: Any,
+    key: Any,
+) -> Accumulated:
+    """``accumulate_model`` in one ``shard_map`` over the batch's axes and the pipeline's stage
+    axis (as `mesh_loop.accumulate_on_mesh`): each stage's variables, split over it by their
+    sharding metadata, stay on it; ``nodes`` (the model and its `nnx.Rngs`) updated in place."""
+    manual = mesh_loop.manual_axes(layout)
+    graphdef, state = nnx.split(nodes)
+    specs = mesh_loop.part(nnx.get_partition_spec(state), manual)
+    grad_specs = mesh_loop.part(nnx.get_partition_spec(nnx.state(nodes[0], wrt)), manual)
+    fix = f"name {layout.pipeline_axis!r} in the stacked layers' variables' sharding metadata"
+    mesh_loop.check_stages(layout, grad_specs, fix)
+
+    def local(state: Any, batch: Any, key: Any) -> tuple[Accumulated, Any]:
+        model, *streams = nnx.merge(graphdef, state)
+        acc = accumulate_model(model, batch, *(streams or ([] if key is None else [key])))
+        return acc, nnx.state((model, *streams))
+
+    out_specs = (Accumulated(mean=P(), grads=grad_specs, aux=P(), state=P()), specs)
+    in_specs = (specs, P(layout.axis_name), P())
+    loop = jax.shard_map(
+        local, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(manual)
+    )
+    acc, state = loop(state, batch, key)
+    nnx.update(nodes, state)
+    return acc
+
+
 def nnx_train_step(
     loss: Callable[..., Any],
     num_microbatches: int | str = 1,
@@ -214,6 +254,7 @@ def nnx_train_step(
     compiler_options: Mapping[str, Any] | None = None,
     weight: bool | None = None,
     learning_rate: Callable[[Any], Any] | None = None,
+    pipeline_axis: str | None = None,
 ) -> NNXTrainStep:
     """Builds an NNX step `(model, optimizer, batch) -> metrics` training `optimizer.wrt` in place.
 
@@ -234,6 +275,9 @@ def nnx_train_step(
         weight: pass the call's item count to `optimizer.update(..., weight=)`; `None`: when
             `optimizer.tx` is a `jaxga.MultiSteps` (as for `make_train_step`).
         learning_rate: `metrics["learning_rate"]`, a function of the (pure) optimiser state.
+        pipeline_axis: the `mesh` axis of a pipeline's stages (`jaxga.pipeline_loss`): manual
+            in the loop beside `axis_name`, so that each stage's variables, split over it by
+            their sharding metadata, never move (as for `make_train_step`; docs/pipeline.md).
 
     Returns:
         A [`jaxga.NNXTrainStep`][jaxga.NNXTrainStep].
@@ -251,13 +295,19 @@ def nnx_train_step(
     except TypeError:
         _checks.check_arity(loss, "loss", 3, "`loss(model, batch)` or `loss(model, batch, rngs)`")
     axis_name = "data" if axis_name is None else axis_name
-    _checks.check_bool(reduce_once, "reduce_once")
+    once = _checks.check_bool(reduce_once, "reduce_once")
     if mesh is not None:
         sharding.check_mesh(mesh, axis_name, concrete=True)
+    mesh_loop.check_pipeline_axis(mesh, axis_name, pipeline_axis, once)
+    if pipeline_axis is not None and has_aux:  # its rows would leave the loop per device
+        raise ValueError("`pipeline_axis` with has_aux=True: not supported; return a Mean alone.")
+    layout = (
+        None if mesh is None else sharding.MeshLayout(mesh, axis_name, None, once, pipeline_axis)
+    )
     options = steps.step_options(
         num_microbatches,
         has_aux=_checks.check_bool(has_aux, "has_aux"),
-        layout=None if mesh is None else sharding.MeshLayout(mesh, axis_name, None, reduce_once),
+        layout=layout,
         memory_budget=memory_budget,
         accumulator_dtype=accumulator_dtype,
         donate=donate,

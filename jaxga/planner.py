@@ -202,7 +202,7 @@ def _build_one(
             raise TypeError(f"`build` returned {step!r:.40}; it must return a step to compile.")
         report = memory_report(step, *args)
     except IndivisibleBatchError as e:  # k micro-batches a device do not divide its rows
-        if strict:  # the user asked for k: it must compile
+        if strict:  # the user asked for this k alone: it must compile
             raise
         return _Built(Candidate(k, size, remat, None, False, str(e), **keywords), None)
     except Exception as e:
@@ -342,6 +342,7 @@ def plan(
         *args: the step's arguments, arrays or ``jax.ShapeDtypeStruct``.
         budget: each device's bytes, e.g. ``"512MiB"``; default: 90 % of the device's.
         num_microbatches: the candidate counts, divisors of the batch size; default: all.
+            Of several, one raising `IndivisibleBatchError` is skipped; one alone raises it.
         remat: the candidate remat values, least recomputation first; ``(None,)`` for none.
         strategy: if given, the candidate layouts on a mesh, e.g. ``jaxga.sharding.STRATEGIES``.
         offload: if given, the candidate ``offload`` values, e.g. ``(False, True)``.
@@ -377,7 +378,8 @@ def plan(
     keywords = list(configs[0].keywords)  # the names of those searched
     signature = "".join(f", {n}=..." for n in keywords)
     check_arity(build, "build", 2, f"build(num_microbatches, remat{signature}) -> step", keywords)
-    options = {"budget": budget, "strict": num_microbatches is not None}  # strict: k asked for
+    strict = isinstance(num_microbatches, int)  # one k asked for: it must build
+    options = {"budget": budget, "strict": strict}
     every = check_bool(exhaustive, "exhaustive")
     if search not in ("ordered", "predict"):
         raise ValueError(f"`search` must be 'ordered' or 'predict'; got {search!r}.")

@@ -9,7 +9,7 @@ import jax
 from flax import nnx
 from flax.training import train_state
 
-from jaxga import _checks, collectives, mesh_loop, modules, sharding, steps
+from jaxga import _checks, mesh_loop, modules, sharding, steps
 from jaxga.accumulation import accumulate
 from jaxga.arguments import StateStructureError, check_num_real
 from jaxga.state import StateFields, TrainState, check_field_names, state_fields, unaliased
@@ -263,18 +263,11 @@ def _layout(mesh: Any, axis_name: Any, strategy: Any, reduce_once: Any, pipeline
     data_parallel = isinstance(strategy, str) and strategy == "data_parallel"
     if mesh is None and not data_parallel:
         raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
-    if mesh is None and pipeline_axis is not None:
-        raise ValueError(f"`pipeline_axis`={pipeline_axis!r} needs a `mesh` with that axis.")
+    if mesh is not None:
+        sharding.check_mesh(mesh, axis_name, concrete=True)
+    mesh_loop.check_pipeline_axis(mesh, axis_name, pipeline_axis, once)
     if mesh is None:
         return None
-    sharding.check_mesh(mesh, axis_name, concrete=True)
-    if pipeline_axis is not None and pipeline_axis not in mesh.axis_names:
-        got = f"{pipeline_axis!r} is not an axis of `mesh` {mesh.axis_names}"
-        raise ValueError(f"`pipeline_axis`={got}.")
-    if pipeline_axis is not None and pipeline_axis in collectives.axes(axis_name):
-        raise ValueError(f"`pipeline_axis`={pipeline_axis!r} is the batch's `axis_name` too.")
-    if pipeline_axis is not None and not once:
-        raise ValueError("`pipeline_axis` needs reduce_once=True: the loop runs in a shard_map.")
     return sharding.MeshLayout(mesh, axis_name, strategy, once, pipeline_axis)
 
 

@@ -87,7 +87,7 @@ def one_device_losses(tmp_path_factory):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (the CPU has them here)")
-@pytest.mark.parametrize("schedule", ["circular"])  # GPipe's run is circular's with r = 1
+@pytest.mark.parametrize("schedule", ["circular", "1f1b"])  # GPipe's: circular's, r = 1
 def test_train_lm_pipelined_on_eight_devices_trains_as_one_device(
     tmp_path, capsys, schedule, one_device_losses
 ):

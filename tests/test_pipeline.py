@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -427,3 +428,138 @@ def test_make_train_step_keeps_each_stages_weights_on_it(schedule):
     assert "collective-permute" in hlo and " all-gather(" not in hlo
     with pytest.raises(ValueError, match=r"`pipeline_axis`='pipe' is not an axis of `mesh`"):
         jaxga.make_train_step(loss, 2, mesh=mesh, strategy=specs, pipeline_axis="pipe")
+
+
+class _Staged(nnx.Module):
+    """A layer stack laid out by stage through its variables' sharding metadata, and a head."""
+
+    def __init__(self, stages: int, axis: str | None = "stage"):
+        names = (axis, None, None) if axis else None
+        self.w = nnx.Param(
+            jaxga.pipeline_order(jnp.asarray(stack()["w"]), stages, 1), out_sharding=names
+        )
+        self.head = nnx.Param(
+            jnp.asarray(np.random.default_rng(3).normal(size=(D, 5)), jnp.float32)
+        )
+
+
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_nnx_train_step_keeps_each_stages_weights_on_it(axis_type):
+    """nnx_train_step(pipeline_axis="stage") on jax.make_mesh's default (Explicit) axes and
+    on Auto ones: one SGD step of 1F1B × k = 2 × 2 data devices equals plain SGD on the whole
+    batch; the stack stays split by stage, the HLO permutes activations and gathers no weights."""
+    import optax
+
+    types = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
+    mesh = jax.make_mesh((2, 4), ("data", "stage"), axis_types=(types[axis_type],) * 2)
+    with jax.set_mesh(mesh):
+        model = _Staged(4)
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    batch = skewed_batch()
+
+    def loss(model, batch):
+        pair = (model.w[...], model.head[...])
+        return jaxga.pipeline_loss(
+            lambda w, x: jnp.tanh(x @ w), head_fn, pair, batch["x"], batch, num_microbatches=4
+        )
+
+    def reference(w, head):
+        h = jaxga.remat_scan(lambda w, x: jnp.tanh(x @ w), w, batch["x"])
+        return head_fn(head, h, batch).value
+
+    step = jaxga.nnx_train_step(loss, 2, mesh=mesh, pipeline_axis="stage")
+    hlo = step.lower(model, optimizer, batch).compile().as_text()
+    w, head = stack()["w"], np.asarray(model.head[...])
+    metrics = step(model, optimizer, batch)
+    value, (grad_w, grad_head) = jax.value_and_grad(reference, argnums=(0, 1))(w, head)
+    chex.assert_trees_all_close(metrics["loss"], value, rtol=1e-5)
+    want_w = jaxga.pipeline_order(jnp.asarray(w - 0.1 * grad_w), 4, 1)
+    chex.assert_trees_all_close(model.w[...], want_w, rtol=1e-4, atol=1e-6)
+    chex.assert_trees_all_close(model.head[...], head - 0.1 * grad_head, rtol=1e-4, atol=1e-6)
+    assert model.w[...].sharding.spec[0] == "stage"
+    assert "collective-permute" in hlo and " all-gather(" not in hlo
+
+
+def test_nnx_train_step_names_a_bad_pipeline_axis():
+    mesh = jax.make_mesh((2, 4), ("data", "stage"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with pytest.raises(ValueError, match=r"`pipeline_axis`='pipe' is not an axis of `mesh`"):
+        jaxga.nnx_train_step(lambda m, b: m(b), 2, mesh=mesh, pipeline_axis="pipe")
+    with pytest.raises(ValueError, match=r"`pipeline_axis` with has_aux=True"):
+        jaxga.nnx_train_step(lambda m, b: m(b), 2, mesh=mesh, pipeline_axis="stage", has_aux=True)
+    with pytest.raises(ValueError, match=r"needs a `mesh` with that axis"):
+        jaxga.nnx_train_step(lambda m, b: m(b), 2, pipeline_axis="stage")
+    import optax
+
+    model = _Staged(4, axis=None)  # no metadata: the stack would be replicated
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = jaxga.nnx_train_step(
+        lambda m, b: jnp.mean(b @ m.w[0]), 2, mesh=mesh, pipeline_axis="stage"
+    )
+    with pytest.raises(ValueError, match=r"splits no parameter: name 'stage' in the stacked"):
+        step(model, optimizer, jnp.ones((8, D)))
+
+
+def test_auto_plans_a_pipelined_step_by_a_stages_compiled_peak():
+    """num_microbatches="auto" with pipeline_axis: the planner compiles the pipelined step,
+    so the peak it counts is a stage's (each device's), and it picks the fewest
+    accumulation micro-batches whose stage peak fits, as the fixed steps' reports say."""
+    import optax
+
+    mesh = jax.make_mesh((2, 4), ("data", "stage"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    head = np.random.default_rng(3).normal(size=(D, 5)).astype(np.float32)
+    params, batch = {"stack": stack(), "head": head}, skewed_batch(64)
+
+    def loss(params, batch, model_state, rng):
+        pair = (params["stack"], params["head"])
+        return jaxga.pipeline_loss(layer, head_fn, pair, batch["x"], batch, num_microbatches=4), (
+            model_state
+        )
+
+    specs = {"stack": {"w": P("stage"), "b": P("stage")}, "head": P()}
+    options = {"mesh": mesh, "strategy": specs, "pipeline_axis": "stage"}
+    state = jaxga.TrainState.create(params=jax.tree.map(jnp.asarray, params), tx=optax.adam(0.1))
+    peaks = {
+        k: jaxga.memory_report(jaxga.make_train_step(loss, k, **options), state, batch).peak_bytes
+        for k in (1, 2, 4)
+    }
+    budget = sorted(peaks.values())[0]  # the smallest: met by one count alone, maybe not k = 1
+    step = jaxga.make_train_step(loss, "auto", memory_budget=budget, **options)
+    _, metrics = step(state, batch)
+    first = next(k for k in (1, 2, 4) if peaks[k] <= budget)
+    assert step.plan.num_microbatches == first
+    assert step.plan.report.peak_bytes == peaks[first]
+    value = head_fn(head, jaxga.remat_scan(layer, params["stack"], batch["x"]), batch).value
+    chex.assert_trees_all_close(metrics["loss"], value, rtol=1e-5)
+
+
+def test_nnx_pipeline_route_threads_dropout_keys_and_batchnorm_as_the_nested_route():
+    """With an nnx.Rngs (dropout keys per micro-batch, folded per device) and BatchNorm
+    statistics: nnx_train_step(pipeline_axis="stage") leaves the model, its statistics and
+    the key count as the step without it does (the pipeline nested in jaxga's shard_map)."""
+    import optax
+
+    class Model(_Staged):
+        def __init__(self):
+            super().__init__(4)
+            self.norm = nnx.BatchNorm(D, rngs=nnx.Rngs(0))
+
+    def dropped(w, x, key):
+        return jnp.tanh(x @ w) * jax.random.bernoulli(key, 0.8, x.shape)
+
+    def loss(model, batch, rngs):
+        pair, x = (model.w[...], model.head[...]), model.norm(batch["x"])
+        options = {"num_microbatches": 4, "rng": rngs.dropout()}
+        return jaxga.pipeline_loss(dropped, head_fn, pair, x, batch, **options)
+
+    mesh = jax.make_mesh((2, 4), ("data", "stage"))
+    models, batch = [], skewed_batch()
+    for axis in ("stage", None):
+        with jax.set_mesh(mesh):
+            model = Model()
+            optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        rngs = nnx.Rngs(dropout=1)
+        step = jaxga.nnx_train_step(loss, 2, mesh=mesh, pipeline_axis=axis)
+        step(model, optimizer, batch, rngs=rngs)
+        models.append((nnx.state(model), int(rngs.dropout.count[...])))
+    chex.assert_trees_all_close(models[0][0], models[1][0], rtol=1e-5, atol=1e-6)
+    assert models[0][1] == models[1][1] == 2  # a key per micro-batch
