@@ -157,38 +157,38 @@ def measure(m: int, rounds: int) -> list[dict]:
     return rows
 
 
-def h100_stage_peaks(rows: int = 16) -> list[dict]:
-    """The example's train step at GPT-2 small's shape compiled for described H100s: the
-    peak per device unpipelined on one, and per stage of S = 4 (module doc)."""
+def h100_report(stages: int, schedule: str, m: int, rows: int = 16) -> jaxga.MemoryReport:
+    """The example's train step at GPT-2 small's shape, ``rows`` a step, compiled for
+    described H100s: on one (``stages`` = 1, ``m`` accumulation micro-batches), or over
+    ``stages`` (``m`` pipeline micro-batches). ``tests/h100/checks.py`` holds one."""
     import compiled_for_gpu as gpu  # benchmarks/, and examples/ through its _workloads
     import train_lm
 
+    cfg = train_lm.Config(1024, 768, 12, 12, 0.0, "full", "bfloat16", stages, schedule, m)
+    loss, state, batch = train_lm.abstract_step_args(cfg, rows)
+    devices = gpu.h100s(stages)
+    if stages == 1:
+        return jaxga.memory_report(
+            jaxga.make_train_step(loss, m), *gpu.on(devices[0], (state, batch))
+        )
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(1, stages), ("data", "stage"))
+    specs = train_lm.pipeline_specs(state.params)
+    step = jaxga.make_train_step(loss, mesh=mesh, strategy=specs, pipeline_axis="stage")
+    return jaxga.memory_report(step, state, batch)
+
+
+def h100_stage_peaks() -> list[dict]:
+    """`h100_report`'s peak and state per device, unpipelined and per stage (module doc)."""
     out = []
     setups = [(2, "gpipe"), (4, "gpipe"), (2, "circular"), (4, "1f1b")]  # circular, S=4: 8 ∤ 12
     for stages, schedule, m in [(1, "gpipe", k) for k in (1, 4, 16)] + [
         (*s, m) for s in setups for m in (4, 16)
     ]:
-        cfg = train_lm.Config(1024, 768, 12, 12, 0.0, "full", "bfloat16", stages, schedule, m)
-        loss, state, batch = train_lm.abstract_step_args(cfg, rows)
-        devices = gpu.h100s(stages)
-        if stages == 1:
-            step, args = jaxga.make_train_step(loss, m), gpu.on(devices[0], (state, batch))
-        else:
-            mesh = jax.sharding.Mesh(np.array(devices).reshape(1, stages), ("data", "stage"))
-            specs = train_lm.pipeline_specs(state.params)
-            step = jaxga.make_train_step(loss, mesh=mesh, strategy=specs, pipeline_axis="stage")
-            args = (state, batch)
-        report = jaxga.memory_report(step, *args)
+        report = h100_report(stages, schedule, m)
         name = "one H100, no pipeline" if stages == 1 else f"{schedule}, S={stages}"
-        out.append(
-            {
-                "method": name,
-                "m": m,
-                "peak_gib": report.peak_bytes / 2**30,
-                "state_gib": report.argument_bytes / 2**30,
-            }
-        )
-        print(f"| {name} | {m} | {out[-1]['peak_gib']:.2f} | {out[-1]['state_gib']:.2f} |")
+        peak, state = report.peak_bytes / 2**30, report.argument_bytes / 2**30
+        out.append({"method": name, "m": m, "peak_gib": peak, "state_gib": state})
+        print(f"| {name} | {m} | {peak:.2f} | {state:.2f} |")
     return out
 
 

@@ -306,3 +306,15 @@ def test_h100_skipping_microbatches_keeps_the_peak(device):
         plain = gpu.compiled(step, state, batch, None)["peak_bytes"]
         skipping = gpu.compiled(step, state, batch, count)["peak_bytes"]
     assert plain * 0.99 <= skipping <= plain * 1.01, (skipping, plain)
+
+
+def test_h100_a_1f1b_stage_holds_a_quarter_of_the_example():
+    # docs/pipeline.md: the example at GPT-2 small's shape, 16 rows a step, compiled for
+    # H100s: a stage of a 4-stage 1F1B pipeline (m = 16) peaks at 0.63 GiB and holds 0.25
+    # GiB of state, where one H100 holds 0.96 GiB (benchmarks/pipeline.py --h100)
+    import pipeline as benchmark  # benchmarks/pipeline.py
+
+    with jax.default_matmul_precision(PRECISION):
+        report = benchmark.h100_report(4, "1f1b", 16)
+    assert report.peak_bytes / 2**30 == pytest.approx(0.63, rel=0.05)
+    assert report.argument_bytes / 2**30 == pytest.approx(0.25, rel=0.05)
