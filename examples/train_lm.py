@@ -347,16 +347,17 @@ class Transformer(nnx.Module):
     def pipelined_loss(self, batch: dict, rng: Any, normalize: str) -> jaxga.Mean:
         """``loss`` under 1F1B (``jaxga.pipeline_loss``): the head (final norm, the tied
         embedding and the cross-entropy) runs on the last stage as each micro-batch leaves
-        it. The attention mask streams with its rows, as floats (a carry the stages'
-        gradients pass through)."""
+        it. Packed rows' segment ids stream with their rows (as float32, a carry the
+        stages' gradients pass through), each block making its attention mask from them."""
         segment_ids = batch.get("segment_ids")
-        x, same = self.inputs(batch["inputs"], rng, segment_ids, batch.get("positions"))
+        x, _ = self.inputs(batch["inputs"], rng, None, batch.get("positions"))
         graphdef, stacked = nnx.split(self.blocks)
         head_graphdef, head = nnx.split((self.norm, self.embed))
 
         def block(layer: Any, carry: tuple) -> tuple:
-            h, same = carry
-            return nnx.merge(graphdef, layer)(h, None if same is None else same > 0), same
+            h, ids = carry
+            same = None if ids is None else (ids[:, :, None] == ids[:, None, :])[:, None]
+            return nnx.merge(graphdef, layer)(h, same), ids
 
         def head_fn(head: Any, carry: tuple, targets: dict) -> jaxga.Mean:
             norm, embed = nnx.merge(head_graphdef, head)
@@ -367,11 +368,12 @@ class Transformer(nnx.Module):
             )
 
         targets = {k: batch[k] for k in ("labels", "mask", "segment_ids") if k in batch}
+        ids = None if segment_ids is None else segment_ids.astype(jnp.float32)  # exact < 2**24
         return jaxga.pipeline_loss(
             block,
             head_fn,
             (stacked, head),
-            (x, None if same is None else same.astype(x.dtype)),
+            (x, ids),
             targets,
             num_microbatches=self.cfg.pipeline_microbatches,
             policy=remat_options(self.cfg.remat)["policy"],

@@ -68,9 +68,9 @@ def kinds(given: Any, aux: Any, *, k: int, rows: int) -> Any:
 
 def _kind(k: int, rows: int, path: Any, x: Any, given: str) -> str:
     """A leaf's kind: as ``given``; ``"auto"``: a `Mean` summed, rows merged, a scalar stacked."""
-    where = f"aux{keystr(path)} of shape {jnp.shape(x)[1:]}"
     if is_mean(x):
         return "sum"
+    where = f"aux{keystr(path)} of shape {jnp.shape(x)[1:]}"
     if given == "rows" and jnp.shape(x)[1:2] != (rows,):
         raise TypeError(f"`aux` says 'rows' for {where}; expected {rows} rows (a micro-batch's).")
     if given != "auto":

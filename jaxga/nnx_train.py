@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxga import _checks, arguments, mesh_loop, modules, sharding, steps
+from jaxga import _checks, arguments, collectives, mesh_loop, modules, sharding, steps
 from jaxga.accumulation import accumulate
 from jaxga.arguments import check_num_real
 from jaxga.engine import Accumulated
@@ -214,13 +214,15 @@ def _on_stages(
 ) -> Accumulated:
     """``accumulate_model`` in one ``shard_map`` over the batch's axes and the pipeline's stage
     axis (as `mesh_loop.accumulate_on_mesh`): each stage's variables, split over it by their
-    sharding metadata, stay on it; ``nodes`` (the model and its `nnx.Rngs`) updated in place."""
-    manual = mesh_loop.manual_axes(layout)
+    sharding metadata, stay on it (split over the batch's axes too, they are gathered once);
+    ``nodes`` (the model and its `nnx.Rngs`) updated in place."""
+    manual, stages = mesh_loop.manual_axes(layout), (layout.pipeline_axis,)
     graphdef, state = nnx.split(nodes)
-    specs = mesh_loop.part(nnx.get_partition_spec(state), manual)
-    grad_specs = mesh_loop.part(nnx.get_partition_spec(nnx.state(nodes[0], wrt)), manual)
+    # over the stages alone: what is split over the batch's axes is gathered once, on entry
+    specs = mesh_loop.part(nnx.get_partition_spec(state), stages)
+    grad_specs = mesh_loop.part(nnx.get_partition_spec(nnx.state(nodes[0], wrt)), stages)
     fix = f"name {layout.pipeline_axis!r} in the stacked layers' variables' sharding metadata"
-    mesh_loop.check_stages(layout, grad_specs, fix)
+    mesh_loop.check_stages(layout, specs, fix)
 
     def local(state: Any, batch: Any, key: Any) -> tuple[Accumulated, Any]:
         model, *streams = nnx.merge(graphdef, state)
@@ -232,9 +234,11 @@ def _on_stages(
     loop = jax.shard_map(
         local, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(manual)
     )
-    acc, state = loop(state, batch, key)
-    nnx.update(nodes, state)
-    return acc
+    batch_axes = collectives.axes(layout.axis_name)
+    acc, new = loop(collectives.gathered(state, batch_axes), batch, key)
+    nnx.update(nodes, collectives.laid_out_as(new, state))  # Explicit axes: as it came in
+    params = nnx.state(nodes[0], wrt)
+    return acc._replace(grads=collectives.laid_out_as(acc.grads, params))
 
 
 def nnx_train_step(

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxga import collectives
 from jaxga._checks import check_arity, positive_int
-from jaxga.microbatch import merge_microbatches, split_microbatches
+from jaxga.microbatch import IndivisibleBatchError, merge_microbatches, split_microbatches
 from jaxga.remat import Policy, remat_scan, stack_length
 
 SCHEDULES = ("gpipe", "circular")
@@ -154,7 +154,7 @@ def _run_stages(stages: Stages, params: Any, x: Any, key: Any) -> Any:
     chunks = jax.tree.map(lambda p: jnp.reshape(p, (plan.repeats, -1, *p.shape[1:])), params)
     size = jax.tree.leaves(chunks)[0].shape[1]  # layers a chunk
     ids = (jnp.arange(plan.repeats)[:, None] * plan.stages + stage) * size + jnp.arange(size)
-    xs = split_microbatches(x, m, name="x")
+    xs = split_rows(x, m, "x")
     zeros = collectives.varying(jax.tree.map(jnp.zeros_like, xs), (axis,))
     ring = [(s, (s + 1) % plan.stages) for s in range(plan.stages)]
 
@@ -233,6 +233,15 @@ def _open(stages: Stages, mesh: Any) -> _Opened:
     )
 
 
+def split_rows(x: Any, m: int, name: str) -> Any:
+    """``x``'s rows as the pipeline's m micro-batches (`split_microbatches`); an
+    `IndivisibleBatchError` says that they are the pipeline's, not jaxga's accumulation's."""
+    try:
+        return split_microbatches(x, m, name=name)
+    except IndivisibleBatchError as e:
+        raise IndivisibleBatchError(f"{e} (the pipeline's micro-batches of `{name}`)") from None
+
+
 def plan_stages(
     layer_fn: Callable[..., Any],
     stacked_params: Any,
@@ -258,7 +267,10 @@ def plan_stages(
     if kind == "manual" and any(
         axis_name not in collectives.varying_axes(x) for x in jax.tree.leaves(stacked_params)
     ):
-        fix = f"lay the layer axis out over it: P({axis_name!r}) in the shard_map's in_specs"
+        fix = (
+            f"lay the layer axis out over it: P({axis_name!r}) in your shard_map's in_specs, "
+            "a train step's strategy specs, or the variables' sharding metadata"
+        )
         raise ValueError(f"`stacked_params` are the same on every stage of {axis_name!r}: {fix}.")
     layers = stack_length(stacked_params) * (plan.stages if kind == "manual" else 1)  # L
     _check_layers(layers, plan.stages, repeats)

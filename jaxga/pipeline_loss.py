@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jaxga import collectives, pipeline
 from jaxga._checks import check_callable
 from jaxga.loss import Mean
-from jaxga.microbatch import merge_microbatches, split_microbatches
+from jaxga.microbatch import merge_microbatches
 from jaxga.remat import Policy
 
 SCHEDULES = (*pipeline.SCHEDULES, "1f1b")
@@ -165,8 +165,8 @@ def _one_f_one_b(head: Head, inputs: Inputs) -> tuple[jax.Array, jax.Array, Grad
     axis, plan = head.stages.axis, head.stages.schedule
     index, m = jax.lax.axis_index(axis), plan.microbatches
     size = jax.tree.leaves(inputs.params)[0].shape[0]  # layers a stage
-    xs = split_microbatches(inputs.x, m, name="x")
-    targets = split_microbatches(inputs.targets, m, name="targets")
+    xs = pipeline.split_rows(inputs.x, m, "x")
+    targets = pipeline.split_rows(inputs.targets, m, "targets")
     stage = _Stage(head, inputs, index, index * size + jnp.arange(size), xs, targets, {})
     zero = _zeros_varying(jnp.zeros((), jnp.float32), axis)
     grads = Grads(*(_zeros_varying(x, axis) for x in (inputs.params, inputs.head, xs)))

@@ -342,7 +342,7 @@ def plan(
         *args: the step's arguments, arrays or ``jax.ShapeDtypeStruct``.
         budget: each device's bytes, e.g. ``"512MiB"``; default: 90 % of the device's.
         num_microbatches: the candidate counts, divisors of the batch size; default: all.
-            Of several, one raising `IndivisibleBatchError` is skipped; one alone raises it.
+            Of several, one raising `IndivisibleBatchError` is skipped; one alone raises.
         remat: the candidate remat values, least recomputation first; ``(None,)`` for none.
         strategy: if given, the candidate layouts on a mesh, e.g. ``jaxga.sharding.STRATEGIES``.
         offload: if given, the candidate ``offload`` values, e.g. ``(False, True)``.
@@ -378,7 +378,7 @@ def plan(
     keywords = list(configs[0].keywords)  # the names of those searched
     signature = "".join(f", {n}=..." for n in keywords)
     check_arity(build, "build", 2, f"build(num_microbatches, remat{signature}) -> step", keywords)
-    strict = isinstance(num_microbatches, int)  # one k asked for: it must build
+    strict = num_microbatches is not None and len(counts) == 1  # one k asked for: it builds
     options = {"budget": budget, "strict": strict}
     every = check_bool(exhaustive, "exhaustive")
     if search not in ("ordered", "predict"):

@@ -302,8 +302,8 @@ def test_nnx_train_step_on_a_mesh_keeps_the_models_layout(kind):
     metrics = step(model, optimizer, batch)
     for got, want in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(want_model))):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
-    assert model.w.value.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
-    assert model.b.value.sharding.is_equivalent_to(NamedSharding(mesh, P("model")), 1)
+    assert model.w[...].sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
+    assert model.b[...].sharding.is_equivalent_to(NamedSharding(mesh, P("model")), 1)
     compiled = step.lower(model, optimizer, batch).compile()
     assert not loop_reductions(compiled, jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert jnp.isfinite(metrics["loss"])
@@ -333,7 +333,7 @@ def test_nnx_train_step_gives_aux_and_takes_rngs():
     rngs = nnx.Rngs(dropout=7)
     step = jaxga.nnx_train_step(loss, K, has_aux=True)
     metrics = step(model, optimizer, batch, rngs=rngs)
-    assert int(rngs.dropout.count.value) == K  # one draw per micro-batch
+    assert int(rngs.dropout.count[...]) == K  # one draw per micro-batch
     logits = metrics["aux"]["logits"]
     assert logits.shape == (64, 6)
     # the same rows in every micro-batch: one key for all would give them the same masks
@@ -402,7 +402,7 @@ def test_a_model_naming_the_batch_axis_trains_in_the_global_view():
     np.testing.assert_allclose(got["aux"]["per_sample"], want["aux"]["per_sample"], rtol=2e-5)
     for g, w in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(want_model))):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
-    assert model.up.value.sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp", "tensor")), 2)
+    assert model.up[...].sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp", "tensor")), 2)
 
 
 def test_reduce_once_is_checked():

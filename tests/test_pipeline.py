@@ -433,13 +433,14 @@ def test_make_train_step_keeps_each_stages_weights_on_it(schedule):
 class _Staged(nnx.Module):
     """A layer stack laid out by stage through its variables' sharding metadata, and a head."""
 
-    def __init__(self, stages: int, axis: str | None = "stage"):
+    def __init__(self, stages: int, axis: str | None = "stage", head: tuple | None = None):
         names = (axis, None, None) if axis else None
         self.w = nnx.Param(
             jaxga.pipeline_order(jnp.asarray(stack()["w"]), stages, 1), out_sharding=names
         )
         self.head = nnx.Param(
-            jnp.asarray(np.random.default_rng(3).normal(size=(D, 5)), jnp.float32)
+            jnp.asarray(np.random.default_rng(3).normal(size=(D, 5)), jnp.float32),
+            out_sharding=head,
         )
 
 
@@ -533,14 +534,15 @@ def test_auto_plans_a_pipelined_step_by_a_stages_compiled_peak():
 
 
 def test_nnx_pipeline_route_threads_dropout_keys_and_batchnorm_as_the_nested_route():
-    """With an nnx.Rngs (dropout keys per micro-batch, folded per device) and BatchNorm
-    statistics: nnx_train_step(pipeline_axis="stage") leaves the model, its statistics and
-    the key count as the step without it does (the pipeline nested in jaxga's shard_map)."""
+    """With an nnx.Rngs (dropout keys per micro-batch, folded per device), BatchNorm
+    statistics and a head split over "data": nnx_train_step(pipeline_axis="stage") leaves
+    the model, its statistics and the key count as the step without it does (the pipeline
+    nested in jaxga's shard_map); and trains the head alone (`wrt`) as that step does."""
     import optax
 
-    class Model(_Staged):
+    class Model(_Staged):  # its head split over the batch's axis, as Flax's FSDP example
         def __init__(self):
-            super().__init__(4)
+            super().__init__(4, head=("data", None))
             self.norm = nnx.BatchNorm(D, rngs=nnx.Rngs(0))
 
     def dropped(w, x, key):
@@ -552,14 +554,17 @@ def test_nnx_pipeline_route_threads_dropout_keys_and_batchnorm_as_the_nested_rou
         return jaxga.pipeline_loss(dropped, head_fn, pair, x, batch, **options)
 
     mesh = jax.make_mesh((2, 4), ("data", "stage"))
-    models, batch = [], skewed_batch()
-    for axis in ("stage", None):
-        with jax.set_mesh(mesh):
-            model = Model()
-            optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-        rngs = nnx.Rngs(dropout=1)
-        step = jaxga.nnx_train_step(loss, 2, mesh=mesh, pipeline_axis=axis)
-        step(model, optimizer, batch, rngs=rngs)
-        models.append((nnx.state(model), int(rngs.dropout.count[...])))
-    chex.assert_trees_all_close(models[0][0], models[1][0], rtol=1e-5, atol=1e-6)
-    assert models[0][1] == models[1][1] == 2  # a key per micro-batch
+    batch = skewed_batch()
+    for wrt in (nnx.Param, nnx.PathContains("head")):  # all, or the head alone
+        models = []
+        for axis in ("stage", None):
+            with jax.set_mesh(mesh):
+                model = Model()
+                optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=wrt)
+            rngs = nnx.Rngs(dropout=1)
+            step = jaxga.nnx_train_step(loss, 2, mesh=mesh, pipeline_axis=axis)
+            step(model, optimizer, batch, rngs=rngs)
+            assert model.head[...].sharding.spec == P("data", None)  # its layout, kept
+            models.append((nnx.state(model), int(rngs.dropout.count[...])))
+        chex.assert_trees_all_close(models[0][0], models[1][0], rtol=1e-5, atol=1e-6)
+        assert models[0][1] == models[1][1] == 2  # a key per micro-batch

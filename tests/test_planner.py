@@ -503,3 +503,27 @@ def test_train_lm_plan_bad_budget(tmp_path, capsys, budget, message):
     assert train_lm.main(run) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("train_lm.py: error:") and message in err and "\n" not in err
+
+
+def test_a_count_the_loss_cannot_split_is_skipped_among_several_and_raised_alone():
+    """A loss that splits its micro-batch again (a pipeline's micro-batches) cannot run 4
+    rows a micro-batch as 8: of several counts, that one is built, skipped with the error as
+    its reason, and the others searched; asked for alone, it raises."""
+
+    def build_halves(k, remat):
+        def loss(params, batch, model_state, rng):
+            halves = jaxga.split_microbatches(batch["x"], 2, name="x")  # its own split in two
+            h = jnp.tanh(halves @ params["inp"]) @ params["out"]
+            return jaxga.Mean.of(jnp.square(h - jaxga.split_microbatches(batch["y"], 2))), (
+                model_state
+            )
+
+        return jaxga.make_train_step(loss, k)
+
+    plan = jaxga.plan(
+        build_halves, *ARGS, budget="1GiB", num_microbatches=(4, 8), remat=(None,), exhaustive=True
+    )
+    reasons = {c.num_microbatches: c.reason for c in plan.candidates}
+    assert plan.num_microbatches == 4 and "not divisible by num_microbatches=2" in reasons[8]
+    with pytest.raises(jaxga.microbatch.IndivisibleBatchError, match="num_microbatches=2"):
+        jaxga.plan(build_halves, *ARGS, budget="1GiB", num_microbatches=8, remat=(None,))
