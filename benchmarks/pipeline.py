@@ -11,15 +11,15 @@ head, one gradient step of a global batch of m micro-batches of 128 rows, m ∈ 
 
 Per device: XLA's compiled peak (arguments + outputs + scratch − aliased) and its scratch
 (``temp``), the median step time of ``--rounds`` interleaved runs, and the bubble the
-schedule leaves, ``(S − 1) / (r · m + S − 1)`` (GPipe, circular) or ``(2S − 2) / (m + 2S
-− 2)`` ticks of one forward and one backward (1F1B), against the fraction of stage-ticks
-the compiled program actually idles (its ``cond``s skip them; counted by running the
-schedule's index arithmetic). Host "devices" share this machine's cores, so an idle stage
-frees a core for another rather than wasting it: the times here show the work, not the
-bubble. The last line: the compiled-peak ratios m = 16 / m = 4, GPipe's and 1F1B's.
+schedule leaves, ``(S − 1) / (r · m + S − 1)`` (1F1B: r = 1), against the fraction of a
+step's time a stage idles, counted by running the schedule's index arithmetic (1F1B: its
+lockstep ticks, a backward taking two forwards' time; `idle_fraction`). Host "devices"
+share this machine's cores, so an idle stage frees a core for another rather than wasting
+it: the times here show the work, not the bubble. The last line: the compiled-peak ratios
+m = 16 / m = 4, GPipe's and 1F1B's.
 
-``--h100`` gives instead, compiled for described H100s with ``compiled_for_gpu.py``'s machinery
-(nothing runs; its CUDA plugin on the path), the per-device peak of the main example's
+``--h100`` gives instead, compiled for described H100s with ``compiled_for_gpu.py``'s
+machinery (nothing runs; its CUDA plugin on the path), the per-device peak of the main example's
 train step (``examples/train_lm.py``'s transformer and optimiser) at GPT-2 small's shape
 (12 blocks of width 768, 12 heads, 1024 tokens a row, bfloat16 matrix products, full remat;
 a byte vocabulary; XLA's attention, not cuDNN's, whose partitioning rule needs concrete
@@ -75,25 +75,28 @@ def model(seed: int = 0) -> tuple[dict, jax.Array]:
     return stack, rng.normal(size=(WIDTH, VOCAB)).astype(np.float32) / WIDTH**0.5
 
 
-def idle_fraction(schedule: str, m: int, repeats: int) -> float:
-    """The stage-ticks the program skips, from the schedule's own index arithmetic."""
+def idle_fraction(schedule: str, m: int, repeats: int, backward: float = 2.0) -> float:
+    """The fraction of a step's time a stage idles, from the schedule's own index arithmetic.
+
+    1F1B: the stages run in lockstep (a tick ends with the ``ppermute``s), its ``cond``s skip
+    what a stage has no micro-batch for, so a tick takes a forward if any stage runs one,
+    plus a backward (``backward`` forwards' time) if any stage runs one. GPipe and circular:
+    the stage-ticks without a micro-batch (the backward pass is the loop's reverse).
+    """
     if schedule == "1f1b":
-        ticks = m + 2 * S - 2
-        busy = sum(
-            (0 <= t - s < m) + (0 <= t - (2 * S - 2 - s) < m)
-            for s in range(S)
-            for t in range(ticks)
-        )
-        return 1 - busy / (2 * S * ticks)
+        ticks = range(m + 2 * S - 2)
+        forwards = [any(0 <= t - s < m for s in range(S)) for t in ticks]
+        backwards = [any(0 <= t - (2 * S - 2 - s) < m for s in range(S)) for t in ticks]
+        time = sum(forwards) + backward * sum(backwards)
+        return 1 - m * (1 + backward) / time
     ticks = m * repeats + S - 1
     busy = sum(0 <= t - s < m * repeats for s in range(S) for t in range(ticks))
     return 1 - busy / (S * ticks)
 
 
 def formula(schedule: str, m: int, repeats: int) -> float:
-    if schedule == "1f1b":
-        return (2 * S - 2) / (m + 2 * S - 2)
-    return jaxga.pipeline.Schedule(S, m, repeats).bubble
+    """``(S − 1) / (r · m + S − 1)``: every schedule's, 1F1B's with r = 1."""
+    return jaxga.pipeline.Schedule(S, m, 1 if schedule == "1f1b" else repeats).bubble
 
 
 def pipelined(schedule: str, m: int, repeats: int, stack, head, x, labels):
@@ -152,7 +155,7 @@ def measure(m: int, rounds: int) -> list[dict]:
             schedule = {"GPipe": "gpipe", "circular r=2": "circular", "1F1B": "1f1b"}[name]
             repeats = 2 if schedule == "circular" else 1
             row["bubble_formula"] = formula(schedule, m, repeats)
-            row["bubble_idle_ticks"] = idle_fraction(schedule, m, repeats)
+            row["bubble_counted"] = idle_fraction(schedule, m, repeats)
         rows.append(row)
     return rows
 
@@ -207,11 +210,11 @@ def main() -> None:
         print(f"wrote {H100_RESULTS}")
         return
     rows = [row for m in args.microbatches for row in measure(m, args.rounds)]
-    print("| method | m | peak MiB | scratch MiB | ms | bubble (formula) | idle stage-ticks |")
+    print("| method | m | peak MiB | scratch MiB | ms | bubble (formula) | bubble (counted) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         bubble = (
-            f"{r['bubble_formula']:.3f} | {r['bubble_idle_ticks']:.3f}"
+            f"{r['bubble_formula']:.3f} | {r['bubble_counted']:.3f}"
             if "bubble_formula" in r
             else "– | –"
         )

@@ -234,8 +234,9 @@ def _on_stages(
     loop = jax.shard_map(
         local, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(manual)
     )
-    batch_axes = collectives.axes(layout.axis_name)
-    acc, new = loop(collectives.gathered(state, batch_axes), batch, key)
+    # as the specs say: gathered over the batch's axes, split over the stages (where the
+    # metadata names the stage axis of a variable that is not yet laid out so, sliced)
+    acc, new = loop(sharding.place(layout.mesh, state, specs), batch, key)
     nnx.update(nodes, collectives.laid_out_as(new, state))  # Explicit axes: as it came in
     params = nnx.state(nodes[0], wrt)
     return acc._replace(grads=collectives.laid_out_as(acc.grads, params))

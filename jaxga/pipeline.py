@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -63,10 +64,12 @@ def pipeline_order(stacked_params: Any, stages: int, repeats: int = 1) -> Any:
     """
     num_layers = stack_length(stacked_params)
     _check_layers(num_layers, stages, repeats)
+    layers = np.arange(num_layers).reshape(repeats, stages, -1).swapaxes(0, 1).reshape(-1)
 
-    def reorder(p: jax.Array) -> jax.Array:
-        chunks = jnp.reshape(p, (repeats, stages, num_layers // (stages * repeats), *p.shape[1:]))
-        return jnp.reshape(jnp.swapaxes(chunks, 0, 1), p.shape)
+    def reorder(p: Any) -> jax.Array:  # a gather: laid out over Explicit axes, it stays so
+        where = jax.typeof(p).sharding
+        explicit = AxisType.Explicit in getattr(where.mesh, "axis_types", ())
+        return jnp.asarray(p).at[layers].get(out_sharding=where if explicit else None)
 
     return jax.tree.map(reorder, stacked_params)
 
@@ -262,7 +265,8 @@ def plan_stages(
     m = positive_int(num_microbatches, "num_microbatches")
     plan = Schedule(mesh.shape[axis_name], m, repeats)
     if plan.microbatches < plan.stages:
-        got = f"{plan.microbatches}; it must be at least the S={plan.stages} stages"
+        at_least = f"at least the S={plan.stages} stages (and divide x's rows)"
+        got = f"{plan.microbatches}; it must be {at_least}"
         raise ValueError(f"`num_microbatches`={got}.")
     if kind == "manual" and any(
         axis_name not in collectives.varying_axes(x) for x in jax.tree.leaves(stacked_params)

@@ -45,6 +45,8 @@ def _checked_mean(head_fn: Callable[..., Any], head_params: Any, y: Any, targets
     mean = head_fn(head_params, y, targets)
     if not isinstance(mean, Mean):
         got = type(mean).__name__
+        if hasattr(mean, "shape"):  # a traced or concrete array: a mean's .value, perhaps
+            got = f"an array of shape {jnp.shape(mean)}: return the Mean itself, not its value"
         raise TypeError(f"`head_fn` must return a jaxga.Mean (its totals are summed); got {got}.")
     return mean
 

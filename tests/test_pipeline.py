@@ -5,6 +5,8 @@ The reference is `jaxga.remat_scan` (a plain `lax.scan` over the layers) and
 rounding, for every schedule.
 """
 
+import contextlib
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -73,6 +75,13 @@ def test_pipeline_order_puts_each_stages_chunks_together():
     ordered = jaxga.pipeline_order(layers, stages=2, repeats=2)
     assert ordered.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
     assert jaxga.pipeline_order(layers, stages=4).tolist() == list(range(8))
+    # a stack already laid out over the stages on Explicit axes (an NNX variable made under
+    # jax.set_mesh): reordered, and still laid out so
+    mesh = jax.make_mesh((2, 4), ("data", "stage"))
+    placed = jax.device_put(layers.astype(jnp.float32), NamedSharding(mesh, P("stage")))
+    with jax.set_mesh(mesh):
+        again = jaxga.pipeline_order(placed, stages=4, repeats=2)
+    assert again.tolist() == [0, 4, 1, 5, 2, 6, 3, 7] and again.sharding.spec == P("stage")
 
 
 def skewed_batch(rows: int = 32, seed: int = 2):
@@ -568,3 +577,59 @@ def test_nnx_pipeline_route_threads_dropout_keys_and_batchnorm_as_the_nested_rou
             models.append((nnx.state(model), int(rngs.dropout.count[...])))
         chex.assert_trees_all_close(models[0][0], models[1][0], rtol=1e-5, atol=1e-6)
         assert models[0][1] == models[1][1] == 2  # a key per micro-batch
+
+
+def test_nnx_vmap_stack_named_but_whole_trains_as_one_device():
+    """Blocks made by nnx.vmap with transform_metadata={PARTITION_NAME: "stage"}: their
+    metadata names the stage axis, their arrays are whole; the step slices them on entry and
+    one SGD step equals the same step on one device."""
+    import optax
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs, named: bool):
+            init = nnx.initializers.lecun_normal()
+            init = nnx.with_partitioning(init, (None, None)) if named else init
+            self.up = nnx.Linear(D, D, kernel_init=init, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.tanh(self.up(x))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs, named: bool):
+            meta = {nnx.PARTITION_NAME: "stage"} if named else {}
+
+            @nnx.split_rngs(splits=L)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=meta)
+            def blocks(rngs):
+                return Block(rngs, named)
+
+            self.blocks = blocks(rngs)
+            self.head = nnx.Linear(D, 5, rngs=rngs)
+
+    def loss(model, batch, pipelined):
+        graphdef, stack = nnx.split(model.blocks)
+        head_graphdef, head = nnx.split(model.head)
+
+        def layer(p, h):
+            return nnx.merge(graphdef, p)(h)
+
+        def head_fn(head, y, t):
+            return jaxga.token_cross_entropy(
+                nnx.merge(head_graphdef, head)(y), t["labels"], t["mask"]
+            )
+
+        if pipelined:
+            options = {"num_microbatches": 4}
+            return jaxga.pipeline_loss(layer, head_fn, (stack, head), batch["x"], batch, **options)
+        return head_fn(head, jaxga.remat_scan(layer, stack, batch["x"]), batch)
+
+    mesh, batch, states = jax.make_mesh((2, 4), ("data", "stage")), skewed_batch(), []
+    for pipelined in (True, False):
+        with jax.set_mesh(mesh) if pipelined else contextlib.nullcontext():
+            model = Model(nnx.Rngs(0), named=pipelined)
+            optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        options = {"mesh": mesh, "pipeline_axis": "stage"} if pipelined else {}
+        step = jaxga.nnx_train_step(lambda m, b, p=pipelined: loss(m, b, p), 2, **options)
+        value = step(model, optimizer, batch)["loss"]
+        states.append((value, nnx.to_pure_dict(nnx.state(model, nnx.Param))))  # no metadata
+    chex.assert_trees_all_close(states[0], states[1], rtol=1e-5, atol=1e-6)
