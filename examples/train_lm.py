@@ -360,8 +360,8 @@ class Transformer(nnx.Module):
             return nnx.merge(graphdef, layer)(h, same), ids
 
         def head_fn(head: Any, carry: tuple, targets: dict) -> jaxga.Mean:
-            norm, embed = nnx.merge(head_graphdef, head)
-            logits = embed.attend(norm(carry[0])).astype(jnp.float32)
+            (norm, embed), (y, _) = nnx.merge(head_graphdef, head), carry  # y: its rows
+            logits = embed.attend(norm(y)).astype(jnp.float32)
             labels, mask, ids = targets["labels"], targets["mask"], targets.get("segment_ids")
             return jaxga.token_cross_entropy(
                 logits, labels, mask, normalize=normalize, segment_ids=ids

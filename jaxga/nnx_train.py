@@ -218,9 +218,10 @@ def _on_stages(
     ``nodes`` (the model and its `nnx.Rngs`) updated in place."""
     manual, stages = mesh_loop.manual_axes(layout), (layout.pipeline_axis,)
     graphdef, state = nnx.split(nodes)
+    params = nnx.state(nodes[0], wrt)  # what the gradients are of, as it comes in
     # over the stages alone: what is split over the batch's axes is gathered once, on entry
     specs = mesh_loop.part(nnx.get_partition_spec(state), stages)
-    grad_specs = mesh_loop.part(nnx.get_partition_spec(nnx.state(nodes[0], wrt)), stages)
+    grad_specs = mesh_loop.part(nnx.get_partition_spec(params), stages)
     fix = f"name {layout.pipeline_axis!r} in the stacked layers' variables' sharding metadata"
     mesh_loop.check_stages(layout, specs, fix)
 
@@ -238,7 +239,6 @@ def _on_stages(
     # metadata names the stage axis of a variable that is not yet laid out so, sliced)
     acc, new = loop(sharding.place(layout.mesh, state, specs), batch, key)
     nnx.update(nodes, collectives.laid_out_as(new, state))  # Explicit axes: as it came in
-    params = nnx.state(nodes[0], wrt)
     return acc._replace(grads=collectives.laid_out_as(acc.grads, params))
 
 
@@ -304,6 +304,7 @@ def nnx_train_step(
     if mesh is not None:
         sharding.check_mesh(mesh, axis_name, concrete=True)
     mesh_loop.check_pipeline_axis(mesh, axis_name, pipeline_axis, once)
+    has_aux = _checks.check_bool(has_aux, "has_aux")
     if pipeline_axis is not None and has_aux:  # its rows would leave the loop per device
         raise ValueError("`pipeline_axis` with has_aux=True: not supported; return a Mean alone.")
     layout = (
@@ -311,7 +312,7 @@ def nnx_train_step(
     )
     options = steps.step_options(
         num_microbatches,
-        has_aux=_checks.check_bool(has_aux, "has_aux"),
+        has_aux=has_aux,
         layout=layout,
         memory_budget=memory_budget,
         accumulator_dtype=accumulator_dtype,

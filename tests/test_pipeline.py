@@ -575,8 +575,9 @@ def test_nnx_pipeline_route_threads_dropout_keys_and_batchnorm_as_the_nested_rou
             step(model, optimizer, batch, rngs=rngs)
             assert model.head[...].sharding.spec == P("data", None)  # its layout, kept
             models.append((nnx.state(model), int(rngs.dropout.count[...])))
-        chex.assert_trees_all_close(models[0][0], models[1][0], rtol=1e-5, atol=1e-6)
-        assert models[0][1] == models[1][1] == 2  # a key per micro-batch
+        (piped, piped_keys), (nested, nested_keys) = models
+        chex.assert_trees_all_close(piped, nested, rtol=1e-5, atol=1e-6)
+        assert piped_keys == nested_keys == 2  # a key per micro-batch
 
 
 def test_nnx_vmap_stack_named_but_whole_trains_as_one_device():
@@ -632,4 +633,5 @@ def test_nnx_vmap_stack_named_but_whole_trains_as_one_device():
         step = jaxga.nnx_train_step(lambda m, b, p=pipelined: loss(m, b, p), 2, **options)
         value = step(model, optimizer, batch)["loss"]
         states.append((value, nnx.to_pure_dict(nnx.state(model, nnx.Param))))  # no metadata
-    chex.assert_trees_all_close(states[0], states[1], rtol=1e-5, atol=1e-6)
+    piped, one_device = states
+    chex.assert_trees_all_close(piped, one_device, rtol=1e-5, atol=1e-6)
