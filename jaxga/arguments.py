@@ -36,6 +36,7 @@ class Options(NamedTuple):
     num_real_microbatches: Any = None  # None: all; else an int (or traced int) in 1..k
     canonical_convolutions: bool | str = "auto"  # True, False or "auto": on CPU backends only
     state_reduction: Any = "mean"  # "mean" (engine.mean_over_devices) or (x, axes) -> x
+    placement: Any = None  # a train step's collectives.Placement; None: as the values lie
 
 
 def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:

@@ -9,28 +9,65 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = [
-    "Route",
-    "axes",
-    "axis_size",
-    "find_route",
-    "gathered",
-    "inside_loop",
-    "laid_out_as",
-    "psum_invariant",
-    "psum_varying",
-    "reduce_after",
-    "split_over",
-    "varying",
-    "varying_axes",
-    "zeros_like_sums",
-    "zeros_of",
-]
+__all__ = ["axes", "find_route", "psum_varying", "varying", "varying_axes"]
 
 
 def axes(axis_name: Any) -> tuple[Any, ...]:
-    """Returns ``axis_name``, a name or a tuple of names, as a tuple of names."""
-    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+    """Returns ``axis_name``, a name or a collection of names, as a tuple of names."""
+    return tuple(axis_name) if isinstance(axis_name, tuple | list | set) else (axis_name,)
+
+
+def axis_types(mesh: Any) -> dict[Any, AxisType]:
+    """``mesh``'s axis types by name: the one place a mesh's types are read."""
+    return dict(zip(mesh.axis_names, mesh.axis_types))
+
+
+def explicit_axes(mesh: Any, names: Any = None) -> tuple[Any, ...]:
+    """The Explicit axes of ``mesh`` among ``names`` (``None``: all of them)."""
+    types = axis_types(mesh)
+    names = types if names is None else axes(names)
+    return tuple(a for a in names if types[a] == AxisType.Explicit)
+
+
+def manual_axes(mesh: Any) -> frozenset:
+    """The axes of ``mesh`` (an abstract mesh) that a ``shard_map`` here has made Manual."""
+    return frozenset(a for a, t in axis_types(mesh).items() if t == AxisType.Manual)
+
+
+def is_explicit(sharding: Any) -> bool:
+    """Whether ``sharding`` is a `NamedSharding` on a mesh with Explicit axes (its type says)."""
+    return isinstance(sharding, NamedSharding) and bool(explicit_axes(sharding.mesh))
+
+
+def devices(mesh: Any, names: Any) -> int:
+    """How many devices ``mesh``'s axes ``names`` hold."""
+    return math.prod(mesh.shape[a] for a in axes(names))
+
+
+def spec_over(spec: P, names: Any) -> P:
+    """``spec`` with its entries naming the axes ``names`` alone (the others dropped)."""
+    keep = set(axes(names))
+
+    def entry(e: Any) -> Any:
+        return tuple(a for a in axes(e or ()) if a in keep) or None
+
+    return P(*map(entry, spec))
+
+
+def specs_over(specs: Any, names: Any) -> Any:
+    """`spec_over` of every spec of ``specs``."""
+    return jax.tree.map(lambda spec: spec_over(spec, names), specs, is_leaf=is_spec)
+
+
+def is_spec(x: Any) -> bool:
+    """Whether ``x`` is a ``PartitionSpec`` (a leaf of a tree of specs)."""
+    return isinstance(x, P)
+
+
+def type_spec(x: Any) -> P:
+    """``x``'s PartitionSpec as its type says (Explicit axes), else ``P()``."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return P(*sharding.spec) if is_explicit(sharding) else P()
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -104,8 +141,7 @@ class Route(NamedTuple):
 def _kind_of(axis: Any) -> str:
     mesh = jax.sharding.get_abstract_mesh()
     if axis in mesh.axis_names:
-        types = dict(zip(mesh.axis_names, mesh.axis_types))
-        return "manual" if types[axis] == AxisType.Manual else "opened"
+        return "manual" if axis in manual_axes(mesh) else "opened"
     try:  # bound without a mesh: jax.pmap
         jax.lax.axis_index(axis)
     except NameError:
@@ -122,8 +158,7 @@ def _split_axes(leaf: Any) -> tuple[Any, ...]:
     sharding = getattr(jax.typeof(leaf), "sharding", None)
     if not isinstance(sharding, NamedSharding) or not getattr(leaf, "ndim", 0):
         return ()
-    types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
-    return tuple(a for a in axes(sharding.spec[0] or ()) if types.get(a) == AxisType.Explicit)
+    return explicit_axes(sharding.mesh, sharding.spec[0] or ())
 
 
 def find_route(axis_name: Any, batch: Any) -> Route:
@@ -165,7 +200,22 @@ def axis_size(route: Route) -> int:
     """The number of devices the route's axes hold (1 for a local route)."""
     if route.kind == "manual":
         return jax.lax.axis_size(route.axes)
-    return math.prod(route.mesh.shape[a] for a in route.axes)
+    return devices(route.mesh, route.axes)
+
+
+class Placement(NamedTuple):
+    """How a train step lays a call's arrays out over the loop's ``shard_map`` (an opened route).
+
+    Without one (`jaxga.value_and_grad`), each value lies as its type (Explicit axes) or its
+    NNX variable's sharding metadata says. The differentiated values split over the batch's
+    axes go in split and are gathered inside, once (or in every micro-batch: ``gather_each``,
+    ZeRO-3); their gradients are reduce-scattered once, after the loop, as ``grad_specs`` say.
+    """
+
+    stage_axes: tuple[Any, ...] = ()  # manual in the loop beside the batch's: a pipeline's
+    primal_specs: Any = None  # the differentiated values' PartitionSpecs; None: as they lie
+    grad_specs: Any = None  # the gradient sums' layout after the loop; None: the primals'
+    gather_each: bool = False  # ZeRO-3: the primals gathered in every micro-batch
 
 
 def gathered(tree: Any, over: tuple[Any, ...]) -> Any:
@@ -173,10 +223,9 @@ def gathered(tree: Any, over: tuple[Any, ...]) -> Any:
 
     def gather(x: Any) -> Any:
         sharding = jax.typeof(x).sharding
-        if not isinstance(sharding, NamedSharding) or not set(over) & set(sharding.mesh.axis_names):
+        if not is_explicit(sharding):
             return x
-        kept = [tuple(a for a in axes(e or ()) if a not in over) or None for e in sharding.spec]
-        spec = P(*kept)
+        spec = spec_over(sharding.spec, set(sharding.mesh.axis_names) - set(over))
         return x if spec == sharding.spec else jax.reshard(x, NamedSharding(sharding.mesh, spec))
 
     return jax.tree.map(gather, tree)
@@ -187,17 +236,14 @@ def laid_out_as(tree: Any, like: Any) -> Any:
 
     def lay(x: Any, y: Any) -> Any:
         want = jax.typeof(y).sharding
-        typed = AxisType.Explicit in getattr(getattr(want, "mesh", None), "axis_types", ())
-        return jax.reshard(x, want) if typed and jax.typeof(x).sharding != want else x
+        return jax.reshard(x, want) if is_explicit(want) and jax.typeof(x).sharding != want else x
 
     return jax.tree.map(lay, tree, like)
 
 
 def split_over(microbatches: Any, route: Route) -> Any:
     """Micro-batches ``[k, B / k, ...]`` with their rows split over an opened route's axes."""
-
-    types = dict(zip(route.mesh.axis_names, route.mesh.axis_types))
-    if not any(types[a] == AxisType.Explicit for a in route.axes):
+    if not explicit_axes(route.mesh, route.axes):
         return microbatches  # Auto axes: the shard_map lays them out
 
     def place(x: Any) -> Any:
@@ -207,6 +253,42 @@ def split_over(microbatches: Any, route: Route) -> Any:
         return x if spec == sharding.spec else jax.reshard(x, NamedSharding(route.mesh, spec))
 
     return jax.tree.map(place, microbatches)
+
+
+def _splits(spec: P) -> list[tuple[int, Any]]:
+    return [(dim, entry) for dim, entry in enumerate(spec) if entry is not None]
+
+
+def all_gathered(tree: Any, specs: Any) -> Any:
+    """Inside a ``shard_map``: each leaf gathered whole along the axes its spec splits it over."""
+
+    def gather(x: Any, spec: P) -> Any:
+        for dim, entry in _splits(spec):
+            x = jax.lax.all_gather(x, entry, axis=dim, tiled=True)
+        return x
+
+    return jax.tree.map(gather, tree, specs)
+
+
+def reduce_scattered(tree: Any, specs: Any) -> Any:
+    """Inside a ``shard_map``: each leaf summed over, and scattered as, its spec's axes."""
+
+    def scatter(x: Any, spec: P) -> Any:
+        for dim, entry in reversed(_splits(spec)):
+            x = jax.lax.psum_scatter(x, entry, scatter_dimension=dim, tiled=True)
+        return x
+
+    return jax.tree.map(scatter, tree, specs)
+
+
+def varying_where_split(tree: Any, specs: Any) -> Any:
+    """Each leaf varying over the axes its spec names (then summed by `reduce_scattered`)."""
+
+    def mark(x: Any, spec: P) -> Any:
+        over = tuple(a for _, entry in _splits(spec) for a in axes(entry))
+        return varying(x, over) if over else x
+
+    return jax.tree.map(mark, tree, specs)
 
 
 def inside_loop(primals: Any, route: Route) -> Any:
@@ -223,8 +305,7 @@ def zeros_like_sums(primals: Any, dtype: Callable[[Any], Any], route: Route) -> 
 
     def zero(x):
         sharding = jax.typeof(x).sharding
-        typed = AxisType.Explicit in getattr(getattr(sharding, "mesh", None), "axis_types", ())
-        where = getattr(x, "sharding", sharding) if typed else None  # concrete if it can
+        where = getattr(x, "sharding", sharding) if is_explicit(sharding) else None
         over = (*(route.axes if route.kind == "manual" else ()), *varying_axes(x))
         return varying(jnp.zeros(jnp.shape(x), dtype(x), out_sharding=where), over)
 

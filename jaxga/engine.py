@@ -50,6 +50,7 @@ class Call(NamedTuple):
     rng_argnums: tuple[int, ...]  # the PRNG key arguments, a key per micro-batch
     device: Any  # this device's index along a manual route's axes; 0 otherwise
     route: collectives.Route  # how the sums stay partial in the loop and are reduced after
+    gather: Any  # ZeRO-3: the primals' specs over the axes they are gathered over per micro-batch
     sum_dtype: Any  # the dtype loss totals and counts are summed in
     threaded: Threaded  # before the first micro-batch
 
@@ -105,6 +106,7 @@ def prepare(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         rng_argnums=arguments.rng_positions(options, args),
         device=0,
         route=route,
+        gather=None,
         sum_dtype=jnp.result_type(*dtypes, *jax.tree.leaves(primals)),
         threaded=Threaded(user=user_state, modules=modules.rest_of(parts)),
     )
@@ -123,6 +125,9 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
     """``fun`` on one micro-batch: ``(primals, batches, index, threaded) -> (total, micro)``."""
 
     def loss(primals, batches, index, threaded):
+        if call.gather is not None:  # ZeRO-3: gathered here, in every micro-batch (not hoisted)
+            primals, batches = jax.lax.optimization_barrier((primals, batches))
+            primals = collectives.all_gathered(primals, call.gather)
         given = dict(zip(options.argnums, primals))
         given |= dict(zip(options.batch_argnums, batches))
         given |= dict(zip(options.state_argnums, threaded.user))
@@ -290,33 +295,78 @@ def _scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> t
 
 
 class Given(NamedTuple):
-    """What a ``shard_map`` that jaxga opens gets of a call: all but the micro-batches whole."""
+    """What the ``shard_map`` that jaxga opens gets of a call (each part with its specs)."""
 
-    primals: tuple[Any, ...]
-    microbatches: tuple[Any, ...]  # split over the axes
-    threaded: Threaded
-    arrays: list[Any]  # the array leaves of the call's other arguments and keywords
+    primals: tuple[Any, ...]  # split as they lie over the manual axes
+    microbatches: tuple[Any, ...]  # split over the batch's axes
+    threaded: Threaded  # whole over the batch's axes, split as they lie over the stages
+    arrays: list[Any]  # the array leaves of the call's other arguments and keywords: whole
+
+
+class Layout(NamedTuple):
+    """How the values of an opened route lie inside its ``shard_map``: specs, and its axes."""
+
+    manual: tuple[Any, ...]  # the shard_map's axes: the batch's, and a pipeline's stages
+    kept: tuple[Any, ...]  # the axes split primals stay split over (the others: gathered)
+    each: bool  # ZeRO-3: primals gathered in every micro-batch
+    primals: Any  # the differentiated values', over the manual axes
+    grads: Any  # the gradient sums', over the manual axes
+    gather: Any  # over the batch's axes: what the primals are gathered along inside
+    scatter: Any  # over the batch's axes: what the gradient sums are reduce-scattered along
+    threaded: Any  # the threaded state's, over the stage axes
+
+
+def layout(options: Options, call: Call) -> Layout:
+    """Where each value of an opened ``call`` lies in its ``shard_map`` (`Layout`).
+
+    A `collectives.Placement`'s specs, else the values' own (types, NNX metadata). Split
+    over the batch's axes, primals stay split unless the mesh has other Explicit axes (then
+    JAX cannot reduce-scatter beside them: gathered on entry, all-reduced once after).
+    """
+    placement = options.placement or collectives.Placement()
+    mesh, batch_axes, stages = call.route.mesh, call.route.axes, placement.stage_axes
+    manual = (*batch_axes, *stages)
+    others = [a for a in mesh.axis_names if a not in manual]
+    kept = manual if not collectives.explicit_axes(mesh, others) else stages
+    lies = placement.primal_specs
+    lies = modules.specs_of(call.primals) if lies is None else lies
+    grads = lies if placement.grad_specs is None else placement.grad_specs
+    return Layout(
+        manual=manual,
+        kept=kept,
+        each=placement.gather_each,
+        primals=collectives.specs_over(lies, kept),
+        grads=collectives.specs_over(grads, kept),
+        gather=collectives.specs_over(lies, () if kept == stages else batch_axes),
+        scatter=collectives.specs_over(grads, () if kept == stages else batch_axes),
+        threaded=collectives.specs_over(modules.specs_of(call.threaded), stages),
+    )
 
 
 def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple[Sums, Any]:
-    """`scan_and_reduce` in a ``shard_map`` that jaxga opens over the route's axes.
+    """`scan_and_reduce` in the one ``shard_map`` jaxga opens over the route's axes (and a
+    train step's pipeline stages): the one loop onto a mesh.
 
-    The micro-batches go in split, the arrays the loop reads whole (gathered over the axes
-    once; JAX closes over no arrays of Explicit axes), everything else closed over. Aux
-    comes out as the whole batch gives it: a `Mean` summed over the devices, rows the
-    batch's rows in order; a value per micro-batch, one per micro-batch and device
-    (`[k, devices, ...]`).
+    The micro-batches go in split over the batch's axes; primals split over them go in split,
+    are gathered inside once (ZeRO-3: in every micro-batch) and their gradients are
+    reduce-scattered once, after the loop; everything else the loop reads goes in whole
+    (split over the stages as it lies). Aux comes out as the whole batch gives it: a `Mean`
+    summed over the devices, rows the batch's rows in order; a value per micro-batch, one
+    per micro-batch and device (`[k, devices, ...]`).
     """
-    axes = call.route.axes
+    axes, lay = call.route.axes, layout(options, call)
     rows = call.rows // collectives.axis_size(call.route)
     taken = {*call.parts, *options.argnums, *options.batch_argnums, *options.state_argnums}
     others = (tuple(None if i in taken else a for i, a in enumerate(call.args)), call.kwargs)
     leaves, treedef = jax.tree.flatten(others)
     dynamic = [isinstance(x, jax.Array | np.ndarray) for x in leaves]
     arrays = [x for x, d in zip(leaves, dynamic) if d]
-    given = Given(call.primals, (), call.threaded, arrays)
-    microbatches = collectives.split_over(call.microbatches, call.route)
-    given = collectives.gathered(given, axes)._replace(microbatches=microbatches)
+    given = Given(
+        primals=collectives.gathered(call.primals, [a for a in axes if a not in lay.kept]),
+        microbatches=collectives.split_over(call.microbatches, call.route),
+        threaded=collectives.gathered(call.threaded, axes),
+        arrays=collectives.gathered(arrays, axes),
+    )
     found = {}  # the aux kinds, known once the loss is traced inside
 
     def local(given: Given) -> tuple[Sums, Any]:
@@ -324,28 +374,37 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
         leaves_here = [next(arrays) if d else x for x, d in zip(leaves, dynamic)]
         args, kwargs = jax.tree.unflatten(treedef, leaves_here)
         args = tuple(call.args[i] if i in taken else a for i, a in enumerate(args))
+        primals = given.primals
+        if not lay.each:  # gathered once; summed in place where scattered after the loop
+            primals = collectives.all_gathered(primals, lay.gather)
+            primals = collectives.varying_where_split(primals, lay.scatter)
         here = call._replace(
             args=args,
             kwargs=kwargs,
-            primals=given.primals,
+            primals=primals,
+            gather=lay.gather if lay.each else None,
             microbatches=given.microbatches,
             threaded=given.threaded,
             rows=rows,
         )
         here = on_device(here, collectives.Route("manual", axes))
         sums, aux, found["kinds"] = _scan_and_reduce(fun, options, here)
+        if not lay.each:
+            sums = sums._replace(grads=collectives.reduce_scattered(sums.grads, lay.scatter))
         return sums, auxiliary.with_device_axis(aux, found["kinds"], rows)
 
-    whole = {"primals": P(), "threaded": P(), "arrays": P()}
-    in_specs = (given._replace(microbatches=P(None, axes), **whole),)
-    specs = {"in_specs": in_specs, "out_specs": (P(), P(None, axes)), "axis_names": set(axes)}
+    in_specs = Given(lay.primals, P(None, axes), threaded=lay.threaded, arrays=P())
+    sums_specs = Sums(grads=lay.grads, total=P(), count=P(), threaded=lay.threaded)
+    specs = {"in_specs": (in_specs,), "out_specs": (sums_specs, P(None, axes))}
     try:
-        sums, aux = jax.shard_map(local, mesh=call.route.mesh, **specs)(given)
+        opened = jax.shard_map(local, mesh=call.route.mesh, axis_names=set(lay.manual), **specs)
+        sums, aux = opened(given)
     except Exception as e:
         if "Manual" in str(e):  # JAX's word for a loss naming the axes in its own layout
             e.add_note(_OPENED_NOTE.format(axes=axes))
         raise
-    sums = sums._replace(grads=collectives.laid_out_as(sums.grads, call.primals))  # FSDP: sliced
+    if options.placement is None or options.placement.grad_specs is None:  # as they came
+        sums = sums._replace(grads=collectives.laid_out_as(sums.grads, call.primals))
     if found["kinds"] is None:
         return sums, None
     aux = auxiliary.without_device_axis(aux, found["kinds"])

@@ -1,18 +1,26 @@
-"""The train step's accumulation on a mesh: the loop in a ``shard_map`` over the batch's
-axes (and a pipeline's stage axis), the state gathered and the gradient reduced once."""
+"""A train step's state on a mesh: laid out by its strategy, and the engine's one loop onto
+the mesh told where the parameters lie (`collectives.Placement`)."""
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, collectives
+from jaxga.accumulation import Accumulate
 from jaxga.engine import Accumulated
 from jaxga.microbatch import IndivisibleBatchError
-from jaxga.sharding import MeshLayout, axes_size, fsdp_specs, is_spec, place, state_specs
+from jaxga.sharding import (
+    MeshLayout,
+    axes_size,
+    check_mesh,
+    check_strategy,
+    fsdp_specs,
+    place,
+    split_of,
+    state_specs,
+)
 
 
 class OnMesh(NamedTuple):
@@ -22,26 +30,6 @@ class OnMesh(NamedTuple):
     state: Any  # the train state, laid out
     specs: Any  # the train state's PartitionSpecs
     params: Any  # the parameters as the optimiser sees them, laid out as the gradients
-
-
-def _split_over(spec: P, axis_name: Any, *, batch: bool) -> P:
-    """``spec``'s entries naming the batch's axes (``batch``), or naming the others only."""
-    batch_axes = set(collectives.axes(axis_name))
-
-    def entry(e: Any) -> Any:
-        return tuple(a for a in collectives.axes(e or ()) if (a in batch_axes) == batch) or None
-
-    return P(*map(entry, spec))
-
-
-def _on_split_axes(fn: Callable[..., Any], tree: Any, specs: Any) -> Any:
-    """``fn(x, axis=...)`` on the leaves whose (batch-axes) spec splits an axis; others as is."""
-
-    def apply(x: Any, spec: P) -> Any:
-        axis = next((i for i, entry in enumerate(spec) if entry is not None), None)
-        return x if axis is None else fn(x, axis=axis)
-
-    return jax.tree.map(apply, tree, specs, is_leaf=is_spec)
 
 
 def accumulate_on_mesh(
@@ -74,23 +62,23 @@ def accumulate_on_mesh(
     specs = state_specs(state, mesh, strategy, axis_name=axis_name)
     state = place(mesh, state, specs)
     batch = place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))
-    grad_specs = fsdp_specs(state.params, mesh, axis_name) if strategy == "zero1" else specs.params
-    gather = functools.partial(_split_over, axis_name=axis_name, batch=False)
-    gathered = jax.tree.map(gather, specs.params, is_leaf=is_spec)
-    manual = manual_axes(layout)
-    others = [t for a, t in zip(mesh.axis_names, mesh.axis_types) if a not in manual]
-    if strategy == "zero3" and (AxisType.Explicit in others or not layout.reduce_once):
-        raise ValueError(f"`strategy`='zero3' {_ZERO3_GATHERS}; got {mesh}.")
-    if layout.pipeline_axis is not None:
-        fix = f"give `strategy` specs with P({layout.pipeline_axis!r}) on the stacked layers"
-        check_stages(layout, specs.params, fix)
-    if not layout.reduce_once or AxisType.Explicit in others:  # gathered once; the engine's
-        # route reduces (all-reduced: jax 0.12 cannot reduce-scatter beside Explicit axes)
-        params = place(mesh, state.params, gathered)
-        accumulated = accumulate(loss)(params, batch, model_state, rng)
-    else:  # gathered once, reduce-scattered once (ZeRO-3: gathered per micro-batch)
-        loop = _sharded_loop(loss, layout, specs.params, grad_specs, accumulate)
-        accumulated = loop(state.params, batch, model_state, rng)
+    split = split_of(strategy)
+    grad_specs = fsdp_specs(state.params, mesh, axis_name) if split.opt_state else specs.params
+    check_layout(
+        layout, specs.params, "give `strategy` specs with P('{stage}') on the stacked layers"
+    )
+    if layout.reduce_once:  # the engine's one loop onto the mesh
+        placement = collectives.Placement(
+            stage_axes=stage_axes(layout),
+            primal_specs=(specs.params,),
+            grad_specs=(grad_specs,),
+            gather_each=split.gather_each,
+        )
+        looped = Accumulate(loss, accumulate(loss).options._replace(placement=placement))
+        accumulated = looped(state.params, batch, model_state, rng)
+    else:  # jit's global view: the parameters gathered once, JAX reducing in every micro-batch
+        gathered = collectives.specs_over(specs.params, others(layout))
+        accumulated = accumulate(loss)(place(mesh, state.params, gathered), batch, model_state, rng)
     grads = place(mesh, accumulated.grads, grad_specs)
     return OnMesh(
         accumulated=accumulated._replace(grads=grads),
@@ -98,6 +86,20 @@ def accumulate_on_mesh(
         specs=specs,
         params=place(mesh, state.params, grad_specs),
     )
+
+
+def mesh_layout(
+    mesh: Any, axis_name: Any, strategy: Any, *, reduce_once: Any, pipeline_axis: Any
+) -> MeshLayout | None:
+    """A train step's `MeshLayout` from its arguments, checked; `None` without a mesh."""
+    check_strategy(strategy)
+    once = _checks.check_bool(reduce_once, "reduce_once")
+    if mesh is None and strategy not in (None, "data_parallel"):  # NNX's None: its metadata
+        raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
+    if mesh is not None:
+        check_mesh(mesh, axis_name, concrete=True)
+    check_pipeline_axis(mesh, axis_name, pipeline_axis, once)
+    return None if mesh is None else MeshLayout(mesh, axis_name, strategy, once, pipeline_axis)
 
 
 def check_pipeline_axis(mesh: Any, axis_name: Any, pipeline_axis: Any, reduce_once: bool) -> None:
@@ -115,88 +117,40 @@ def check_pipeline_axis(mesh: Any, axis_name: Any, pipeline_axis: Any, reduce_on
         raise ValueError("`pipeline_axis` needs reduce_once=True: the loop runs in a shard_map.")
 
 
-def check_stages(layout: MeshLayout, param_specs: Any, fix: str) -> None:
-    """Raises unless a pipeline's stage axis splits some parameters and the mesh's other
-    axes (those the loop leaves in jit's global view) are Auto; ``fix`` says how to split."""
-    specs = jax.tree.leaves(param_specs, is_leaf=is_spec)
-    named = [s for s in specs if any(layout.pipeline_axis in collectives.axes(e or ()) for e in s)]
+def check_layout(layout: MeshLayout, param_specs: Any, fix: str) -> None:
+    """Raises unless the loop can run on ``layout``: ZeRO-3 and a pipeline's stage axis (which
+    must split some parameters; ``fix`` says how, ``{}`` its name) need the mesh's other
+    axes (those the loop leaves in jit's global view) Auto."""
+    explicit = collectives.explicit_axes(layout.mesh, others(layout))
+    if split_of(layout.strategy).gather_each and (explicit or not layout.reduce_once):
+        raise ValueError(f"`strategy`='zero3' {_ZERO3_GATHERS}; got {layout.mesh}.")
+    if layout.pipeline_axis is None:
+        return
+    specs = jax.tree.leaves(param_specs, is_leaf=collectives.is_spec)
+    named = [s for s in specs if any(collectives.spec_over(s, layout.pipeline_axis))]
     if not named:
-        raise ValueError(f"`pipeline_axis`={layout.pipeline_axis!r} splits no parameter: {fix}.")
-    others = [a for a in layout.mesh.axis_names if a not in manual_axes(layout)]
-    types = dict(zip(layout.mesh.axis_names, layout.mesh.axis_types))
-    if any(types[a] == AxisType.Explicit for a in others):
+        stage = layout.pipeline_axis
+        raise ValueError(f"`pipeline_axis`={stage!r} splits no parameter: {fix.format(stage)}.")
+    if explicit:
         raise ValueError(
-            f"`pipeline_axis` needs the mesh's other axes {others} Auto, not Explicit."
+            f"`pipeline_axis` needs the mesh's other axes {others(layout)} Auto, not Explicit."
         )
 
 
-def manual_axes(layout: MeshLayout) -> tuple[Any, ...]:
-    """The axes the loop's ``shard_map`` makes manual: the batch's, and a pipeline's."""
-    pipeline = (layout.pipeline_axis,) if layout.pipeline_axis else ()
-    return (*collectives.axes(layout.axis_name), *pipeline)
+def stage_axes(layout: MeshLayout) -> tuple[Any, ...]:
+    """The axes manual in the loop beside the batch's: a pipeline's stage axis, or none."""
+    return (layout.pipeline_axis,) if layout.pipeline_axis else ()
 
 
-def part(specs: Any, axes: tuple[Any, ...]) -> Any:
-    """Each spec of ``specs`` with its entries over ``axes`` alone."""
-    return jax.tree.map(
-        functools.partial(_split_over, axis_name=axes, batch=True), specs, is_leaf=is_spec
-    )
+def others(layout: MeshLayout) -> list[Any]:
+    """The mesh's axes the loop leaves in jit's global view."""
+    manual = (*collectives.axes(layout.axis_name), *stage_axes(layout))
+    return [a for a in layout.mesh.axis_names if a not in manual]
 
 
-def _sharded_loop(
-    loss: Callable[..., Any],
-    layout: MeshLayout,
-    param_specs: Any,
-    grad_specs: Any,
-    accumulate: Callable[[Callable[..., Any]], Callable[..., Accumulated]],
-) -> Callable[..., Accumulated]:
-    """`_local_accumulation` in a ``shard_map`` over `manual_axes`: ``(params, batch,
-    model_state, rng) -> Accumulated``, the gradients laid out as ``grad_specs``."""
-    batch_axes, manual = collectives.axes(layout.axis_name), manual_axes(layout)
-    in_specs, out_specs = part(param_specs, batch_axes), part(grad_specs, batch_axes)
-    local = _local_accumulation(loss, layout, in_specs, out_specs, accumulate)
-    grads = part(grad_specs, manual)  # a pipeline's stages keep their own parameters
-    return jax.shard_map(
-        local,
-        in_specs=(part(param_specs, manual), P(layout.axis_name), P(), P()),
-        out_specs=Accumulated(mean=P(), grads=grads, aux=P(), state=P()),
-        axis_names=set(manual),
-    )
-
-
+_STRATEGY_FIX = "give `strategy` specs with P('{}') on the stacked layers"
 _ZERO3_GATHERS = (
     "gathers in every micro-batch in a shard_map over the batch's axes, which needs "
     "reduce_once=True and no other Explicit mesh axes (JAX 0.12 cannot differentiate the "
     "gather beside them): use 'fsdp', or make the other axes Auto"
 )
-
-
-def _local_accumulation(
-    loss: Callable[..., Any],
-    layout: MeshLayout,
-    in_specs: Any,
-    out_specs: Any,
-    accumulate: Callable[[Callable[..., Any]], Callable[..., Accumulated]],
-) -> Callable[..., Accumulated]:
-    """One device's accumulation in `accumulate_on_mesh`'s ``shard_map`` (manual axes)."""
-    axis_name = layout.axis_name
-    gather = functools.partial(jax.lax.all_gather, axis_name=axis_name, tiled=True)
-
-    def scatter(x: jax.Array, axis: int) -> jax.Array:
-        return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
-
-    def varying(x: jax.Array, axis: int) -> jax.Array:  # summed by the scatter, not by the loop
-        return collectives.varying(x, axis_name)
-
-    def on_shards(shards, batch, model_state, rng):  # ZeRO-3: gathered per micro-batch
-        shards, batch = jax.lax.optimization_barrier((shards, batch))  # no hoisting of the gather
-        return loss(_on_split_axes(gather, shards, in_specs), batch, model_state, rng)
-
-    def local(params, batch, model_state, rng):
-        if layout.strategy == "zero3":
-            return accumulate(on_shards)(params, batch, model_state, rng)
-        full = _on_split_axes(varying, _on_split_axes(gather, params, in_specs), out_specs)
-        acc = accumulate(loss)(full, batch, model_state, rng)
-        return acc._replace(grads=_on_split_axes(scatter, acc.grads, out_specs))
-
-    return local

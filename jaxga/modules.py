@@ -7,6 +7,8 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jaxga import collectives
+
 
 def is_graph_node(x: Any) -> bool:
     """Whether ``x`` is a Flax NNX graph node (a module, optimizer...), not a Variable."""
@@ -98,6 +100,21 @@ def write_back(parts: Any, rest: Any) -> None:
     for x, r in zip(leaves, treedef.flatten_up_to(rest)):
         if _is_nnx(x):
             nnx.update(x.module, r)
+
+
+def specs_of(tree: Any) -> Any:
+    """Each array's ``PartitionSpec``: its NNX Variable's sharding metadata, else its type's.
+
+    Examples:
+        >>> import jax.numpy as jnp, jaxga
+        >>> jaxga.modules.specs_of({"w": jnp.ones(2)})
+        {'w': P()}
+    """
+
+    def one(spec: Any, x: Any) -> Any:
+        return spec if any(spec) else collectives.type_spec(x)
+
+    return jax.tree.map(one, nnx.get_partition_spec(tree), tree, is_leaf=collectives.is_spec)
 
 
 def check_unshared(parts: dict[int, Any]) -> None:

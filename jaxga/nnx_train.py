@@ -9,9 +9,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, arguments, collectives, mesh_loop, modules, sharding, steps
-from jaxga.accumulation import accumulate
+from jaxga.accumulation import Accumulate, accumulate
 from jaxga.arguments import check_num_real
-from jaxga.engine import Accumulated
 from jaxga.state import unaliased
 
 
@@ -167,21 +166,23 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
 
     def train_step(graphdef: Any, state: Any, batch: Any, call: _Call) -> tuple[Any, steps.Metrics]:
         state = sharding.offload(state, "device", select=options.offload)
+        layout = options.layout
+        if layout is not None:  # as the strategy (the variables' metadata) lays it out
+            specs = sharding.nnx_state_specs(
+                state, layout.mesh, layout.strategy, axis_name=layout.axis_name
+            )
+            state = sharding.place(layout.mesh, state, specs)
         model, optimizer, *streams = nnx.merge(graphdef, state)  # streams: [an nnx.Rngs] or []
         rngs = streams or ([] if call.key is None else [call.key])
         accumulate_model = _accumulate_wrt(checked, options, optimizer.wrt, call)
-        layout = options.layout
         if layout is None:
             acc = accumulate_model(model, batch, *rngs)
         else:  # jit's global view of the mesh: the batch over its axis, the model as laid out
             with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
-                specs = jax.tree.map(lambda _: P(layout.axis_name), batch)
-                batch = sharding.place(layout.mesh, batch, specs)
-                if layout.pipeline_axis is None:
-                    acc = accumulate_model(model, batch, *rngs)
-                else:  # the loop in one shard_map over the batch's axes and the stages
-                    nodes, wrt = (model, *streams), optimizer.wrt
-                    acc = _on_stages(accumulate_model, layout, nodes, batch, wrt=wrt, key=call.key)
+                specs_of_batch = jax.tree.map(lambda _: P(layout.axis_name), batch)
+                batch = sharding.place(layout.mesh, batch, specs_of_batch)
+                placed = _placed(accumulate_model, layout, model, optimizer.wrt)
+                acc = placed(model, batch, *rngs)
 
         extra = steps.tx_args(options, optimizer.tx, acc, call.end_group)
 
@@ -193,6 +194,8 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
 
         before = nnx.state((model, optimizer, *streams))
         state = steps.apply_update(acc, apply_tx, before, "weight" in extra)
+        if layout is not None:
+            state = sharding.place(layout.mesh, state, specs)
         _, after, *_ = nnx.merge(graphdef, state)  # `optimizer` still holds the state before
         opt_state = nnx.as_pure(after.opt_state)
         metrics = steps.metrics(acc, optimizer.tx, opt_state, options, "weight" in extra)
@@ -203,43 +206,30 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
     return train_step
 
 
-def _on_stages(
-    accumulate_model: Callable[..., Any],
-    layout: sharding.MeshLayout,
-    nodes: tuple,
-    batch: Any,
-    *,
-    wrt: Any,
-    key: Any,
-) -> Accumulated:
-    """``accumulate_model`` in one ``shard_map`` over the batch's axes and the pipeline's stage
-    axis (as `mesh_loop.accumulate_on_mesh`): each stage's variables, split over it by their
-    sharding metadata, stay on it (split over the batch's axes too, they are gathered once);
-    ``nodes`` (the model and its `nnx.Rngs`) updated in place."""
-    manual, stages = mesh_loop.manual_axes(layout), (layout.pipeline_axis,)
-    graphdef, state = nnx.split(nodes)
-    params = nnx.state(nodes[0], wrt)  # what the gradients are of, as it comes in
-    # over the stages alone: what is split over the batch's axes is gathered once, on entry
-    specs = mesh_loop.part(nnx.get_partition_spec(state), stages)
-    grad_specs = mesh_loop.part(nnx.get_partition_spec(params), stages)
-    fix = f"name {layout.pipeline_axis!r} in the stacked layers' variables' sharding metadata"
-    mesh_loop.check_stages(layout, specs, fix)
-
-    def local(state: Any, batch: Any, key: Any) -> tuple[Accumulated, Any]:
-        model, *streams = nnx.merge(graphdef, state)
-        acc = accumulate_model(model, batch, *(streams or ([] if key is None else [key])))
-        return acc, nnx.state((model, *streams))
-
-    out_specs = (Accumulated(mean=P(), grads=grad_specs, aux=P(), state=P()), specs)
-    in_specs = (specs, P(layout.axis_name), P())
-    loop = jax.shard_map(
-        local, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(manual)
+def _placed(
+    accumulate_model: Accumulate, layout: sharding.MeshLayout, model: Any, wrt: Any
+) -> Accumulate:
+    """``accumulate_model`` told where the parameters it differentiates (``wrt`` of ``model``)
+    lie on the mesh: as the strategy (or their metadata) says; the gradients, as the
+    optimiser state."""
+    mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
+    params = nnx.state(model, wrt)
+    primal_specs = sharding.nnx_state_specs(params, mesh, strategy, axis_name=axis_name)
+    split = sharding.split_of(strategy)
+    grads = "fsdp" if split.opt_state else strategy  # split as the optimiser state
+    grad_specs = sharding.nnx_state_specs(params, mesh, grads, axis_name=axis_name)
+    fix = "name '{}' in the stacked layers' variables' sharding metadata"
+    mesh_loop.check_layout(
+        layout, sharding.nnx_state_specs(nnx.state(model), mesh, axis_name=axis_name), fix
     )
-    # as the specs say: gathered over the batch's axes, split over the stages (where the
-    # metadata names the stage axis of a variable that is not yet laid out so, sliced)
-    acc, new = loop(sharding.place(layout.mesh, state, specs), batch, key)
-    nnx.update(nodes, collectives.laid_out_as(new, state))  # Explicit axes: as it came in
-    return acc._replace(grads=collectives.laid_out_as(acc.grads, params))
+    placement = collectives.Placement(
+        stage_axes=mesh_loop.stage_axes(layout),
+        primal_specs=(primal_specs,),
+        grad_specs=(grad_specs,),
+        gather_each=split.gather_each,
+    )
+    options = accumulate_model.options._replace(placement=placement)
+    return Accumulate(accumulate_model.fun, options)
 
 
 def nnx_train_step(
@@ -249,6 +239,7 @@ def nnx_train_step(
     has_aux: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     axis_name: str | None = None,
+    strategy: str | None = None,
     memory_budget: int | str | None = None,
     accumulator_dtype: Any = None,
     donate: bool = True,
@@ -275,6 +266,9 @@ def nnx_train_step(
             variables' sharding metadata put it (replicated where it says nothing), and the
             gradient is reduced once per step.
         axis_name: the batch's mesh axis (or axes); `None`: `"data"`.
+        strategy: the state's layout on `mesh`: `None`, as the variables' sharding metadata
+            says; or `"data_parallel"`, `"zero1"`, `"fsdp"`, `"zero3"` for the variables whose
+            metadata names no axis (as for `make_train_step`; docs/distributed.md).
         reduce_once: `False` runs the loop in jit's global view of `mesh` (for a model that
             names `axis_name` in its own sharding annotations): exact; JAX reduces each time.
         weight: pass the call's item count to `optimizer.update(..., weight=)`; `None`: when
@@ -300,16 +294,12 @@ def nnx_train_step(
     except TypeError:
         _checks.check_arity(loss, "loss", 3, "`loss(model, batch)` or `loss(model, batch, rngs)`")
     axis_name = "data" if axis_name is None else axis_name
-    once = _checks.check_bool(reduce_once, "reduce_once")
-    if mesh is not None:
-        sharding.check_mesh(mesh, axis_name, concrete=True)
-    mesh_loop.check_pipeline_axis(mesh, axis_name, pipeline_axis, once)
+    layout = mesh_loop.mesh_layout(
+        mesh, axis_name, strategy, reduce_once=reduce_once, pipeline_axis=pipeline_axis
+    )
     has_aux = _checks.check_bool(has_aux, "has_aux")
     if pipeline_axis is not None and has_aux:  # its rows would leave the loop per device
         raise ValueError("`pipeline_axis` with has_aux=True: not supported; return a Mean alone.")
-    layout = (
-        None if mesh is None else sharding.MeshLayout(mesh, axis_name, None, once, pipeline_axis)
-    )
     options = steps.step_options(
         num_microbatches,
         has_aux=has_aux,

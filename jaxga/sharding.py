@@ -1,4 +1,4 @@
-"""Train states and batches on a mesh: layouts (ZeRO-1, FSDP...); the loop is `mesh_loop`'s."""
+"""Train states and batches on a mesh: layouts (ZeRO-1, FSDP...); the loop is the engine's."""
 
 import functools
 import math
@@ -9,20 +9,48 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSharding
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, collectives
 from jaxga.microbatch import IndivisibleBatchError  # noqa: F401 (jaxga.sharding's, as before)
 
-STRATEGIES = ("data_parallel", "zero1", "fsdp", "zero3")
+
+class Split(NamedTuple):
+    """What a named strategy splits over the batch's axis (`split_of`): the one table of them."""
+
+    params: bool  # the parameters, gathered for the loop (once; ZeRO-3: in every micro-batch)
+    opt_state: bool  # the optimiser state, and the gradients, reduce-scattered to it
+    gather_each: bool  # ZeRO-3: the parameters gathered in every micro-batch
+
+
+_SPLITS = {
+    "data_parallel": Split(params=False, opt_state=False, gather_each=False),
+    "zero1": Split(params=False, opt_state=True, gather_each=False),
+    "fsdp": Split(params=True, opt_state=True, gather_each=False),
+    "zero3": Split(params=True, opt_state=True, gather_each=True),
+}
+STRATEGIES = tuple(_SPLITS)  # the named layouts of a train state on a mesh
+
+
+def split_of(strategy: Any) -> Split:
+    """What ``strategy`` splits over the batch's axis: a named one's row; specs or ``None``
+    (the layout as given) split nothing of their own.
+
+    Examples:
+        >>> import jaxga
+        >>> jaxga.sharding.split_of("zero1")
+        Split(params=False, opt_state=True, gather_each=False)
+    """
+    return _SPLITS[strategy] if isinstance(strategy, str) else _SPLITS["data_parallel"]
+
+
 _SPACES = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Device}
 _MOVED: dict[Any, list[bool]] = {}  # offload's leaves to move, by tree structure
 
 
-def is_spec(x: Any) -> bool:
-    """Whether ``x`` is a ``PartitionSpec`` (a leaf of a tree of specs)."""
-    return isinstance(x, P)
+is_spec = collectives.is_spec  # a leaf of a tree of specs
 
 
 def _laid_out_as(x: Any, sharding: NamedSharding) -> bool:
@@ -84,7 +112,7 @@ def axes_size(mesh: Any, axis_name: Any) -> int:
         >>> jaxga.sharding.axes_size(jax.make_mesh((1, 1), ("data", "model")), ("data", "model"))
         1
     """
-    return math.prod(mesh.shape[a] for a in collectives.axes(axis_name))
+    return collectives.devices(mesh, axis_name)
 
 
 def onto(tree: Any, mesh: Mesh) -> Any:
@@ -265,8 +293,9 @@ def state_specs(
     if strategy is None:  # as placed: the parameters' own layout, the optimiser's after it
         strategy = jax.tree.map(functools.partial(_spec_of, mesh=mesh), state.params)
     elif isinstance(strategy, str):
-        params = shard(state.params) if strategy in ("fsdp", "zero3") else specs.params
-        opt_state = specs.opt_state if strategy == "data_parallel" else shard(state.opt_state)
+        split = split_of(strategy)
+        params = shard(state.params) if split.params else specs.params
+        opt_state = shard(state.opt_state) if split.opt_state else specs.opt_state
         return specs.replace(params=params, opt_state=opt_state)
     _check_param_specs(strategy, state.params, mesh)
 
@@ -279,6 +308,38 @@ def state_specs(
     return specs.replace(params=strategy, opt_state=opt_state)
 
 
+def nnx_state_specs(state: Any, mesh: Mesh, strategy: Any = None, *, axis_name: Any = "data"):
+    """A Flax NNX state's PartitionSpecs: each variable's sharding metadata (or its type's);
+    under a named ``strategy``, a variable that names none is split over ``axis_name`` as
+    the strategy splits the parameters (`nnx.Param`) or the optimiser state.
+
+    Examples:
+        >>> import jax, optax, jaxga, flax.nnx as nnx
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        >>> model = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+        >>> state = nnx.state((model, nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)))
+        >>> jaxga.sharding.nnx_state_specs(state, mesh, "fsdp")[0]["kernel"].get_value()
+        P(None, 'data')
+    """
+    check_mesh(mesh, axis_name)
+    if not (strategy is None or isinstance(check_strategy(strategy), str)):
+        expected = f"one of {', '.join(map(repr, STRATEGIES))} or None (the model's metadata)"
+        raise TypeError(f"`strategy` for an NNX model must be {expected}; got {strategy!r}.")
+    split, size = split_of(strategy), collectives.devices(mesh, axis_name)
+
+    def one(variable: Any, spec: Any) -> Any:
+        given = spec.get_value()
+        opt = isinstance(variable, nnx.optimizer.OptState)
+        if any(given) or not (split.opt_state if opt else split.params):
+            return spec
+        if not (opt or isinstance(variable, nnx.Param)):
+            return spec
+        return spec.replace(fsdp_spec(jnp.shape(variable.get_value()), size, axis_name))
+
+    specs = nnx.get_partition_spec(state)
+    return jax.tree.map(one, state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def state_shardings(
     state: Any, mesh: Mesh, strategy: Any = "data_parallel", *, axis_name: Any = "data"
 ) -> Any:
@@ -289,7 +350,7 @@ def state_shardings(
 
 def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
     """Inside a jit, ``tree`` constrained to ``specs`` on ``mesh`` (on Explicit axes: resharded)."""
-    move = jax.reshard if AxisType.Explicit in mesh.axis_types else jax.lax.with_sharding_constraint
+    move = jax.reshard if collectives.explicit_axes(mesh) else jax.lax.with_sharding_constraint
     return jax.tree.map(lambda x, spec: move(x, NamedSharding(mesh, spec)), tree, specs)
 
 
@@ -315,7 +376,7 @@ def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Call
         first = jax.tree.leaves(state.params)[:1]
         specs = jax.tree.leaves(strategy, is_leaf=is_spec)[:1]  # a tree of specs
         if isinstance(strategy, str):
-            specs = fsdp_specs(first, mesh, axis_name) if strategy in ("fsdp", "zero3") else [P()]
+            specs = fsdp_specs(first, mesh, axis_name) if split_of(strategy).params else [P()]
         wanted = [NamedSharding(mesh, spec) for spec in [P(), *specs]]
         if not all(map(_laid_out_as, [state.step, *first], wanted)):
             state = put(state, state_shardings(state, mesh, strategy, axis_name=axis_name))

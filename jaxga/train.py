@@ -235,7 +235,9 @@ def make_train_step(
     if mesh is None and axis_name is not None:
         mesh = jax.make_mesh((1,), (axis_name,), devices=jax.local_devices()[:1])
     axis_name = "data" if axis_name is None else axis_name
-    layout = _layout(mesh, axis_name, strategy, reduce_once, pipeline_axis)
+    layout = mesh_loop.mesh_layout(
+        mesh, axis_name, strategy, reduce_once=reduce_once, pipeline_axis=pipeline_axis
+    )
     fields, key = check_field_names(model_state_fields, rng_field)
     options = steps.step_options(
         num_microbatches,
@@ -254,21 +256,6 @@ def make_train_step(
     )
     devices = 1 if mesh is None else sharding.axes_size(mesh, axis_name)
     return TrainStep(_state_step, loss, options, devices)
-
-
-def _layout(mesh: Any, axis_name: Any, strategy: Any, reduce_once: Any, pipeline_axis: Any):
-    """The step's `sharding.MeshLayout`, its arguments checked; `None` without a mesh."""
-    sharding.check_strategy(strategy)
-    once = _checks.check_bool(reduce_once, "reduce_once")
-    data_parallel = isinstance(strategy, str) and strategy == "data_parallel"
-    if mesh is None and not data_parallel:
-        raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
-    if mesh is not None:
-        sharding.check_mesh(mesh, axis_name, concrete=True)
-    mesh_loop.check_pipeline_axis(mesh, axis_name, pipeline_axis, once)
-    if mesh is None:
-        return None
-    return sharding.MeshLayout(mesh, axis_name, strategy, once, pipeline_axis)
 
 
 def _check_no_optimizer(*positional: Any) -> None:
