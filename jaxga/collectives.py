@@ -94,9 +94,10 @@ def varying(tree: Any, axis_name: Any) -> Any:
     return jax.tree.map(lambda x: jax.lax.pcast(x, _invariant(x, axis_name), to="varying"), tree)
 
 
-def zeros_of(t: Any) -> jax.Array:
-    """Zeros of the type ``t`` (``jax.typeof``'s): its shape, dtype, sharding, varying axes."""
-    zeros = jax.lax.full(t.shape, 0, t.dtype, sharding=t.sharding)
+def zeros_of(t: Any, zero: Any = 0) -> jax.Array:
+    """Zeros of the type ``t`` (``jax.typeof``'s): its shape, dtype, sharding, varying axes;
+    ``zero``: a traced zero, so that XLA sees no constant."""
+    zeros = jax.lax.full(t.shape, zero, t.dtype, sharding=t.sharding)
     return jax.lax.pcast(zeros, tuple(t.mat.varying), to="varying")
 
 

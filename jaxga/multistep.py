@@ -179,17 +179,21 @@ def update(
     inner = optax.with_extra_args_support(inner)
     grad_types = jax.tree.map(jax.typeof, grads)  # not `grads` themselves: no cond operand
 
+    traced = {}  # the updates' types, from the one trace of `inner`
+
     def run(acc_grads, inner_state):
         mean = optax.tree.cast_like(acc_grads, grad_types)
         updates, new_state = inner.update(mean, inner_state, params, **extra_args)
+        traced["updates"] = jax.tree.map(jax.typeof, updates)
         return updates, optax.tree.cast_like(new_state, inner_state)
 
     # a zero XLA cannot see is constant: never merged into zero buffers that stay live
     zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))
 
-    def hold(acc_grads, inner_state):
-        update_types, _ = jax.eval_shape(run, acc_grads, inner_state)
-        return jax.tree.map(lambda t: jax.lax.full_like(t, zero), update_types), inner_state
+    def hold(acc_grads, inner_state):  # cond traces `run` first: `inner` is traced once
+        if "updates" not in traced:
+            jax.eval_shape(run, acc_grads, inner_state)
+        return jax.tree.map(lambda t: collectives.zeros_of(t, zero), traced["updates"]), inner_state
 
     with jax.named_scope("inner_update"):
         updates, opt_state = jax.lax.cond(apply, run, hold, group.acc_grads, group.inner_opt_state)

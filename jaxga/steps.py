@@ -29,31 +29,39 @@ _HINT = "was it built for these parameters?"
 def apply_update(
     acc: Accumulated, update: Callable[[Any, Any], Any], state: Any, always: bool
 ) -> Any:
-    """``update(state, grads)``, checked; with no items counted, ``state`` unless ``always``
-    (then with zero gradients: a transformation given ``weight`` weighs the call 0 itself)."""
-    try:
-        shapes = jax.eval_shape(update, state, acc.grads)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"The optimiser's update fails on these parameters ({e}): {_HINT}") from e
-    paths = jax.tree_util.tree_flatten_with_path(state)[0]
-    for (path, before), after in zip(paths, jax.tree.leaves(shapes), strict=True):
-        if jnp.shape(before) != after.shape:
-            change = f"{jax.tree_util.keystr(path)} from {jnp.shape(before)} to {after.shape}"
-            raise ValueError(f"The optimiser's update changes the shape of {change}: {_HINT}")
+    """``update(state, grads)``, checked and traced once; with no items counted, ``state``
+    unless ``always`` (then with zero gradients: a transformation given ``weight`` weighs
+    the call 0 itself)."""
     counted = acc.mean.count > 0
+    traced = {}  # the update's tree and types, from its one trace
+
+    def updated(state: Any, grads: Any) -> list[Any]:  # leaf by leaf: nnx.Optimizer may
+        paths = jax.tree_util.tree_flatten_with_path(state)[0]  # rebuild subtrees, in place
+        shapes = [jnp.shape(x) for _, x in paths]
+        try:
+            new = update(state, grads)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"The optimiser's update fails on these parameters ({e}): {_HINT}"
+            ) from e
+        for (path, _), before, after in zip(paths, shapes, jax.tree.leaves(new), strict=True):
+            if before != jnp.shape(after):
+                change = f"{jax.tree_util.keystr(path)} from {before} to {jnp.shape(after)}"
+                raise ValueError(f"The optimiser's update changes the shape of {change}: {_HINT}")
+        traced["tree"], traced["types"] = jax.tree.structure(new), jax.tree.leaves(new)
+        return jax.tree.leaves(new)
+
+    def kept(state: Any, grads: Any) -> list[Any]:  # cond traces `updated` first
+        if "types" not in traced:
+            jax.eval_shape(updated, state, grads)
+        return [x.astype(t.dtype) for x, t in zip(jax.tree.leaves(state), traced["types"])]
+
     if always:
         zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))  # not a constant
-        return update(state, jax.tree.map(lambda g: jnp.where(counted, g, zero), acc.grads))
-
-    # leaf by leaf: nnx.Optimizer may rebuild a subtree with other node types
-    def updated(state):
-        return jax.tree.leaves(update(state, acc.grads))
-
-    def kept(state):
-        return [x.astype(s.dtype) for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shapes))]
-
-    leaves = jax.lax.cond(counted, updated, kept, state)
-    return jax.tree.unflatten(jax.tree.structure(shapes), leaves)
+        leaves = updated(state, jax.tree.map(lambda g: jnp.where(counted, g, zero), acc.grads))
+    else:
+        leaves = jax.lax.cond(counted, updated, kept, state, acc.grads)
+    return jax.tree.unflatten(traced["tree"], leaves)
 
 
 def injected_learning_rate(opt_state: Any) -> jax.Array:
