@@ -183,7 +183,7 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
                     nodes, wrt = (model, *streams), optimizer.wrt
                     acc = _on_stages(accumulate_model, layout, nodes, batch, wrt=wrt, key=call.key)
 
-        extra = steps.tx_args(options, optimizer.tx, acc, call.end_group)
+        extra = steps.tx_args(options, optimizer.tx, acc, call.end_group, optimizer.opt_state)
 
         def apply_tx(state: Any, grads: Any) -> Any:
             model, optimizer, *streams = nnx.merge(graphdef, state)

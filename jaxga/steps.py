@@ -17,7 +17,7 @@ from jaxga.compiler import compiler_options
 from jaxga.engine import Accumulated
 from jaxga.loss import Mean
 from jaxga.memory import HOST_KINDS, format_bytes
-from jaxga.multistep import MultiStepsTransformation
+from jaxga.multistep import MultiStepsState, MultiStepsTransformation
 
 Metrics = dict[str, jax.Array]
 _LOG = logging.getLogger("jaxga")
@@ -75,18 +75,46 @@ def metrics(
     counted = acc.mean.count > 0
     has_updated = getattr(tx, "has_updated", None)
     applied = counted if has_updated is None else has_updated(opt_state)
+    if has_updated is None:  # a jaxga.MultiSteps inside `tx` (a chain): the calls that ran it
+        for held in multisteps_states(opt_state):
+            applied = applied & held.applied
     return {
         "loss": acc.mean.value,
         "count": acc.mean.count,
         "grad_norm": optax.tree.norm(acc.grads),
-        "learning_rate": jnp.asarray(options.learning_rate(opt_state), jnp.float32),
+        "learning_rate": _learning_rate(options.learning_rate, opt_state),
         "applied": (counted | always) & applied,
     }
 
 
-def tx_args(options: "StepOptions", tx: Any, acc: Accumulated, end_group: Any) -> dict[str, Any]:
-    """What the step passes to ``tx.update`` besides the gradient: ``weight``, ``end_group``."""
-    weigh = isinstance(tx, MultiStepsTransformation) if options.weight is None else options.weight
+def _learning_rate(rate: Callable[[Any], Any], opt_state: Any) -> jax.Array:
+    """``rate(opt_state)``, checked: one number."""
+    value = rate(opt_state)
+    try:
+        array = jnp.asarray(value, jnp.float32)
+    except (TypeError, ValueError):  # None, a dict, a string
+        raise TypeError(f"`learning_rate` must return a number; got {value!r:.60}.") from None
+    if array.shape != ():
+        raise ValueError(f"`learning_rate` must return a scalar; got shape {array.shape}.")
+    return array
+
+
+def multisteps_states(opt_state: Any) -> list[MultiStepsState]:
+    """The `jaxga.MultiSteps` states in ``opt_state``: its own, or inside a chain's."""
+
+    def is_state(x: Any) -> bool:
+        return isinstance(x, MultiStepsState)
+
+    return [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+
+
+def tx_args(
+    options: "StepOptions", tx: Any, acc: Accumulated, end_group: Any, opt_state: Any = ()
+) -> dict[str, Any]:
+    """What the step passes to ``tx.update`` besides the gradient: ``weight``, ``end_group``;
+    ``weight=None`` weighs a `jaxga.MultiSteps` at the top of ``tx`` or inside (a chain)."""
+    held = isinstance(tx, MultiStepsTransformation) or bool(multisteps_states(opt_state))
+    weigh = held if options.weight is None else options.weight
     extra = {"weight": acc.mean.count} if weigh else {}
     if end_group is not None:
         extra["end_group"] = end_group
@@ -94,6 +122,9 @@ def tx_args(options: "StepOptions", tx: Any, acc: Accumulated, end_group: Any) -
     if extra and plain and isinstance(tx, optax.GradientTransformation):
         got = f"{', '.join(extra)} to an optax {type(tx).__name__}, which takes no extra args"
         fix = "one that does (jaxga.MultiSteps), or build the step with weight=False"
+        if held and options.weight is None:  # unweighed, the MultiSteps inside weighs a call 1
+            fix = "one that hands them to the jaxga.MultiSteps it holds (optax.chain does)"
+            fix += ", or build the step with weight=False (then each call weighs 1)"
         raise TypeError(f"The step passes {got}: expected {fix}.")
     return extra
 

@@ -142,7 +142,7 @@ def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[...,
         fields = state_fields(state, options.model_state_fields, options.rng_field)
         looped = _accumulate_state(checked, options, fields, state, batch, num_real=num_real)
         acc = looped.accumulated
-        extra = steps.tx_args(options, state.tx, acc, end_group)
+        extra = steps.tx_args(options, state.tx, acc, end_group, state.opt_state)
         _apply_gradients(state, extra)  # checked here, called on the state laid out below
 
         def apply(state: Any, grads: Any) -> Any:  # Flax's update, or a subclass's
