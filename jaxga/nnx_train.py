@@ -1,5 +1,6 @@
 """`jaxga.nnx_train_step`: a jitted train step of a Flax NNX model and optimizer, in place."""
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -38,13 +39,18 @@ def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
 
     def functional(params, batch, model_state, rng):
         part = modules.Part(None, graphdef, params, model_state)
+        split = "`graphdef, params, rest = nnx.split(model, nnx.Param, ...)`"
+        fix = f"pass `model_state=rest`, from {split}, to jaxga.TrainState.create"
         try:
             model = modules.put_together(part, params, model_state)
         except ValueError as e:
             got = f"`params` and `model_state` ({e})"
-            split = "`graphdef, params, rest = nnx.split(model, nnx.Param, ...)`"
-            fix = f"pass `model_state=rest`, from {split}, to jaxga.TrainState.create"
             raise ValueError(f"`nnx_loss` cannot rebuild the model from {got}: {fix}.") from None
+        if not isinstance(model_state, nnx.State):  # the new one is: a split's rest, maybe empty
+            got = f"{model_state!r:.40} of type {type(model_state).__name__}"
+            raise TypeError(
+                f"`model_state` must be the split's rest, an nnx.State; got {got}: {fix}."
+            )
         return loss(model, batch, rng), modules.new_rest(model, part, nnx.Param)
 
     return functional
@@ -81,6 +87,7 @@ class NNXTrainStep(steps.JittedStep):
         if not (rngs is None or isinstance(rngs, nnx.Rngs) or arguments.is_key(rngs)):
             got = type(rngs).__name__
             raise TypeError(f"`rngs` must be an nnx.Rngs, a PRNG key or None; got {got}.")
+        _check_takes_rngs(self._loss, rngs)
         streams = [rngs] if isinstance(rngs, nnx.Rngs) else []
         graphdef, state = nnx.split((model, optimizer, *streams))
         self._once((graphdef, state), _check_wrt, model, optimizer)
@@ -135,6 +142,29 @@ def _check_model(model: Any, optimizer: Any) -> None:
         raise TypeError(f"`model` must be the NNX module `optimizer` updates; got {got}.")
     if isinstance(optimizer, nnx.ModelAndOptimizer) and optimizer.model is not model:
         raise ValueError("`optimizer` is a ModelAndOptimizer of another model: use its .model.")
+
+
+def _takes(loss: Callable[..., Any], nargs: int) -> bool:
+    try:
+        inspect.signature(loss).bind(*range(nargs))
+    except TypeError:
+        return False
+    except ValueError:  # no signature (some builtins): the call will tell
+        pass
+    return True
+
+
+def _check_takes_rngs(loss: Callable[..., Any], rngs: Any) -> None:
+    """Raises unless ``loss`` takes the arguments the step hands it: ``rngs`` third if given."""
+    handed = "which it hands the loss as its third argument"
+    if rngs is None and not _takes(loss, 2):
+        fix = "call it with `rngs=` (an nnx.Rngs or a PRNG key)"
+        raise TypeError(
+            f"`loss` takes (model, batch, rngs), but the step got no `rngs=`, {handed}: {fix}."
+        )
+    if rngs is not None and not _takes(loss, 3):
+        fix = "take it (`loss(model, batch, rngs)`) or call the step without `rngs=`"
+        raise TypeError(f"`loss` takes (model, batch), but the step got `rngs=`, {handed}: {fix}.")
 
 
 def _check_wrt(model: Any, optimizer: Any) -> None:
