@@ -308,7 +308,7 @@ def nnx_train_step(
         reduce_once: `False` runs the loop in jit's global view of `mesh` (for a model that
             names `axis_name` in its own sharding annotations): exact; JAX reduces each time.
         weight: pass the call's item count to `optimizer.update(..., weight=)`; `None`: when
-            `optimizer.tx` is a `jaxga.MultiSteps` (as for `make_train_step`).
+            `optimizer.tx` is or holds a `jaxga.MultiSteps` (as for `make_train_step`).
         learning_rate: `metrics["learning_rate"]`, a function of the (pure) optimiser state.
         pipeline_axis: the `mesh` axis of a pipeline's stages (`jaxga.pipeline_loss`): manual
             in the loop beside `axis_name`, so that each stage's variables, split over it by

@@ -197,7 +197,7 @@ class StepOptions:
         memory_budget: with `"auto"`, the bytes a device may use.
         has_aux: (NNX) whether the loss returns `(loss, aux)`, given back as `metrics["aux"]`.
         canonical_convolutions: the loop's convolutions in XLA:CPU's fast layout.
-        weight: whether `tx.update` gets `weight=`; `None`: for a `jaxga.MultiSteps` only.
+        weight: whether `tx.update` gets `weight=`; `None`: for a `jaxga.MultiSteps`, or one in tx.
         learning_rate: the `learning_rate` metric, a function of the optimiser state.
 
     Examples:
