@@ -71,13 +71,17 @@ def metrics(
     acc: Accumulated, tx: Any, opt_state: Any, options: "StepOptions", always: bool
 ) -> Metrics:
     """The step's metrics; ``applied``: whether the update ran (``always``, or items counted)
-    and applied: ``tx.has_updated(opt_state)`` if ``tx`` has one."""
+    and applied: ``tx.has_updated(opt_state)`` if ``tx`` has one, else whether every
+    `jaxga.MultiSteps` it holds ran its inner optimiser."""
     counted = acc.mean.count > 0
     has_updated = getattr(tx, "has_updated", None)
-    applied = counted if has_updated is None else has_updated(opt_state)
-    if has_updated is None:  # a jaxga.MultiSteps inside `tx` (a chain): the calls that ran it
-        for held in multisteps_states(opt_state):
-            applied = applied & held.applied
+    held = [] if has_updated is not None else [s.applied for s in multisteps_states(opt_state)]
+    if has_updated is not None:
+        applied = has_updated(opt_state)
+    elif held:  # a jaxga.MultiSteps inside `tx` (a chain): the calls that ran its inner
+        applied = jnp.all(jnp.stack(held))
+    else:
+        applied = counted
     return {
         "loss": acc.mean.value,
         "count": acc.mean.count,
