@@ -144,27 +144,23 @@ def _check_model(model: Any, optimizer: Any) -> None:
         raise ValueError("`optimizer` is a ModelAndOptimizer of another model: use its .model.")
 
 
-def _takes(loss: Callable[..., Any], nargs: int) -> bool:
-    try:
-        inspect.signature(loss).bind(*range(nargs))
-    except TypeError:
-        return False
-    except ValueError:  # no signature (some builtins): the call will tell
-        pass
-    return True
-
-
 def _check_takes_rngs(loss: Callable[..., Any], rngs: Any) -> None:
-    """Raises unless ``loss`` takes the arguments the step hands it: ``rngs`` third if given."""
-    handed = "which it hands the loss as its third argument"
-    if rngs is None and not _takes(loss, 2):
-        fix = "call it with `rngs=` (an nnx.Rngs or a PRNG key)"
-        raise TypeError(
-            f"`loss` takes (model, batch, rngs), but the step got no `rngs=`, {handed}: {fix}."
-        )
-    if rngs is not None and not _takes(loss, 3):
+    """Raises unless ``loss`` takes what the step hands it: ``rngs`` third, if given."""
+    try:
+        inspect.signature(loss).bind(*range(2 if rngs is None else 3))
+    except ValueError:  # no signature (some builtins): the call will tell
+        return
+    except TypeError:
+        handed = "which it hands the loss as its third argument"
+        if rngs is None:
+            fix = "call it with `rngs=` (an nnx.Rngs or a PRNG key)"
+            raise TypeError(
+                f"`loss` takes (model, batch, rngs), but the step got no `rngs=`, {handed}: {fix}."
+            ) from None
         fix = "take it (`loss(model, batch, rngs)`) or call the step without `rngs=`"
-        raise TypeError(f"`loss` takes (model, batch), but the step got `rngs=`, {handed}: {fix}.")
+        raise TypeError(
+            f"`loss` takes (model, batch), but the step got `rngs=`, {handed}: {fix}."
+        ) from None
 
 
 def _check_wrt(model: Any, optimizer: Any) -> None:

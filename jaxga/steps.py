@@ -105,11 +105,8 @@ def _learning_rate(rate: Callable[[Any], Any], opt_state: Any) -> jax.Array:
 
 def multisteps_states(opt_state: Any) -> list[MultiStepsState]:
     """The `jaxga.MultiSteps` states in ``opt_state``: its own, or inside a chain's."""
-
-    def is_state(x: Any) -> bool:
-        return isinstance(x, MultiStepsState)
-
-    return [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MultiStepsState))
+    return [x for x in nodes if isinstance(x, MultiStepsState)]
 
 
 def tx_args(
