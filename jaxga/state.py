@@ -220,10 +220,9 @@ def state_fields(state: Any, model_state_fields: Any, rng_field: Any) -> StateFi
         ("rng" if ours else None) if rng_field is None else rng_field,
     )
     names = [given.model_state] if isinstance(given.model_state, str) else given.model_state
-    for name in names:
-        if given.rng == name:
-            got = f"{name!r}, also the key's field"
-            raise ValueError(f"`model_state_fields` must not name `rng_field`; got {got}.")
+    if given.rng is not None and given.rng in names:
+        got = f"{given.rng!r}, the key's (`rng_field`)"
+        raise ValueError(f"`model_state_fields` must not name the PRNG key's field; got {got}.")
     fields = sorted(f.name for f in dataclasses.fields(state))
     for argument, name in [*(("model_state_fields", n) for n in names), ("rng_field", given.rng)]:
         if name is not None and not hasattr(state, name):

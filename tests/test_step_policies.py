@@ -359,7 +359,9 @@ def test_state_fields_that_do_not_exist_or_overlap_are_named():
     with pytest.raises(ValueError, match=r"`rng_field` must name one of `state`'s .*; got 'key'"):
         jaxga.make_train_step(loss, 2, rng_field="key")(state, make_batch(0))
     with pytest.raises(
-        ValueError, match=r"`model_state_fields` must not name `rng_field`; got 'rng', also the"
+        ValueError,
+        match=r"`model_state_fields` must not name the PRNG key's field; got 'rng', the key's "
+        r"\(`rng_field`\)\.",
     ):
         jaxga.make_train_step(loss, 2, model_state_fields="rng")(state, make_batch(0))
     with pytest.raises(
