@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.experimental import checkify
 
@@ -124,6 +125,8 @@ NORMALIZATIONS = ("token_mean", "sequence_mean", "sequence_sum")
 
 def _weights(where: Any, name: str, values: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``where`` as float weights laid out as ``values``, and whether they are good."""
+    message = f"{name} must hold a mask or finite, non-negative weights; got {{}}."
+    _check_concrete_weights(where, message)
     where = _array(1 if where is None else where, name)
     dtype = jnp.promote_types(values.dtype, jnp.float32)  # bfloat16 values: float32 sums
     try:
@@ -132,8 +135,23 @@ def _weights(where: Any, name: str, values: jax.Array) -> tuple[jax.Array, jax.A
         raise ValueError(f"{name} must broadcast to {values.shape}; got {where.shape}.") from None
     bad = ~((weights >= 0) & (weights < jnp.inf))  # NaN too
     got = jnp.min(jnp.where(bad, weights, jnp.inf), initial=jnp.inf)  # a reduction: any layout
-    message = f"{name} must hold a mask or finite, non-negative weights; got {{}}."
     return weights, check_value(~jnp.any(bad), message, got)
+
+
+def _check_concrete_weights(where: Any, message: str) -> None:
+    """Raises for bad weights known now (a list, a NumPy array), which a trace would make a
+    tracer, whose check only NaNs the mean."""
+    if where is None or isinstance(where, jax.core.Tracer):
+        return
+    if not getattr(where, "is_fully_addressable", True):  # other processes hold some of it
+        return
+    try:
+        weights = np.asarray(where, np.float64)
+    except (TypeError, ValueError):  # not numbers: `_array` says so
+        return
+    bad = ~((weights >= 0) & (weights < np.inf))  # NaN too
+    if bad.any():
+        raise ValueError(message.format(weights[bad].min()))
 
 
 def _segment_ids(segment_ids: Any, like: jax.Array, normalize: str) -> tuple[Any, Any]:

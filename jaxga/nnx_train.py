@@ -1,5 +1,6 @@
 """`jaxga.nnx_train_step`: a jitted train step of a Flax NNX model and optimizer, in place."""
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -37,13 +38,18 @@ def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
 
     def functional(params, batch, model_state, rng):
         part = modules.Part(None, graphdef, params, model_state)
+        split = "`graphdef, params, rest = nnx.split(model, nnx.Param, ...)`"
+        fix = f"pass `model_state=rest`, from {split}, to jaxga.TrainState.create"
         try:
             model = modules.put_together(part, params, model_state)
         except ValueError as e:
             got = f"`params` and `model_state` ({e})"
-            split = "`graphdef, params, rest = nnx.split(model, nnx.Param, ...)`"
-            fix = f"pass `model_state=rest`, from {split}, to jaxga.TrainState.create"
             raise ValueError(f"`nnx_loss` cannot rebuild the model from {got}: {fix}.") from None
+        if not isinstance(model_state, nnx.State):  # the new one is: a split's rest, maybe empty
+            got = f"{model_state!r:.40} of type {type(model_state).__name__}"
+            raise TypeError(
+                f"`model_state` must be the split's rest, an nnx.State; got {got}: {fix}."
+            )
         return loss(model, batch, rng), modules.new_rest(model, part, nnx.Param)
 
     return functional
@@ -80,6 +86,7 @@ class NNXTrainStep(steps.JittedStep):
         if not (rngs is None or isinstance(rngs, nnx.Rngs) or arguments.is_key(rngs)):
             got = type(rngs).__name__
             raise TypeError(f"`rngs` must be an nnx.Rngs, a PRNG key or None; got {got}.")
+        _check_takes_rngs(self._loss, rngs)
         streams = [rngs] if isinstance(rngs, nnx.Rngs) else []
         graphdef, state = nnx.split((model, optimizer, *streams))
         self._once((graphdef, state), _check_wrt, model, optimizer)
@@ -136,6 +143,25 @@ def _check_model(model: Any, optimizer: Any) -> None:
         raise ValueError("`optimizer` is a ModelAndOptimizer of another model: use its .model.")
 
 
+def _check_takes_rngs(loss: Callable[..., Any], rngs: Any) -> None:
+    """Raises unless ``loss`` takes what the step hands it: ``rngs`` third, if given."""
+    try:
+        inspect.signature(loss).bind(*range(2 if rngs is None else 3))
+    except ValueError:  # no signature (some builtins): the call will tell
+        return
+    except TypeError:
+        handed = "which it hands the loss as its third argument"
+        if rngs is None:
+            fix = "call it with `rngs=` (an nnx.Rngs or a PRNG key)"
+            raise TypeError(
+                f"`loss` takes (model, batch, rngs), but the step got no `rngs=`, {handed}: {fix}."
+            ) from None
+        fix = "take it (`loss(model, batch, rngs)`) or call the step without `rngs=`"
+        raise TypeError(
+            f"`loss` takes (model, batch), but the step got `rngs=`, {handed}: {fix}."
+        ) from None
+
+
 def _check_wrt(model: Any, optimizer: Any) -> None:
     for path, leaf in jax.tree.leaves_with_path(nnx.as_pure(nnx.state(model, optimizer.wrt))):
         if not jnp.issubdtype(leaf.dtype, jnp.inexact):
@@ -184,7 +210,7 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
                 placed = _placed(accumulate_model, layout, model, optimizer.wrt)
                 acc = placed(model, batch, *rngs)
 
-        extra = steps.tx_args(options, optimizer.tx, acc, call.end_group)
+        extra = steps.tx_args(options, optimizer.tx, acc, call.end_group, optimizer.opt_state)
 
         def apply_tx(state: Any, grads: Any) -> Any:
             model, optimizer, *streams = nnx.merge(graphdef, state)
@@ -272,7 +298,7 @@ def nnx_train_step(
         reduce_once: `False` runs the loop in jit's global view of `mesh` (for a model that
             names `axis_name` in its own sharding annotations): exact; JAX reduces each time.
         weight: pass the call's item count to `optimizer.update(..., weight=)`; `None`: when
-            `optimizer.tx` is a `jaxga.MultiSteps` (as for `make_train_step`).
+            `optimizer.tx` is or holds a `jaxga.MultiSteps` (as for `make_train_step`).
         learning_rate: `metrics["learning_rate"]`, a function of the (pure) optimiser state.
         pipeline_axis: the `mesh` axis of a pipeline's stages (`jaxga.pipeline_loss`): manual
             in the loop beside `axis_name`, so that each stage's variables, split over it by

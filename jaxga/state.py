@@ -176,16 +176,28 @@ class StateFields:
         )
 
 
+# the fields the step itself trains, updates or reads: never the model's state or its key
+_STEP_FIELDS = ("params", "opt_state", "tx", "step", "apply_fn")
+
+
 def check_field_names(fields: Any, rng_field: Any) -> tuple[Any, str | None]:
     """The model-state ``fields`` (a name, or a tuple of names) and ``rng_field``, checked."""
     if rng_field is not None and not isinstance(rng_field, str):
         raise TypeError(f"`rng_field` must be a field name (a str) or None; got {rng_field!r}.")
-    if fields is None or isinstance(fields, str):
+    if rng_field in _STEP_FIELDS:
+        expected = f"the PRNG key's field, not one the step keeps itself {_STEP_FIELDS}"
+        raise ValueError(f"`rng_field` must name {expected}; got {rng_field!r}.")
+    if fields is None:
         return fields, rng_field
-    if not (isinstance(fields, Sequence) and all(isinstance(name, str) for name in fields)):
+    if not (isinstance(fields, str | Sequence) and all(isinstance(name, str) for name in fields)):
         expected = "a name, a sequence of names or None"
         raise TypeError(f"`model_state_fields` must be {expected}; got {fields!r}.")
-    return tuple(fields), rng_field
+    names = [fields] if isinstance(fields, str) else list(fields)
+    if any(name in _STEP_FIELDS for name in names):
+        expected = "the model's non-differentiated state (e.g. ('batch_stats',)) or ()"
+        own = f"not a field the step keeps itself {_STEP_FIELDS}"
+        raise ValueError(f"`model_state_fields` must name {expected}, {own}; got {fields!r}.")
+    return (fields if isinstance(fields, str) else tuple(fields)), rng_field
 
 
 _NAME_THEM = (
@@ -208,7 +220,12 @@ def state_fields(state: Any, model_state_fields: Any, rng_field: Any) -> StateFi
         ("rng" if ours else None) if rng_field is None else rng_field,
     )
     names = [given.model_state] if isinstance(given.model_state, str) else given.model_state
-    for name in [*names, *([given.rng] if given.rng else [])]:
-        if not hasattr(state, name):
-            raise ValueError(f"`state` has no field {name!r}; {given.describe(state)}.")
+    if given.rng is not None and given.rng in names:
+        got = f"{given.rng!r}, the key's (`rng_field`)"
+        raise ValueError(f"`model_state_fields` must not name the PRNG key's field; got {got}.")
+    fields = sorted(f.name for f in dataclasses.fields(state))
+    for argument, name in [*(("model_state_fields", n) for n in names), ("rng_field", given.rng)]:
+        if name is not None and not hasattr(state, name):
+            got = f"{name!r}: `state`, a {type(state).__name__}, has no field {name!r}"
+            raise ValueError(f"`{argument}` must name one of `state`'s {fields}; got {got}.")
     return given

@@ -17,7 +17,7 @@ from jaxga.compiler import compiler_options
 from jaxga.engine import Accumulated
 from jaxga.loss import Mean
 from jaxga.memory import HOST_KINDS, format_bytes
-from jaxga.multistep import MultiStepsTransformation
+from jaxga.multistep import MultiStepsState, MultiStepsTransformation
 
 Metrics = dict[str, jax.Array]
 _LOG = logging.getLogger("jaxga")
@@ -79,22 +79,51 @@ def metrics(
     acc: Accumulated, tx: Any, opt_state: Any, options: "StepOptions", always: bool
 ) -> Metrics:
     """The step's metrics; ``applied``: whether the update ran (``always``, or items counted)
-    and applied: ``tx.has_updated(opt_state)`` if ``tx`` has one."""
+    and applied: ``tx.has_updated(opt_state)`` if ``tx`` has one, else whether every
+    `jaxga.MultiSteps` it holds ran its inner optimiser."""
     counted = acc.mean.count > 0
     has_updated = getattr(tx, "has_updated", None)
-    applied = counted if has_updated is None else has_updated(opt_state)
+    held = [] if has_updated is not None else [s.applied for s in multisteps_states(opt_state)]
+    if has_updated is not None:
+        applied = has_updated(opt_state)
+    elif held:  # a jaxga.MultiSteps inside `tx` (a chain): the calls that ran its inner
+        applied = jnp.all(jnp.stack(held))
+    else:
+        applied = counted
     return {
         "loss": acc.mean.value,
         "count": acc.mean.count,
         "grad_norm": optax.tree.norm(acc.grads),
-        "learning_rate": jnp.asarray(options.learning_rate(opt_state), jnp.float32),
+        "learning_rate": _learning_rate(options.learning_rate, opt_state),
         "applied": (counted | always) & applied,
     }
 
 
-def tx_args(options: "StepOptions", tx: Any, acc: Accumulated, end_group: Any) -> dict[str, Any]:
-    """What the step passes to ``tx.update`` besides the gradient: ``weight``, ``end_group``."""
-    weigh = isinstance(tx, MultiStepsTransformation) if options.weight is None else options.weight
+def _learning_rate(rate: Callable[[Any], Any], opt_state: Any) -> jax.Array:
+    """``rate(opt_state)``, checked: one number."""
+    value = rate(opt_state)
+    try:
+        array = jnp.asarray(value, jnp.float32)
+    except (TypeError, ValueError):  # None, a dict, a string
+        raise TypeError(f"`learning_rate` must return a number; got {value!r:.60}.") from None
+    if array.shape != ():
+        raise ValueError(f"`learning_rate` must return a scalar; got shape {array.shape}.")
+    return array
+
+
+def multisteps_states(opt_state: Any) -> list[MultiStepsState]:
+    """The `jaxga.MultiSteps` states in ``opt_state``: its own, or inside a chain's."""
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MultiStepsState))
+    return [x for x in nodes if isinstance(x, MultiStepsState)]
+
+
+def tx_args(
+    options: "StepOptions", tx: Any, acc: Accumulated, end_group: Any, opt_state: Any = ()
+) -> dict[str, Any]:
+    """What the step passes to ``tx.update`` besides the gradient: ``weight``, ``end_group``;
+    ``weight=None`` weighs a `jaxga.MultiSteps` at the top of ``tx`` or inside (a chain)."""
+    held = isinstance(tx, MultiStepsTransformation) or bool(multisteps_states(opt_state))
+    weigh = held if options.weight is None else options.weight
     extra = {"weight": acc.mean.count} if weigh else {}
     if end_group is not None:
         extra["end_group"] = end_group
@@ -102,6 +131,9 @@ def tx_args(options: "StepOptions", tx: Any, acc: Accumulated, end_group: Any) -
     if extra and plain and isinstance(tx, optax.GradientTransformation):
         got = f"{', '.join(extra)} to an optax {type(tx).__name__}, which takes no extra args"
         fix = "one that does (jaxga.MultiSteps), or build the step with weight=False"
+        if held and options.weight is None:  # unweighed, the MultiSteps inside weighs a call 1
+            fix = "one that hands them to the jaxga.MultiSteps it holds (optax.chain does)"
+            fix += ", or build the step with weight=False (then each call weighs 1)"
         raise TypeError(f"The step passes {got}: expected {fix}.")
     return extra
 
@@ -174,7 +206,7 @@ class StepOptions:
         memory_budget: with `"auto"`, the bytes a device may use.
         has_aux: (NNX) whether the loss returns `(loss, aux)`, given back as `metrics["aux"]`.
         canonical_convolutions: the loop's convolutions in XLA:CPU's fast layout.
-        weight: whether `tx.update` gets `weight=`; `None`: for a `jaxga.MultiSteps` only.
+        weight: whether `tx.update` gets `weight=`; `None`: for a `jaxga.MultiSteps`, or one in tx.
         learning_rate: the `learning_rate` metric, a function of the optimiser state.
 
     Examples:

@@ -142,7 +142,7 @@ def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[...,
         fields = state_fields(state, options.model_state_fields, options.rng_field)
         looped = _accumulate_state(checked, options, fields, state, batch, num_real=num_real)
         acc = looped.accumulated
-        extra = steps.tx_args(options, state.tx, acc, end_group)
+        extra = steps.tx_args(options, state.tx, acc, end_group, state.opt_state)
         _apply_gradients(state, extra)  # checked here, called on the state laid out below
 
         def apply(state: Any, grads: Any) -> Any:  # Flax's update, or a subclass's
@@ -204,12 +204,13 @@ def make_train_step(
         canonical_convolutions: the loop's convolutions in XLA:CPU's fast layout; `"auto"`:
             on CPU backends only (as for [`jaxga.accumulate`][jaxga.accumulate]).
         compiler_options: XLA options; `None`: [`jaxga.compiler_options()`][jaxga.compiler_options].
-        model_state_fields: `state`'s model-state field(s); `None`: jaxga.TrainState's, or none
-            for a Flax TrainState that adds no fields (one that adds fields must name them).
+        model_state_fields: `state`'s model-state field(s), never `params`, `opt_state`, `tx`
+            or `step`; `None`: jaxga.TrainState's, or none for a Flax TrainState that adds no
+            fields (one that adds fields must name them).
         rng_field: `state`'s PRNG key field; `None`: jaxga.TrainState's, or none.
         weight: pass the call's item count to `state.apply_gradients(weight=)`; `None`: when
-            `state.tx` is a `jaxga.MultiSteps` (docs/multisteps.md). Weighed, a call counting
-            no items still runs the update (weight 0); unweighed, it leaves the state alone.
+            `state.tx` is or holds (a chain) a `jaxga.MultiSteps` (docs/multisteps.md). Weighed,
+            a call counting no items still runs the update (weight 0); unweighed, it does not.
         learning_rate: `metrics["learning_rate"]`, a function of `state.opt_state`; `None`: the
             one `learning_rate` of `optax.inject_hyperparams` (NaN without; several: an error).
         pipeline_axis: the `mesh` axis of a pipeline's stages (`jaxga.pipeline_scan`): manual

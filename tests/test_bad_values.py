@@ -132,6 +132,30 @@ def test_checkify_reports_a_bad_weight_inside_jaxgas_micro_batch_loop():
     assert_checkify_reports(WHERE.format("-3.0"), grad_fn, jnp.ones(2), batch)
 
 
+def test_a_bad_where_known_before_the_trace_is_named_inside_a_step():
+    """Issue 46: a list or NumPy `where` is traced with the loss: its check gave only a NaN
+    count ("Mean counts summed to nan items"), or in a train step a NaN loss. It is read
+    before the trace and named."""
+    message = re.escape(WHERE.format("-1.0"))
+
+    def loss(w, batch):
+        return jaxga.Mean.of((batch @ w) ** 2, where=[1, -1])
+
+    with pytest.raises(ValueError, match=f"^{message}"):  # and JAX's note on its frames
+        jaxga.value_and_grad(loss, num_microbatches=2)(jnp.ones(2), jnp.ones((4, 2)))
+
+    def step_loss(params, batch, model_state, rng):
+        return jaxga.Mean.of((batch @ params) ** 2, where=np.array([1.0, -1.0])), model_state
+
+    state = jaxga.TrainState.create(params=jnp.ones(2), tx=optax.sgd(0.1))
+    with pytest.raises(ValueError, match=f"^{message}"):
+        jaxga.make_train_step(step_loss, 2)(state, jnp.ones((4, 2)))
+    with pytest.raises(ValueError, match=re.escape(WHERE.format("nan"))):
+        jax.jit(lambda v: jaxga.Mean.of(v, where=[1.0, np.nan]))(jnp.ones(2))
+    good = jax.jit(lambda v: jaxga.Mean.of(v, where=[1, 0, 3]))(jnp.array([2.0, 5.0, 6.0]))
+    assert float(good.value) == 5.0 and float(good.count) == 4.0
+
+
 def multisteps(every_k=2):
     tx = jaxga.MultiSteps(optax.sgd(1.0), every_k)
     params = jnp.zeros(3)

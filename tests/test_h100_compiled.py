@@ -18,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = ROOT / "tests" / "h100" / "checks.py"
-TIMEOUT_S = 300
+# a hang's limit, not a speed test: far beyond what a loaded 2-core machine needs
+TIMEOUT_S = 3000
 
 
 def plugin_folder() -> Path:

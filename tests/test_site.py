@@ -135,7 +135,7 @@ def build(tmp_path_factory):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=3000,  # a hang's limit: far beyond a loaded 2-core machine's build
     )
     assert run.returncode == 0, f"mkdocs build failed:\n{run.stdout}{run.stderr[-4000:]}"
     return run.stdout + run.stderr, (site / "api" / "index.html").read_text()

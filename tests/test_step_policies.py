@@ -2,6 +2,7 @@
 `applied` from `tx.has_updated`, the update through `state.apply_gradients`, `end_group`,
 the fields of a Flax TrainState named, checks once per signature, and the errors."""
 
+import re
 import sys
 
 import chex
@@ -326,3 +327,165 @@ def test_a_two_way_split_is_told_to_split_three_ways():
     step = jaxga.make_train_step(jaxga.nnx_loss(graphdef, lambda m, b, r: jnp.mean(m(b) ** 2)), 2)
     with pytest.raises(ValueError, match=fix):
         step(state, jnp.ones((4, 3)))
+
+
+# ------------------------------------------------- issue 46: silent, then vague, no more
+
+OWN_FIELDS = r"\('params', 'opt_state', 'tx', 'step', 'apply_fn'\)"
+
+
+@pytest.mark.parametrize(
+    "fields", ["params", "opt_state", "tx", "step", ("model_state", "params"), ["apply_fn"]]
+)
+def test_model_state_fields_naming_the_steps_own_fields_is_refused(fields):
+    with pytest.raises(
+        ValueError,
+        match=r"`model_state_fields` must name the model's non-differentiated state \(e.g. "
+        rf"\('batch_stats',\)\) or \(\), not a field the step keeps itself {OWN_FIELDS}; "
+        rf"got {re.escape(repr(fields))}\.",
+    ):
+        jaxga.make_train_step(loss, 2, model_state_fields=fields)
+
+
+def test_state_fields_that_do_not_exist_or_overlap_are_named():
+    state = jaxga.TrainState.create(params=PARAMS, tx=optax.sgd(0.1))
+    fields = r"\['apply_fn', 'model_state', 'opt_state', 'params', 'rng', 'step', 'tx'\]"
+    with pytest.raises(
+        ValueError,
+        match=rf"`model_state_fields` must name one of `state`'s {fields}; got 'stats': "
+        r"`state`, a TrainState, has no field 'stats'\.",
+    ):
+        jaxga.make_train_step(loss, 2, model_state_fields="stats")(state, make_batch(0))
+    with pytest.raises(ValueError, match=r"`rng_field` must name one of `state`'s .*; got 'key'"):
+        jaxga.make_train_step(loss, 2, rng_field="key")(state, make_batch(0))
+    with pytest.raises(
+        ValueError,
+        match=r"`model_state_fields` must not name the PRNG key's field; got 'rng', the key's "
+        r"\(`rng_field`\)\.",
+    ):
+        jaxga.make_train_step(loss, 2, model_state_fields="rng")(state, make_batch(0))
+    with pytest.raises(
+        ValueError, match=r"`rng_field` must name the PRNG key's field, not one .*; got 'step'"
+    ):
+        jaxga.make_train_step(loss, 2, rng_field="step")
+
+
+def test_learning_rate_must_return_a_scalar():
+    state = jaxga.TrainState.create(params=PARAMS, tx=optax.sgd(0.1))
+    step = jaxga.make_train_step(loss, 2, learning_rate=lambda s: jnp.ones(3))
+    with pytest.raises(ValueError, match=r"`learning_rate` must return a scalar; got shape \(3,\)"):
+        step(state, make_batch(0))
+    step = jaxga.make_train_step(loss, 2, learning_rate=lambda s: None)
+    with pytest.raises(TypeError, match=r"`learning_rate` must return a number; got None\."):
+        step(state, make_batch(0))
+
+
+def chained_multisteps(clip):
+    """A MultiSteps inside optax.chain, behind a clip (binding, or not at all)."""
+    return optax.chain(optax.clip_by_global_norm(clip), jaxga.MultiSteps(optax.sgd(0.1), 2))
+
+
+def calls_of_8_and_4():
+    x = jax.random.normal(jax.random.key(7), (12, 3))
+    batch = {"x": x, "y": jnp.sin(x[:, 0]) * 4, "m": jnp.ones(12)}
+    return batch, [jax.tree.map(lambda a: a[:8], batch), jax.tree.map(lambda a: a[8:], batch)]
+
+
+def test_a_multisteps_inside_a_chain_is_weighed_and_its_applied_read():
+    """Two calls of 8 and 4 items: the update of the 12 items' mean, applied on the second."""
+    whole, calls = calls_of_8_and_4()
+    expected = optax.apply_updates(
+        PARAMS, jax.tree.map(lambda g: -0.1 * g, jax.grad(mean_loss)(PARAMS, whole))
+    )
+    state = jaxga.TrainState.create(params=PARAMS, tx=chained_multisteps(1e6))
+    step, applied = jaxga.make_train_step(loss, 2), []
+    for batch in calls:
+        state, metrics = step(state, batch)
+        applied.append(bool(metrics["applied"]))
+    assert applied == [False, True]
+    chex.assert_trees_all_close(state.params, expected, rtol=1e-5)
+
+    model = nnx.Linear(3, 1, use_bias=False, rngs=nnx.Rngs(0))
+    model.kernel[...] = PARAMS["w"][:, None]
+    optimizer = nnx.Optimizer(model, chained_multisteps(1e6), wrt=nnx.Param)
+    nnx_step = jaxga.nnx_train_step(
+        lambda m, b: loss({"w": m.kernel[...][:, 0]}, b, {}, None)[0], 2
+    )
+    applied = [bool(nnx_step(model, optimizer, batch)["applied"]) for batch in calls]
+    assert applied == [False, True]
+    chex.assert_trees_all_close(model.kernel[...][:, 0], expected["w"], rtol=1e-5)
+
+
+def test_a_binding_clip_before_the_multisteps_matches_the_chain_given_the_counts():
+    """The reference: optax's chain.update told each call's item count, in a Python loop."""
+    _, calls = calls_of_8_and_4()
+    tx = chained_multisteps(0.5)
+    params, opt_state = PARAMS, tx.init(PARAMS)
+    for batch in calls:
+        grads = jax.grad(mean_loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params, weight=batch["m"].sum())
+        params = optax.apply_updates(params, updates)
+    state = jaxga.TrainState.create(params=PARAMS, tx=tx)
+    step = jaxga.make_train_step(loss, 2)
+    for batch in calls:
+        state, _ = step(state, batch)
+    chex.assert_trees_all_close(state.params, params, rtol=1e-5)
+    assert not np.allclose(params["w"], PARAMS["w"])
+
+
+def test_a_plain_transformation_holding_a_multisteps_is_refused_not_weighed_one():
+    chain = chained_multisteps(1e6)
+    plain = optax.GradientTransformation(chain.init, chain.update)
+    state = jaxga.TrainState.create(params=PARAMS, tx=plain)
+    with pytest.raises(
+        TypeError,
+        match=r"passes weight to an optax GradientTransformation, which takes no extra args: "
+        r"expected one that hands them to the jaxga.MultiSteps it holds \(optax.chain does\), "
+        r"or build the step with weight=False \(then each call weighs 1\)\.",
+    ):
+        jaxga.make_train_step(loss, 2)(state, make_batch(0))
+    jaxga.make_train_step(loss, 2, weight=False)(state, make_batch(0))  # told: each call 1
+
+
+def test_rngs_and_the_losss_arguments_are_named_together():
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    batch = jnp.ones((4, 3))
+    handed = r"which it hands the loss as its third argument"
+    with pytest.raises(
+        TypeError,
+        match=rf"`loss` takes \(model, batch, rngs\), but the step got no `rngs=`, {handed}: "
+        r"call it with `rngs=` \(an nnx.Rngs or a PRNG key\)\.",
+    ):
+        jaxga.nnx_train_step(lambda m, b, rng: jnp.mean(m(b) ** 2), 2)(model, optimizer, batch)
+
+    def nloss(m, b):
+        return jnp.mean(m(b) ** 2)
+
+    with pytest.raises(
+        TypeError,
+        match=rf"`loss` takes \(model, batch\), but the step got `rngs=`, {handed}: take it "
+        r"\(`loss\(model, batch, rngs\)`\) or call the step without `rngs=`\.",
+    ):
+        jaxga.nnx_train_step(nloss, 2)(model, optimizer, batch, rngs=nnx.Rngs(1))
+    optional = jaxga.nnx_train_step(lambda m, b, rngs=None: jnp.mean(m(b) ** 2), 2)
+    optional(model, optimizer, batch)
+    optional(model, optimizer, batch, rngs=jax.random.key(0))
+
+
+@pytest.mark.parametrize("ways", [2, 3])
+def test_a_split_handed_to_the_linen_step_without_its_rest_is_told_how(ways):
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))  # parameters only: an empty rest
+    graphdef, params, *_ = nnx.split(model) if ways == 2 else nnx.split(model, nnx.Param, ...)
+    step = jaxga.make_train_step(jaxga.nnx_loss(graphdef, lambda m, b, r: jnp.mean(m(b) ** 2)), 2)
+    state = jaxga.TrainState.create(params=params, tx=optax.sgd(0.1))
+    with pytest.raises(
+        TypeError,
+        match=r"`model_state` must be the split's rest, an nnx.State; got \{\} of type dict: pass "
+        r"`model_state=rest`, from `graphdef, params, rest = nnx.split\(model, nnx.Param, "
+        r"...\)`, to jaxga.TrainState.create\.",
+    ):
+        step(state, jnp.ones((4, 3)))
+    _, rest = nnx.split(model, nnx.Param, ...)[1:]
+    state = jaxga.TrainState.create(params=params, tx=optax.sgd(0.1), model_state=rest)
+    assert jnp.isfinite(step(state, jnp.ones((4, 3)))[1]["loss"])

@@ -400,8 +400,8 @@ def test_multisteps_train_step_matches_full_batch(nested):
     """k=2 micro-batches in each call × MultiSteps over 2 calls == one step on both batches.
 
     The examples' weights differ between calls, so this only holds because the step
-    hands MultiSteps the call's total weight (its Mean.count) as ``weight``: by itself for
-    a jaxga.MultiSteps, when told (weight=True) for one in a chain.
+    hands MultiSteps the call's total weight (its Mean.count) as ``weight``, by itself for
+    a jaxga.MultiSteps and for one in a chain.
     """
     params, rest, loss = nnx_setup()
     halves = batches(6, seed=3, size=BATCH // 2)
@@ -413,14 +413,14 @@ def test_multisteps_train_step_matches_full_batch(nested):
 
     tx = jaxga.MultiSteps(optimizer_fn(), every_k=2)
     tx = optax.chain(optax.identity(), tx) if nested else tx
-    step = jaxga.make_train_step(loss, num_microbatches=2, weight=True if nested else None)
+    step = jaxga.make_train_step(loss, num_microbatches=2)
     state = jaxga.TrainState.create(params=params, tx=tx, model_state=rest)
     applied = []
     for batch in halves:
         state, metrics = step(state, batch)
         applied.append(bool(metrics["applied"]))
-    # a chain has no has_updated: `applied` then says whether the call counted items
-    assert applied == ([True] * 6 if nested else [False, True] * 3)
+    # in a chain too, `applied` reads the MultiSteps' state: the calls that ran its inner
+    assert applied == [False, True] * 3
     assert_trees_close(state.params, expected_params)
 
 
@@ -793,9 +793,9 @@ def test_a_call_that_counts_no_items_reaches_a_multisteps_with_zero_gradients():
     counted = {"x": jnp.arange(12.0).reshape(4, 3) / 10, "m": jnp.ones(4)}
     state, _ = step(state, counted)
     state, metrics = step(state, {"x": jnp.ones((4, 3)), "m": jnp.zeros(4)})
-    # the group of two calls is complete: it applies the first's (a multi_transform has no
-    # has_updated: `applied` says whether items were counted)
-    assert not metrics["applied"]
+    # the group of two calls is complete: it applies the first's (the MultiSteps' state in
+    # the multi_transform's says so)
+    assert metrics["applied"]
     grads = jax.grad(lambda p: jnp.mean((counted["x"] @ p["w"] + p["b"]) ** 2))(params)
     expected_b = params["b"] - 0.1 * grads["b"]  # the second call gave b a zero gradient
     chex.assert_trees_all_close(

@@ -55,7 +55,7 @@ def initialize(process_id: int, num_processes: int, port: int, local_devices: in
         num_processes=num_processes,
         process_id=process_id,
         cluster_detection_method="deactivate",  # ignore SLURM etc. variables of the host
-        initialization_timeout=60,
+        initialization_timeout=3000,  # the other process may start late on a busy machine
     )
 
 
