@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxga import _checks, convolution, planner, sharding
+from jaxga import _checks, collectives, convolution, planner, sharding
 from jaxga.arguments import check_unroll
 from jaxga.compiler import compiler_options
 from jaxga.engine import Accumulated
@@ -54,7 +54,8 @@ def apply_update(
     def kept(state: Any, grads: Any) -> list[Any]:  # cond traces `updated` first
         if "types" not in traced:
             jax.eval_shape(updated, state, grads)
-        return [x.astype(t.dtype) for x, t in zip(jax.tree.leaves(state), traced["types"])]
+        kept = [x.astype(t.dtype) for x, t in zip(jax.tree.leaves(state), traced["types"])]
+        return collectives.laid_out_as(kept, traced["types"])  # Explicit axes: as updated
 
     if always:
         zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))  # not a constant
