@@ -343,6 +343,22 @@ def layout(options: Options, call: Call) -> Layout:
     )
 
 
+def _with_arrays(call: Call, taken: set[int], arrays: list[Any] | None = None) -> Any:
+    """The array leaves of ``call``'s arguments but ``taken`` and its keywords (``arrays``
+    ``None``); else ``call`` with those leaves replaced by ``arrays``, in order."""
+    others = (tuple(None if i in taken else a for i, a in enumerate(call.args)), call.kwargs)
+    leaves, treedef = jax.tree.flatten(others)
+    dynamic = [isinstance(x, jax.Array | np.ndarray) for x in leaves]
+    if arrays is None:
+        return [x for x, d in zip(leaves, dynamic) if d]
+    given = iter(arrays)
+    args, kwargs = jax.tree.unflatten(
+        treedef, [next(given) if d else x for x, d in zip(leaves, dynamic)]
+    )
+    args = tuple(call.args[i] if i in taken else a for i, a in enumerate(args))
+    return call._replace(args=args, kwargs=kwargs)
+
+
 def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple[Sums, Any]:
     """`scan_and_reduce` in the one ``shard_map`` jaxga opens over the route's axes (and a
     train step's pipeline stages): the one loop onto a mesh.
@@ -357,30 +373,20 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
     axes, lay = call.route.axes, layout(options, call)
     rows = call.rows // collectives.axis_size(call.route)
     taken = {*call.parts, *options.argnums, *options.batch_argnums, *options.state_argnums}
-    others = (tuple(None if i in taken else a for i, a in enumerate(call.args)), call.kwargs)
-    leaves, treedef = jax.tree.flatten(others)
-    dynamic = [isinstance(x, jax.Array | np.ndarray) for x in leaves]
-    arrays = [x for x, d in zip(leaves, dynamic) if d]
     given = Given(
         primals=collectives.gathered(call.primals, [a for a in axes if a not in lay.kept]),
         microbatches=collectives.split_over(call.microbatches, call.route),
         threaded=collectives.gathered(call.threaded, axes),
-        arrays=collectives.gathered(arrays, axes),
+        arrays=collectives.gathered(_with_arrays(call, taken), axes),
     )
     found = {}  # the aux kinds, known once the loss is traced inside
 
     def local(given: Given) -> tuple[Sums, Any]:
-        arrays = iter(given.arrays)
-        leaves_here = [next(arrays) if d else x for x, d in zip(leaves, dynamic)]
-        args, kwargs = jax.tree.unflatten(treedef, leaves_here)
-        args = tuple(call.args[i] if i in taken else a for i, a in enumerate(args))
         primals = given.primals
         if not lay.each:  # gathered once; summed in place where scattered after the loop
             primals = collectives.all_gathered(primals, lay.gather)
             primals = collectives.varying_where_split(primals, lay.scatter)
-        here = call._replace(
-            args=args,
-            kwargs=kwargs,
+        here = _with_arrays(call, taken, given.arrays)._replace(
             primals=primals,
             gather=lay.gather if lay.each else None,
             microbatches=given.microbatches,

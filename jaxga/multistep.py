@@ -178,7 +178,6 @@ def update(
     apply = done & (group.weight_sum > 0)  # a group without weight holds no items
     inner = optax.with_extra_args_support(inner)
     grad_types = jax.tree.map(jax.typeof, grads)  # not `grads` themselves: no cond operand
-
     traced = {}  # the updates' types, from the one trace of `inner`
 
     def run(acc_grads, inner_state):
@@ -191,9 +190,8 @@ def update(
     zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))
 
     def hold(acc_grads, inner_state):  # cond traces `run` first: `inner` is traced once
-        if "updates" not in traced:
-            jax.eval_shape(run, acc_grads, inner_state)
-        return jax.tree.map(lambda t: collectives.zeros_of(t, zero), traced["updates"]), inner_state
+        types = traced.get("updates") or jax.eval_shape(run, acc_grads, inner_state)[0]
+        return jax.tree.map(lambda t: collectives.zeros_of(t, zero), types), inner_state
 
     with jax.named_scope("inner_update"):
         updates, opt_state = jax.lax.cond(apply, run, hold, group.acc_grads, group.inner_opt_state)
