@@ -1,97 +1,20 @@
 """Pipeline parallelism: a stack of layers split into stages over a mesh axis, micro-batches
-streamed through them, in one SPMD program. A schedule is a row of `SCHEDULES`, run by one
-of the two runners of `jaxga.pipeline_schedules`, behind one opener (`_open`)."""
+streamed through them, in one SPMD program: the checks and the public functions. A schedule
+is a row of `SCHEDULES`, run as `jaxga.pipeline_schedules.pipelined` says."""
 
-import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
-from jax.sharding import PartitionSpec as P
 
 from jaxga import collectives
 from jaxga._checks import check_arity, check_callable, positive_int
 from jaxga.loss import Mean
-from jaxga.pipeline_schedules import (
-    SCHEDULES,
-    Inputs,
-    Schedule,
-    Stages,
-    autodiff_ticks,
-    checked_mean,
-    manual_ticks,
-)
+from jaxga.pipeline_schedules import SCHEDULES, Inputs, Schedule, Stages, checked_mean, pipelined
 from jaxga.remat import Policy, stack_length
-
-
-class _Halves(NamedTuple):
-    """The pipeline's custom VJP, as `_open` made it."""
-
-    forward: Callable[..., Any]  # (inputs) -> (output, residuals)
-    backward: Callable[..., Any]  # (residuals, cotangent) -> the inputs' cotangents
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _pipelined(halves: _Halves, inputs: Inputs) -> Any:
-    return halves.forward(inputs)[0]
-
-
-def _pipelined_forward(halves: _Halves, inputs: Inputs) -> tuple:
-    return halves.forward(inputs)
-
-
-def _pipelined_backward(halves: _Halves, residuals: Any, cotangent: Any) -> tuple:
-    return (halves.backward(residuals, cotangent),)
-
-
-_pipelined.defvjp(_pipelined_forward, _pipelined_backward)
-
-
-def _scaled(grads: Inputs, cotangent: Mean) -> Inputs:
-    scale = cotangent.total  # the loss total is linear in each micro-batch's: grads scale
-    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
-
-
-def _keeping_inputs(run: Callable[..., Any], inputs: Inputs) -> tuple[Any, Inputs]:
-    return run(inputs), inputs
-
-
-def _recomputed(run: Callable[..., Any], inputs: Inputs, dy: Any) -> Inputs:
-    def of(params: Any, x: Any) -> Any:
-        return run(inputs._replace(params=params, x=x))
-
-    d_params, d_x = jax.vjp(of, inputs.params, inputs.x)[1](dy)
-    return Inputs(d_params, None, d_x, None, None)
-
-
-def _open(stages: Stages, kind: str, mesh: Any, inputs: Inputs) -> Any:
-    """The pipeline on ``inputs``: its schedule's runner behind one custom VJP, in
-    ``shard_map``s over the stage axis alone if ``kind`` is ``"opened"``.
-
-    A manual backward's runner gives the gradients with the loss; the VJP scales them. An
-    opened autodiff runner's backward runs the forward again inside its own ``shard_map``:
-    JAX cannot yet carry a nested ``shard_map``'s residuals out of it.
-    """
-    axis, manual = stages.axis, stages.schedule.manual
-    run = functools.partial(manual_ticks if manual else autodiff_ticks, stages)
-    if kind == "manual" and not manual:
-        return run(inputs)  # JAX differentiates the ticks where they are
-    specs = Inputs(params=P(axis), head=P(), x=P(), targets=P(), key=P())  # and cotangents'
-
-    def shard(fun: Callable[..., Any], in_specs: tuple, out_specs: Any) -> Callable[..., Any]:
-        if kind == "manual":
-            return fun
-        names = {"in_specs": in_specs, "out_specs": out_specs, "axis_names": {axis}}
-        return jax.shard_map(fun, mesh=mesh, **names)
-
-    if manual:
-        return _pipelined(_Halves(shard(run, (specs,), (P(), specs)), _scaled), inputs)
-    forward = functools.partial(_keeping_inputs, shard(run, (specs,), P()))
-    backward = shard(functools.partial(_recomputed, run), (specs, P()), specs)
-    return _pipelined(_Halves(forward, backward), inputs)
 
 
 def pipeline_order(stacked_params: Any, stages: int, repeats: int = 1) -> Any:
@@ -262,7 +185,7 @@ def pipeline_scan(
     options = {"num_microbatches": num_microbatches, "axis_name": axis_name, "policy": policy}
     options |= {"schedule": schedule, "repeats": repeats, "rng": rng, "mesh": mesh}
     stages, kind, mesh = plan_stages(layer_fn, stacked_params, **options)
-    return _open(stages, kind, mesh, Inputs(stacked_params, None, x, None, rng))
+    return pipelined(stages, kind, mesh, Inputs(stacked_params, None, x, None, rng))
 
 
 def pipeline_loss(
@@ -344,4 +267,4 @@ def pipeline_loss(
         y = pipeline_scan(layer_fn, stacked_params, x, **options)
         return checked_mean(head_fn, head_params, y, targets)
     stages, kind, mesh = plan_stages(layer_fn, stacked_params, head_fn=head_fn, **options)
-    return _open(stages, kind, mesh, Inputs(stacked_params, head_params, x, targets, rng))
+    return pipelined(stages, kind, mesh, Inputs(stacked_params, head_params, x, targets, rng))

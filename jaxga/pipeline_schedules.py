@@ -1,8 +1,7 @@
-"""Pipeline schedules as data, and their two runners. A schedule is a row of `SCHEDULES`;
-`Schedule`, a row at S, m and r, says what every stage runs at every tick. One stage's part
-runs inside a ``shard_map`` over the stage axis: `autodiff_ticks` (JAX differentiates the
-loop), or `manual_ticks` (a VJP per tick, with the loss head: a stage keeps a ring of inputs).
-"""
+"""Pipeline schedules as data: a row of `SCHEDULES` each; `Schedule`, a row at S, m and r,
+says what every stage runs at every tick; its runner, `autodiff_ticks` (JAX differentiates
+the loop) or `manual_ticks` (a VJP a tick, with the loss head: a stage keeps a ring of
+inputs), behind one custom VJP and ``shard_map`` (`pipelined`)."""
 
 import functools
 from collections.abc import Callable
@@ -11,6 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from jaxga import collectives
 from jaxga.loss import Mean
@@ -270,8 +270,7 @@ def _tick(stages: Stages, split: Inputs, carry: tuple, t: jax.Array) -> tuple:
     last, final = plan.stages - 1, plan.repeats - 1
     f, b = plan.forward(t, s), plan.backward(t, s)
     h = select((s == 0) & (f.chunk == 0), take(split.x, f.microbatch), arrived)
-    forward = functools.partial(run_stage, stages)
-    y = _when(f.valid, forward, split.params, h, f, key)
+    y = _when(f.valid, functools.partial(run_stage, stages), split.params, h, f, key)
     saved = put(saved, f.slot, h, f.valid)
     at_head = f.valid & (s == last) & (f.chunk == final)
     head = functools.partial(_head_step, stages, split)
@@ -306,3 +305,68 @@ def manual_ticks(stages: Stages, inputs: Inputs) -> tuple[Mean, Inputs]:
     summed = jax.lax.psum((mean, grads.head, merge_microbatches(grads.x)), axis)
     mean, head_grads, x_grads = summed  # from the last stage, or stage 0 (x)
     return mean, grads._replace(head=head_grads, x=x_grads)
+
+
+class _Halves(NamedTuple):
+    """The pipeline's custom VJP, as `pipelined` made it."""
+
+    forward: Callable[..., Any]  # (inputs) -> (output, residuals)
+    backward: Callable[..., Any]  # (residuals, cotangent) -> the inputs' cotangents
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _pipelined(halves: _Halves, inputs: Inputs) -> Any:
+    return halves.forward(inputs)[0]
+
+
+def _pipelined_forward(halves: _Halves, inputs: Inputs) -> tuple:
+    return halves.forward(inputs)
+
+
+def _pipelined_backward(halves: _Halves, residuals: Any, cotangent: Any) -> tuple:
+    return (halves.backward(residuals, cotangent),)
+
+
+_pipelined.defvjp(_pipelined_forward, _pipelined_backward)
+
+
+def _scaled(grads: Inputs, cotangent: Mean) -> Inputs:
+    scale = cotangent.total  # the loss total is linear in each micro-batch's: grads scale
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+
+
+def _keeping_inputs(run: Callable[..., Any], inputs: Inputs) -> tuple[Any, Inputs]:
+    return run(inputs), inputs
+
+
+def _recomputed(run: Callable[..., Any], inputs: Inputs, dy: Any) -> Inputs:
+    def of(params: Any, x: Any) -> Any:
+        return run(inputs._replace(params=params, x=x))
+
+    d_params, d_x = jax.vjp(of, inputs.params, inputs.x)[1](dy)
+    return Inputs(d_params, None, d_x, None, None)
+
+
+def pipelined(stages: Stages, kind: str, mesh: Any, inputs: Inputs) -> Any:
+    """The pipeline on ``inputs``: its runner behind one custom VJP, in ``shard_map``s over
+    the stage axis alone if ``kind`` is ``"opened"``. A manual backward's runner gives the
+    gradients with the loss, which the VJP scales; an opened autodiff runner's backward runs
+    the forward again in its own ``shard_map`` (JAX cannot yet carry a nested ``shard_map``'s
+    residuals out of it)."""
+    axis, manual = stages.axis, stages.schedule.manual
+    run = functools.partial(manual_ticks if manual else autodiff_ticks, stages)
+    if kind == "manual" and not manual:
+        return run(inputs)  # JAX differentiates the ticks where they are
+    specs = Inputs(params=P(axis), head=P(), x=P(), targets=P(), key=P())  # and cotangents'
+
+    def shard(fun: Callable[..., Any], in_specs: tuple, out_specs: Any) -> Callable[..., Any]:
+        if kind == "manual":
+            return fun
+        names = {"in_specs": in_specs, "out_specs": out_specs, "axis_names": {axis}}
+        return jax.shard_map(fun, mesh=mesh, **names)
+
+    if manual:
+        return _pipelined(_Halves(shard(run, (specs,), (P(), specs)), _scaled), inputs)
+    forward = functools.partial(_keeping_inputs, shard(run, (specs,), P()))
+    backward = shard(functools.partial(_recomputed, run), (specs, P()), specs)
+    return _pipelined(_Halves(forward, backward), inputs)
