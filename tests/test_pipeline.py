@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxga
 from jaxga.pipeline import Schedule
+from tests._hlo import hlo_collectives
 
 L, D = 8, 6
 
@@ -83,6 +84,23 @@ def test_pipeline_order_puts_each_stages_chunks_together():
     with jax.set_mesh(mesh):
         again = jaxga.pipeline_order(placed, stages=4, repeats=2)
     assert again.tolist() == [0, 4, 1, 5, 2, 6, 3, 7] and again.sharding.spec == P("stage")
+
+
+def test_pipeline_order_of_one_chunk_a_stage_moves_no_weight():
+    """r = 1 on a stack laid out over the stages (Explicit axes): the stack as it is, its
+    layout kept, and the compiled reorder gathers nothing."""
+    mesh = jax.make_mesh((2, 4), ("data", "stage"))
+    placed = jax.device_put(jnp.asarray(stack()["w"]), NamedSharding(mesh, P("stage")))
+
+    def order(w):
+        return jaxga.pipeline_order(w, stages=4)
+
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(order).lower(placed).compile()
+        again = jax.jit(order)(placed)
+    assert not [c for c in hlo_collectives(compiled) if c.opcode == "all-gather"]
+    assert again.sharding.spec[0] == "stage"
+    chex.assert_trees_all_equal(again, placed)
 
 
 def skewed_batch(rows: int = 32, seed: int = 2):
