@@ -7,7 +7,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AxisType
 
 from jaxga import collectives
@@ -40,12 +39,17 @@ def pipeline_order(stacked_params: Any, stages: int, repeats: int = 1) -> Any:
     """
     num_layers = stack_length(stacked_params)
     check_layers(num_layers, stages, repeats)
-    layers = np.arange(num_layers).reshape(repeats, stages, -1).swapaxes(0, 1).reshape(-1)
 
-    def reorder(p: Any) -> jax.Array:  # a gather: laid out over Explicit axes, it stays so
+    def swap(p: jax.Array) -> jax.Array:  # [r, S, L / (S · r), ...] -> [S, r, ...]
+        chunks = jnp.reshape(p, (repeats, stages, -1, *p.shape[1:]))
+        return jnp.reshape(jnp.swapaxes(chunks, 0, 1), p.shape)
+
+    def reorder(p: Any) -> jax.Array:  # no gather: on Explicit axes, the layout is kept
         where = jax.typeof(p).sharding
-        explicit = AxisType.Explicit in getattr(where.mesh, "axis_types", ())
-        return jnp.asarray(p).at[layers].get(out_sharding=where if explicit else None)
+        if AxisType.Explicit not in getattr(where.mesh, "axis_types", ()):
+            return swap(jnp.asarray(p))
+        with jax.sharding.use_abstract_mesh(getattr(where.mesh, "abstract_mesh", where.mesh)):
+            return jax.sharding.auto_axes(swap, out_sharding=where.spec)(p)
 
     return jax.tree.map(reorder, stacked_params)
 

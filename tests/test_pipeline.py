@@ -86,21 +86,22 @@ def test_pipeline_order_puts_each_stages_chunks_together():
     assert again.tolist() == [0, 4, 1, 5, 2, 6, 3, 7] and again.sharding.spec == P("stage")
 
 
-def test_pipeline_order_of_one_chunk_a_stage_moves_no_weight():
-    """r = 1 on a stack laid out over the stages (Explicit axes): the stack as it is, its
-    layout kept, and the compiled reorder gathers nothing."""
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_pipeline_order_of_a_stack_laid_out_over_the_stages_gathers_nothing(repeats):
+    """On Explicit axes, a stack split over the stages: r = 1 is the stack as it is; r = 2
+    moves chunks between stages (an all-to-all), never the whole stack to every device (an
+    all-gather); the layout is kept."""
     mesh = jax.make_mesh((2, 4), ("data", "stage"))
     placed = jax.device_put(jnp.asarray(stack()["w"]), NamedSharding(mesh, P("stage")))
 
     def order(w):
-        return jaxga.pipeline_order(w, stages=4)
+        return jaxga.pipeline_order(w, stages=4, repeats=repeats)
 
-    with jax.set_mesh(mesh):
-        compiled = jax.jit(order).lower(placed).compile()
-        again = jax.jit(order)(placed)
+    compiled = jax.jit(order).lower(placed).compile()
+    again = jax.jit(order)(placed)
     assert not [c for c in hlo_collectives(compiled) if c.opcode == "all-gather"]
     assert again.sharding.spec[0] == "stage"
-    chex.assert_trees_all_equal(again, placed)
+    chex.assert_trees_all_equal(again, jaxga.pipeline_order(stack()["w"], 4, repeats))
 
 
 def skewed_batch(rows: int = 32, seed: int = 2):
