@@ -6,17 +6,19 @@ head, one gradient step of a global batch of m micro-batches of 128 rows, m ∈ 
 - **FSDP, no pipeline**: the blocks' weights split over 4 devices (their output axis), the
   stack run by ``jaxga.remat_scan`` in jit's global view (XLA gathers each layer's weights),
   the batch split into the same m micro-batches by ``jaxga.value_and_grad``;
-- **GPipe**, **circular** (r = 2) and **1F1B** over a stage axis of S = 4 devices
-  (``jaxga.pipeline_loss``), each stage holding its L / S blocks.
+- **GPipe**, **circular** (r = 2), **1F1B** and **interleaved 1F1B** (v = 2 chunks a stage)
+  over a stage axis of S = 4 devices (``jaxga.pipeline_loss``), each stage holding its
+  L / S blocks.
 
 Per device: XLA's compiled peak (arguments + outputs + scratch − aliased) and its scratch
 (``temp``), the median step time of ``--rounds`` interleaved runs, and the bubble the
-schedule leaves, ``(S − 1) / (r · m + S − 1)`` (1F1B: r = 1), against the fraction of a
-step's time a stage idles, counted by running the schedule's index arithmetic (1F1B: its
-lockstep ticks, a backward taking two forwards' time; `idle_fraction`). Host "devices"
-share this machine's cores, so an idle stage frees a core for another rather than wasting
-it: the times here show the work, not the bubble. The last line: the compiled-peak ratios
-m = 16 / m = 4, GPipe's and 1F1B's.
+schedule leaves, ``(S − 1) / (r · m + S − 1)`` (r: circular's repeats, interleaved 1F1B's
+v; 1 for GPipe and 1F1B), against the fraction of a step's time a stage idles, counted by
+running the schedule row's own index arithmetic (``jaxga.pipeline.Schedule``; the 1F1B
+rows: lockstep ticks, a backward taking two forwards' time; `idle_fraction`). Host
+"devices" share this machine's cores, so an idle stage frees a core for another rather
+than wasting it: the times here show the work, not the bubble. The last line: the
+compiled-peak ratios m = 16 / m = 4 of GPipe, 1F1B and interleaved 1F1B.
 
 ``--h100`` gives instead, compiled for described H100s with ``compiled_for_gpu.py``'s
 machinery (nothing runs; its CUDA plugin on the path), the per-device peak of the main example's
@@ -29,7 +31,8 @@ stage's blocks and their optimiser state; ``m``: the pipeline's) under GPipe at
 S ∈ {2, 4}, circular (r = 2) at S = 2 (12 blocks do not split into 4 × 2 chunks) and
 1F1B at S = 4, at m ∈ {4, 16}, the same 16 rows a step:
 
-    .venv/bin/python benchmarks/pipeline.py            # about 2 minutes on 2 cores
+    .venv/bin/python benchmarks/pipeline.py            # about 3 minutes on 2 cores
+    .venv/bin/python benchmarks/pipeline.py --microbatches 4 16 --rounds 3  # quicker
     bash scripts/test.sh tests/test_h100_compiled.py  # installs the plugin, once
     JAX_PLATFORMS=cpu PYTHONPATH=.venv/h100-plugin .venv/bin/python benchmarks/pipeline.py --h100
 """
@@ -75,28 +78,37 @@ def model(seed: int = 0) -> tuple[dict, jax.Array]:
     return stack, rng.normal(size=(WIDTH, VOCAB)).astype(np.float32) / WIDTH**0.5
 
 
-def idle_fraction(schedule: str, m: int, repeats: int, backward: float = 2.0) -> float:
-    """The fraction of a step's time a stage idles, from the schedule's own index arithmetic.
+PIPELINES = [  # name, schedule, repeats
+    ("GPipe", "gpipe", 1),
+    ("circular r=2", "circular", 2),
+    ("1F1B", "1f1b", 1),
+    ("interleaved 1F1B v=2", "interleaved_1f1b", 2),
+]
 
-    1F1B: the stages run in lockstep (a tick ends with the ``ppermute``s), its ``cond``s skip
-    what a stage has no micro-batch for, so a tick takes a forward if any stage runs one,
-    plus a backward (``backward`` forwards' time) if any stage runs one. GPipe and circular:
-    the stage-ticks without a micro-batch (the backward pass is the loop's reverse).
+
+def idle_fraction(schedule: str, m: int, repeats: int, backward: float = 2.0) -> float:
+    """The fraction of a step's time a stage idles, from the schedule row's own index
+    arithmetic (`jaxga.pipeline.Schedule`'s ``forward`` and ``backward``, tick by tick).
+
+    1F1B's rows: the stages run in lockstep (a tick ends with the ``ppermute``s), their
+    ``cond``s skip what a stage has no micro-batch for, so a tick takes a chunk's forward if
+    any stage runs one, plus a chunk's backward (``backward`` forwards' time) if any stage
+    runs one. GPipe and circular: the stage-ticks without a micro-batch (the backward pass
+    is the loop's reverse).
     """
-    if schedule == "1f1b":
-        ticks = range(m + 2 * S - 2)
-        forwards = [any(0 <= t - s < m for s in range(S)) for t in ticks]
-        backwards = [any(0 <= t - (2 * S - 2 - s) < m for s in range(S)) for t in ticks]
-        time = sum(forwards) + backward * sum(backwards)
-        return 1 - m * (1 + backward) / time
-    ticks = m * repeats + S - 1
-    busy = sum(0 <= t - s < m * repeats for s in range(S) for t in range(ticks))
-    return 1 - busy / (S * ticks)
+    plan, stages = jaxga.pipeline.Schedule(S, m, repeats, schedule), range(S)
+    ticks = range(plan.ticks)
+    if plan.manual:
+        forwards = sum(any(bool(plan.forward(t, s).valid) for s in stages) for t in ticks)
+        backwards = sum(any(bool(plan.backward(t, s).valid) for s in stages) for t in ticks)
+        return 1 - m * repeats * (1 + backward) / (forwards + backward * backwards)
+    busy = sum(bool(plan.forward(t, s).valid) for s in stages for t in ticks)
+    return 1 - busy / (S * plan.ticks)
 
 
 def formula(schedule: str, m: int, repeats: int) -> float:
-    """``(S − 1) / (r · m + S − 1)``: every schedule's, 1F1B's with r = 1."""
-    return jaxga.pipeline.Schedule(S, m, 1 if schedule == "1f1b" else repeats).bubble
+    """``(S − 1) / (r · m + S − 1)``: every schedule's (`jaxga.pipeline.Schedule.bubble`)."""
+    return jaxga.pipeline.Schedule(S, m, repeats, schedule).bubble
 
 
 def pipelined(schedule: str, m: int, repeats: int, stack, head, x, labels):
@@ -127,11 +139,7 @@ def measure(m: int, rounds: int) -> list[dict]:
     x = np.random.default_rng(1).normal(size=(ROWS * m, WIDTH)).astype(np.float32)
     labels = np.random.default_rng(2).integers(0, VOCAB, size=ROWS * m)
     setups = {"FSDP, no pipeline": fsdp(m, stack, head, x, labels)}
-    for name, schedule, repeats in [
-        ("GPipe", "gpipe", 1),
-        ("circular r=2", "circular", 2),
-        ("1F1B", "1f1b", 1),
-    ]:
+    for name, schedule, repeats in PIPELINES:
         setups[name] = pipelined(schedule, m, repeats, stack, head, x, labels)
     runners = {name: (lambda f=f, a=a: f(*a)) for name, (f, a) in setups.items()}
     times = time_interleaved(runners, rounds)
@@ -151,9 +159,7 @@ def measure(m: int, rounds: int) -> list[dict]:
             "temp_mib": memory.temp_size_in_bytes / 2**20,
         }
         row["ms"] = 1e3 * statistics.median(times[name][1:])
-        if name != "FSDP, no pipeline":
-            schedule = {"GPipe": "gpipe", "circular r=2": "circular", "1F1B": "1f1b"}[name]
-            repeats = 2 if schedule == "circular" else 1
+        for _, schedule, repeats in (p for p in PIPELINES if p[0] == name):
             row["bubble_formula"] = formula(schedule, m, repeats)
             row["bubble_counted"] = idle_fraction(schedule, m, repeats)
         rows.append(row)
@@ -224,13 +230,10 @@ def main() -> None:
     low, high = min(args.microbatches), max(args.microbatches)
     ratios = {
         name: [a / b for a, b in zip(peaks[name, high], peaks[name, low])]
-        for name in ("GPipe", "1F1B")
+        for name in ("GPipe", "1F1B", "interleaved 1F1B v=2")
     }
-    print(
-        f"compiled peak (scratch) m={high} / m={low}: GPipe {ratios['GPipe'][0]:.2f}x "
-        f"({ratios['GPipe'][1]:.2f}x), 1F1B {ratios['1F1B'][0]:.2f}x "
-        f"({ratios['1F1B'][1]:.2f}x) (CPU, 8 host devices)"
-    )
+    each = ", ".join(f"{name} {r[0]:.2f}x ({r[1]:.2f}x)" for name, r in ratios.items())
+    print(f"compiled peak (scratch) m={high} / m={low}: {each} (CPU, 8 host devices)")
     out = {"device": "cpu (8 host devices)", "rows": rows, "peak_and_scratch_ratios": ratios}
     RESULTS.write_text(json.dumps(out, indent=1))
     print(f"wrote {RESULTS}")

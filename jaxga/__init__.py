@@ -11,8 +11,7 @@ from jaxga.memory import MemoryReport, memory_report
 from jaxga.microbatch import merge_microbatches, split_microbatches
 from jaxga.multistep import MultiSteps, MultiStepsState, MultiStepsTransformation, skip_not_finite
 from jaxga.nnx_train import NNXTrainStep, nnx_loss, nnx_train_step
-from jaxga.pipeline import pipeline_order, pipeline_scan
-from jaxga.pipeline_loss import pipeline_loss
+from jaxga.pipeline import pipeline_loss, pipeline_order, pipeline_scan
 from jaxga.planner import Plan, parse_bytes, plan
 from jaxga.remat import checkpoint_policy, remat_scan
 from jaxga.state import TrainState

@@ -17,6 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxga
+from jaxga.pipeline import Schedule
+from tests._hlo import hlo_collectives
 
 L, D = 8, 6
 
@@ -82,6 +84,24 @@ def test_pipeline_order_puts_each_stages_chunks_together():
     with jax.set_mesh(mesh):
         again = jaxga.pipeline_order(placed, stages=4, repeats=2)
     assert again.tolist() == [0, 4, 1, 5, 2, 6, 3, 7] and again.sharding.spec == P("stage")
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_pipeline_order_of_a_stack_laid_out_over_the_stages_gathers_nothing(repeats):
+    """On Explicit axes, a stack split over the stages: r = 1 is the stack as it is; r = 2
+    moves chunks between stages (an all-to-all), never the whole stack to every device (an
+    all-gather); the layout is kept."""
+    mesh = jax.make_mesh((2, 4), ("data", "stage"))
+    placed = jax.device_put(jnp.asarray(stack()["w"]), NamedSharding(mesh, P("stage")))
+
+    def order(w):
+        return jaxga.pipeline_order(w, stages=4, repeats=repeats)
+
+    compiled = jax.jit(order).lower(placed).compile()
+    again = jax.jit(order)(placed)
+    assert not [c for c in hlo_collectives(compiled) if c.opcode == "all-gather"]
+    assert again.sharding.spec[0] == "stage"
+    chex.assert_trees_all_equal(again, jaxga.pipeline_order(stack()["w"], 4, repeats))
 
 
 def skewed_batch(rows: int = 32, seed: int = 2):
@@ -332,7 +352,7 @@ def test_1f1b_bubbles_never_reach_a_gradient_and_dropout_matches_gpipe():
     chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
 
 
-def compiled_temp(schedule: str, m: int) -> int:
+def compiled_temp(schedule: str, m: int, repeats: int = 1) -> int:
     """The compiled scratch bytes of one gradient step: micro-batches of 64 rows, a wide MLP
     block per layer (activations, not the batch itself, are what a pipeline keeps)."""
     width, rows = 128, 64
@@ -344,10 +364,10 @@ def compiled_temp(schedule: str, m: int) -> int:
         return x + jnp.tanh(x @ p["w"]) @ p["v"]
 
     def loss(params, head, x):
-        options = {"num_microbatches": m, "schedule": schedule}
+        options = {"num_microbatches": m, "schedule": schedule, "repeats": repeats}
         return jaxga.pipeline_loss(block, head_fn, (params, head), x, targets, **options).value
 
-    args = (on_stages(params, stage_mesh(4)), head, x)
+    args = (on_stages(params, stage_mesh(4), repeats), head, x)
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
@@ -358,6 +378,113 @@ def test_1f1b_keeps_its_compiled_peak_as_micro_batches_grow():
     gpipe = compiled_temp("gpipe", 16) / compiled_temp("gpipe", 4)
     one_f_one_b = compiled_temp("1f1b", 16) / compiled_temp("1f1b", 4)
     assert gpipe > 1.5 and one_f_one_b < 1.25, (gpipe, one_f_one_b)
+
+
+@pytest.mark.parametrize("name, repeats", [("1f1b", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize("stages, times", [(2, 1), (4, 1), (4, 2), (4, 3)])
+def test_a_schedule_rows_ticks_run_each_item_once_in_order_within_its_ring(
+    name, repeats, stages, times
+):
+    """`Schedule`'s index arithmetic, tick by tick: every stage runs each (micro-batch,
+    chunk) forward and backward once; a forward after the stage before it (stage 0's next
+    chunk after stage S - 1's), a backward after the stage after it and after its forward;
+    a stage's inputs in flight fit its ring, no slot reused before its backward; the bubble
+    is the time a stage idles, lockstep ticks costing a forward and a backward."""
+    plan = Schedule(stages, stages * times, repeats, name)
+    m, r, last = plan.microbatches, plan.repeats, stages - 1
+    done, slots = {}, {}
+    for t in range(plan.ticks):
+        for s in range(stages):
+            for kind in ("F", "B"):
+                work = (plan.forward if kind == "F" else plan.backward)(t, s)
+                if not bool(work.valid):
+                    continue
+                i, c, slot = int(work.microbatch), int(work.chunk), int(work.slot)
+                assert (kind, s, i, c) not in done
+                done[kind, s, i, c] = t
+                if kind == "F":
+                    before = (s - 1, c) if s else (last, c - 1)
+                    assert before[1] < 0 or done["F", before[0], i, before[1]] == t - 1
+                    assert slots.setdefault((s, slot), (i, c)) == (i, c)
+                else:
+                    assert done["F", s, i, c] <= t and slots.pop((s, slot)) == (i, c)
+                    after = (s + 1, c) if s < last else (0, c + 1)
+                    if after[1] < r and not (s == last and c == r - 1):
+                        assert done["B", after[0], i, after[1]] == t - 1
+        assert all(len([k for k in slots if k[0] == s]) <= plan.ring for s in range(stages))
+    assert len(done) == 2 * stages * m * r and not slots
+    busy = [
+        any(bool(getattr(plan, kind)(t, s).valid) for s in range(stages))
+        for kind in ("forward", "backward")
+        for t in range(plan.ticks)
+    ]
+    assert sum(busy) / 2 == m * r + stages - 1  # ticks a forward, ticks a backward, each
+    assert plan.bubble == pytest.approx(1 - m * r / (m * r + stages - 1))
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("times", [1, 2])  # m = S, 2S
+def test_interleaved_1f1b_with_accumulation_and_data_parallel_equals_one_device(stages, times):
+    """Interleaved 1F1B (v = 2 chunks a stage) × k = 2 accumulation micro-batches × 2 data
+    devices beside the S stages, skewed tokens: the whole batch's loss and gradients."""
+    mesh = jax.make_mesh((2, stages), ("data", "stage"), devices=jax.devices()[: 2 * stages])
+    params, head = stack(), np.random.default_rng(3).normal(size=(D, 5)).astype(np.float32)
+    m = stages * times
+    batch = skewed_batch(8 * m)
+
+    def loss(params, head, batch):
+        options = {"num_microbatches": m, "schedule": "interleaved_1f1b", "repeats": 2}
+        return jaxga.pipeline_loss(layer, head_fn, (params, head), batch["x"], batch, **options)
+
+    def reference(params, head):
+        return head_fn(head, jaxga.remat_scan(layer, params, batch["x"]), batch).value
+
+    vg = jaxga.value_and_grad(loss, argnums=(0, 1), num_microbatches=2, batch_argnums=2)
+    specs = (P("stage"), P(), P("data"))
+    step = jax.jit(jax.shard_map(vg, mesh=mesh, in_specs=specs, out_specs=(P(), specs[:2])))
+    placed = jax.device_put(
+        (head, batch), (NamedSharding(mesh, P()), NamedSharding(mesh, P("data")))
+    )
+    value, (grads, head_grad) = step(on_stages(params, mesh, 2), *placed)
+    want_value, (want_grads, want_head) = jax.value_and_grad(reference, argnums=(0, 1))(
+        params, head
+    )
+    chex.assert_trees_all_close(value, want_value, rtol=1e-5)
+    chex.assert_trees_all_close(head_grad, want_head, rtol=1e-4, atol=1e-6)
+    want_grads = jaxga.pipeline_order(want_grads, stages, 2)
+    chex.assert_trees_all_close(grads, want_grads, rtol=1e-4, atol=1e-6)
+
+
+def test_interleaved_1f1b_in_jits_global_view_matches_circular_with_dropout_and_nan_bubbles():
+    """S = 4, v = 2, m = 8 in jit's global view (jaxga opens the shard_map): a layer that
+    gives NaN on zeros and draws dropout masks gives circular's (r = 2) loss and gradients,
+    the input's included: the same layers, keys and order."""
+
+    def normalise(p, x, key):
+        y = x @ p["w"] + p["b"]
+        keep = jax.random.bernoulli(key, 0.8, y.shape)
+        return jnp.where(keep, y / jnp.linalg.norm(y, axis=-1, keepdims=True), 0.0)
+
+    head = np.random.default_rng(3).normal(size=(D, 5)).astype(np.float32)
+    batch, rng = skewed_batch(16), jax.random.key(4)
+    params = on_stages(stack(), stage_mesh(4), 2)
+
+    def loss(params, head, x, schedule):
+        options = {"num_microbatches": 8, "schedule": schedule, "repeats": 2, "rng": rng}
+        return jaxga.pipeline_loss(normalise, head_fn, (params, head), x, batch, **options).value
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    got = grad(params, head, batch["x"], "interleaved_1f1b")
+    want = grad(params, head, batch["x"], "circular")
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(got))
+    chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_interleaved_1f1b_keeps_its_compiled_peak_as_micro_batches_grow():
+    """A stage keeps at most 2vS - 1 chunk inputs whatever m is: from m = 4 to 16, the
+    scratch memory of interleaved 1F1B (v = 2) stays nearly flat, as 1F1B's does."""
+    ratio = compiled_temp("interleaved_1f1b", 16, 2) / compiled_temp("interleaved_1f1b", 4, 2)
+    assert ratio < 1.3, ratio
 
 
 def test_pipeline_loss_names_bad_input():
@@ -375,6 +502,16 @@ def test_pipeline_loss_names_bad_input():
                 ).total
             )
         )(params)
+
+
+def test_interleaved_1f1b_and_a_head_schedule_name_bad_input():
+    params, x = on_stages(stack(), stage_mesh(4), 2), jnp.ones((24, D))
+    targets = {"labels": jnp.zeros(24, jnp.int32), "mask": jnp.ones(24)}
+    options = {"schedule": "interleaved_1f1b", "repeats": 2, "num_microbatches": 6}
+    with pytest.raises(ValueError, match=r"`num_microbatches`=6; it must be a multiple of the S=4"):
+        jaxga.pipeline_loss(layer, head_fn, (params, jnp.ones((D, 5))), x, targets, **options)
+    with pytest.raises(ValueError, match=r"`schedule`='1f1b' needs a loss head: call jaxga.pipe"):
+        jaxga.pipeline_scan(layer, params, x, num_microbatches=4, schedule="1f1b")
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -1,0 +1,372 @@
+"""Pipeline schedules as data: a row of `SCHEDULES` each; `Schedule`, a row at S, m and r,
+says what every stage runs at every tick; its runner, `autodiff_ticks` (JAX differentiates
+the loop) or `manual_ticks` (a VJP a tick, with the loss head: a stage keeps a ring of
+inputs), behind one custom VJP and ``shard_map`` (`pipelined`)."""
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from jaxga import collectives
+from jaxga.loss import Mean
+from jaxga.microbatch import IndivisibleBatchError, merge_microbatches, split_microbatches
+from jaxga.remat import Policy, remat_scan
+
+
+class Kind(NamedTuple):
+    """A row of `SCHEDULES`: how a schedule runs."""
+
+    manual: bool  # backward passes in the ticks, with the loss head; else JAX's autodiff
+    chunks: bool  # takes ``repeats`` r > 1: r chunks of layers a stage
+
+
+SCHEDULES = {
+    "gpipe": Kind(manual=False, chunks=False),
+    "circular": Kind(manual=False, chunks=True),
+    "1f1b": Kind(manual=True, chunks=False),
+    "interleaved_1f1b": Kind(manual=True, chunks=True),
+}
+
+
+class Work(NamedTuple):
+    """What a stage runs at a tick, forward or backward (`Schedule.forward`, `.backward`)."""
+
+    microbatch: jax.Array
+    chunk: jax.Array  # of the stage's r chunks of layers
+    valid: jax.Array  # False in the bubble, where the indices still name real work
+    slot: jax.Array  # where the stage keeps the work's input: its ring's entry
+
+
+class Schedule(NamedTuple):
+    """A pipeline's timing: the row ``name`` of `SCHEDULES` at S ``stages``, m
+    ``microbatches`` and r ``repeats`` (the chunks of layers a stage holds).
+
+    A stage's work items go in order, ``k = 0 … m · r - 1``; item ``k`` is micro-batch
+    ``k // (g · r) · g + k % g`` through chunk ``k // g % r``: micro-batches go round the
+    ring in groups of ``g``: S with a manual backward (each back at stage 0 as its next
+    chunk starts), else m (stage 0 keeps them until then). Stage ``s`` runs item ``t - s``
+    forward at tick ``t`` and, with a manual backward, item ``t - lag - (S - 1 - s)``
+    backward, chunks in reverse. Every row idles `bubble` of its time.
+    """
+
+    stages: int
+    microbatches: int
+    repeats: int
+    name: str = "circular"
+
+    @property
+    def manual(self) -> bool:
+        """Whether the backward passes run in the ticks, or by JAX's autodiff of them."""
+        return SCHEDULES[self.name].manual
+
+    @property
+    def lag(self) -> int:
+        """Ticks from the last stage's first forward to its first backward: ``r · S - 1``."""
+        return self.repeats * self.stages - 1 if self.manual else 0
+
+    @property
+    def ticks(self) -> int:
+        return self.microbatches * self.repeats + self.stages - 1 + self.lag
+
+    @property
+    def ring(self) -> int:
+        """The inputs a stage keeps for its backward passes: ``2 r S - 1`` with a manual
+        backward, whatever m is; every tick's otherwise."""
+        return 2 * self.repeats * self.stages - 1 if self.manual else self.ticks
+
+    @property
+    def sends(self) -> list[tuple[int, int]]:
+        """Each stage to the next, and the last to the first where micro-batches go round."""
+        wrap = self.repeats > 1 or not self.manual
+        return [(s, (s + 1) % self.stages) for s in range(self.stages - 1 + wrap)]
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of each stage's time that is idle: ``(S - 1) / (m · r + S - 1)``."""
+        return (self.stages - 1) / (self.microbatches * self.repeats + self.stages - 1)
+
+    def forward(self, tick: Any, stage: Any) -> Work:
+        """What ``stage`` runs forward at ``tick``: its item ``tick - stage``."""
+        return self._work(tick - stage, reverse=False)
+
+    def backward(self, tick: Any, stage: Any) -> Work:
+        """What ``stage`` runs backward at ``tick`` (a manual backward's)."""
+        return self._work(tick - self.lag - (self.stages - 1 - stage), reverse=True)
+
+    def _work(self, item: Any, reverse: bool) -> Work:
+        m, r = self.microbatches, self.repeats
+        g = self.stages if self.manual else m
+        valid = (item >= 0) & (item < m * r)
+        item = jnp.clip(item, 0, m * r - 1)
+        chunk = r - 1 - item // g % r if reverse else item // g % r
+        microbatch = item // (g * r) * g + item % g
+        slot = (microbatch // g * g * r + chunk * g + microbatch % g) % self.ring
+        return Work(microbatch, chunk, valid, slot)
+
+
+def take(tree: Any, index: Any) -> Any:
+    """Each leaf's entry ``index`` of its leading axis (a traced index)."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False), tree)
+
+
+def put(tree: Any, index: Any, value: Any, where: Any) -> Any:
+    """``tree`` with entry ``index`` of its leading axis set to ``value`` where ``where``."""
+
+    def put(x, v):
+        return jax.lax.dynamic_update_index_in_dim(x, jnp.where(where, v, x[index]), index, 0)
+
+    return jax.tree.map(put, tree, value)
+
+
+def select(where: Any, a: Any, b: Any) -> Any:
+    """``a`` where ``where``, else ``b``: two trees alike."""
+    return jax.tree.map(functools.partial(jnp.where, where), a, b)
+
+
+def split_rows(x: Any, m: int, name: str) -> Any:
+    """``x``'s rows as the pipeline's m micro-batches (`split_microbatches`); an
+    `IndivisibleBatchError` says that they are the pipeline's, not jaxga's accumulation's."""
+    try:
+        return split_microbatches(x, m, name=name)
+    except IndivisibleBatchError as e:
+        raise IndivisibleBatchError(f"{e} (the pipeline's micro-batches of `{name}`)") from None
+
+
+class Stages(NamedTuple):
+    """What every stage runs: the layers, the schedule, the stage axis, the loss head."""
+
+    layer_fn: Callable[..., Any]  # (params, x) or, with a key, (params, x, key)
+    policy: Policy
+    schedule: Schedule
+    axis: str
+    head_fn: Callable[..., Any] | None = None  # (head_params, y, targets) -> Mean
+
+
+class Inputs(NamedTuple):
+    """A pipeline's arguments, what its custom VJP differentiates; or their cotangents."""
+
+    params: Any  # the stack's (this stage's, inside the shard_map)
+    head: Any  # the head's, or None
+    x: Any
+    targets: Any  # what the head compares with, or None
+    key: Any  # a PRNG key or None
+
+
+def run_stage(stages: Stages, params: Any, x: Any, work: Work, key: Any) -> Any:
+    """A stage's chunk ``work.chunk`` of layers (``params``: all its ``[L / S, ...]``) on
+    ``x``, micro-batch ``work.microbatch``: layer ``l`` gets ``fold_in(fold_in(key, i), l)``."""
+    plan = stages.schedule
+    chunks = jax.tree.map(lambda p: jnp.reshape(p, (plan.repeats, -1, *p.shape[1:])), params)
+    size = jax.tree.leaves(chunks)[0].shape[1]  # layers a chunk
+    first = (work.chunk * plan.stages + jax.lax.axis_index(stages.axis)) * size  # in the stack
+    key = None if key is None else jax.random.fold_in(key, work.microbatch)
+
+    def layer(params_and_id: tuple, x: Any) -> Any:
+        params, layer_id = params_and_id
+        if key is None:
+            return stages.layer_fn(params, x)
+        return stages.layer_fn(params, x, jax.random.fold_in(key, layer_id))
+
+    ids = first + jnp.arange(size)
+    return remat_scan(layer, (take(chunks, work.chunk), ids), x, policy=stages.policy)
+
+
+def autodiff_ticks(stages: Stages, inputs: Inputs) -> Any:
+    """One stage's part of a schedule JAX differentiates: the last stage's outputs, on
+    every stage. A bubble tick runs the layers on a real micro-batch, never on what the
+    stage holds (zeros, NaN, garbage), and drops the result; not in a ``cond``, which would
+    keep the weights at every tick of the backward. Stage 0 keeps what comes round."""
+    plan, axis = stages.schedule, stages.axis
+    stage, last = jax.lax.axis_index(axis), plan.stages - 1
+    xs = split_rows(inputs.x, plan.microbatches, "x")
+    zeros = collectives.varying(jax.tree.map(jnp.zeros_like, xs), (axis,))
+    run = jax.checkpoint(  # sliced inside: no weights saved a tick
+        functools.partial(run_stage, stages), policy=jax.checkpoint_policies.nothing_saveable
+    )
+
+    def tick(carry: tuple, t: jax.Array) -> tuple:
+        held, stored, outputs = carry  # from the stage before; stage 0's to go round; results
+        work = plan.forward(t, stage)
+        first = select(work.chunk == 0, take(xs, work.microbatch), take(stored, work.microbatch))
+        given = select(work.valid, select(stage == 0, first, held), take(xs, work.microbatch))
+        out = run(inputs.params, given, work, inputs.key)
+        done = work.valid & (stage == last) & (work.chunk == plan.repeats - 1)
+        outputs = put(outputs, work.microbatch, out, done)
+        passed = jax.lax.ppermute(out, axis, plan.sends)  # stage S - 1's goes round to 0
+        back = plan.forward(t, last)  # what stage 0 got: kept for its next chunk
+        stored = put(stored, back.microbatch, passed, (stage == 0) & back.valid)
+        return (passed, stored, outputs), None
+
+    carry = (take(zeros, 0), zeros, zeros)
+    (_, _, outputs), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
+    outputs = jax.lax.psum(select(stage == last, outputs, zeros), axis)  # on every stage
+    return merge_microbatches(outputs)
+
+
+def checked_mean(head_fn: Callable[..., Any], head_params: Any, y: Any, targets: Any) -> Mean:
+    """``head_fn(head_params, y, targets)``, a `Mean`, or a `TypeError` that says so."""
+    mean = head_fn(head_params, y, targets)
+    if not isinstance(mean, Mean):
+        got = type(mean).__name__
+        if hasattr(mean, "shape"):  # a traced or concrete array: a mean's .value, perhaps
+            got = f"an array of shape {jnp.shape(mean)}: return the Mean itself, not its value"
+        raise TypeError(f"`head_fn` must return a jaxga.Mean (its totals are summed); got {got}.")
+    return mean
+
+
+def _zeros_varying(tree: Any, axis: str) -> Any:
+    """Zeros like ``tree`` varying over ``axis`` and every manual axis here: a carry's start."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual}
+    return collectives.varying(jax.tree.map(jnp.zeros_like, tree), tuple(manual | {axis}))
+
+
+def _when(where: jax.Array, fun: Callable[..., Any], *args: Any) -> Any:
+    """``fun(*args)`` where ``where``, else zeros typed as its result: a ``cond``, so that a
+    bubble computes nothing."""
+    types = []
+
+    def run(*args: Any) -> Any:
+        out = fun(*args)
+        types.append(jax.tree.map(jax.typeof, out))
+        return out
+
+    def skip(*args: Any) -> Any:  # traced first, perhaps
+        if not types:
+            jax.eval_shape(run, *args)
+        return jax.tree.map(collectives.zeros_of, types[0])
+
+    return jax.lax.cond(where, run, skip, *args)
+
+
+def _head_step(stages: Stages, split: Inputs, y: Any, j: jax.Array) -> tuple:
+    """Micro-batch ``j``'s loss (a `Mean`) and its gradients (the head's, ``y``'s)."""
+
+    def total(head_params: Any, y: Any) -> tuple:
+        mean = checked_mean(stages.head_fn, head_params, y, take(split.targets, j))
+        return jnp.asarray(mean.total, jnp.float32), jax.lax.stop_gradient(mean.count)
+
+    here = collectives.varying(split.head, (stages.axis,))  # its gradient: no psum in a branch
+    (total, count), grads = jax.value_and_grad(total, (0, 1), has_aux=True)(here, y)
+    return collectives.varying((Mean(total, count), *grads), (stages.axis,))
+
+
+def _backward(stages: Stages, primals: tuple, dy: Any, work: Work, key: Any) -> tuple:
+    forward = functools.partial(run_stage, stages, work=work, key=key)
+    return jax.vjp(forward, *primals)[1](dy)
+
+
+def _tick(stages: Stages, split: Inputs, carry: tuple, t: jax.Array) -> tuple:
+    """Tick ``t`` of `manual_ticks` (``split``: its inputs, in micro-batches): the forward
+    and the backward the `Schedule` gives the stage, the loss head between them on the last
+    stage; activations and cotangents passed on."""
+    arrived, returned, saved, mean, grads = carry  # from stage s - 1, from s + 1; sums
+    plan, s, key = stages.schedule, jax.lax.axis_index(stages.axis), split.key
+    last, final = plan.stages - 1, plan.repeats - 1
+    f, b = plan.forward(t, s), plan.backward(t, s)
+    h = select((s == 0) & (f.chunk == 0), take(split.x, f.microbatch), arrived)
+    y = _when(f.valid, functools.partial(run_stage, stages), split.params, h, f, key)
+    saved = put(saved, f.slot, h, f.valid)
+    at_head = f.valid & (s == last) & (f.chunk == final)
+    head = functools.partial(_head_step, stages, split)
+    micro_mean, d_head, dy = _when(at_head, head, y, f.microbatch)
+    dy = select((s == last) & (b.chunk == final), dy, returned)
+    primals, backward = (split.params, take(saved, b.slot)), functools.partial(_backward, stages)
+    d_params, dh = _when(b.valid, backward, primals, dy, b, key)
+    grads = grads._replace(
+        params=jax.tree.map(jnp.add, grads.params, d_params),
+        head=jax.tree.map(jnp.add, grads.head, d_head),
+        x=put(grads.x, b.microbatch, dh, b.valid & (s == 0) & (b.chunk == 0)),
+    )
+    arrived = jax.lax.ppermute(y, stages.axis, plan.sends)
+    returned = jax.lax.ppermute(dh, stages.axis, [(j, i) for i, j in plan.sends])
+    return (arrived, returned, saved, mean + micro_mean, grads), None
+
+
+def manual_ticks(stages: Stages, inputs: Inputs) -> tuple[Mean, Inputs]:
+    """One stage's part of a schedule whose backward passes run in its ticks (`_tick`): a
+    stage keeps its inputs from forward to backward in a ring of `Schedule.ring`, whatever
+    m is. Returns the loss, and its gradients (the custom VJP's residuals)."""
+    plan, axis = stages.schedule, stages.axis
+    xs = split_rows(inputs.x, plan.microbatches, "x")
+    split = inputs._replace(x=xs, targets=split_rows(inputs.targets, plan.microbatches, "targets"))
+    zero = _zeros_varying(jnp.zeros((), jnp.float32), axis)
+    grads = Inputs(*(_zeros_varying(x, axis) for x in (inputs.params, inputs.head, xs)), None, None)
+    one = _zeros_varying(take(xs, 0), axis)
+    saved = jax.tree.map(lambda a: jnp.broadcast_to(a, (plan.ring, *a.shape)), one)
+    carry = (one, one, saved, Mean(zero, zero), grads)
+    tick = functools.partial(_tick, stages, split)
+    (_, _, _, mean, grads), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
+    summed = jax.lax.psum((mean, grads.head, merge_microbatches(grads.x)), axis)
+    mean, head_grads, x_grads = summed  # from the last stage, or stage 0 (x)
+    return mean, grads._replace(head=head_grads, x=x_grads)
+
+
+class _Halves(NamedTuple):
+    """The pipeline's custom VJP, as `pipelined` made it."""
+
+    forward: Callable[..., Any]  # (inputs) -> (output, residuals)
+    backward: Callable[..., Any]  # (residuals, cotangent) -> the inputs' cotangents
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _pipelined(halves: _Halves, inputs: Inputs) -> Any:
+    return halves.forward(inputs)[0]
+
+
+def _pipelined_forward(halves: _Halves, inputs: Inputs) -> tuple:
+    return halves.forward(inputs)
+
+
+def _pipelined_backward(halves: _Halves, residuals: Any, cotangent: Any) -> tuple:
+    return (halves.backward(residuals, cotangent),)
+
+
+_pipelined.defvjp(_pipelined_forward, _pipelined_backward)
+
+
+def _scaled(grads: Inputs, cotangent: Mean) -> Inputs:
+    scale = cotangent.total  # the loss total is linear in each micro-batch's: grads scale
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+
+
+def _keeping_inputs(run: Callable[..., Any], inputs: Inputs) -> tuple[Any, Inputs]:
+    return run(inputs), inputs
+
+
+def _recomputed(run: Callable[..., Any], inputs: Inputs, dy: Any) -> Inputs:
+    def of(params: Any, x: Any) -> Any:
+        return run(inputs._replace(params=params, x=x))
+
+    d_params, d_x = jax.vjp(of, inputs.params, inputs.x)[1](dy)
+    return Inputs(d_params, None, d_x, None, None)
+
+
+def pipelined(stages: Stages, kind: str, mesh: Any, inputs: Inputs) -> Any:
+    """The pipeline on ``inputs``: its runner behind one custom VJP, in ``shard_map``s over
+    the stage axis alone if ``kind`` is ``"opened"``. A manual backward's runner gives the
+    gradients with the loss, which the VJP scales; an opened autodiff runner's backward runs
+    the forward again in its own ``shard_map`` (JAX cannot yet carry a nested ``shard_map``'s
+    residuals out of it)."""
+    axis, manual = stages.axis, stages.schedule.manual
+    run = functools.partial(manual_ticks if manual else autodiff_ticks, stages)
+    if kind == "manual" and not manual:
+        return run(inputs)  # JAX differentiates the ticks where they are
+    specs = Inputs(params=P(axis), head=P(), x=P(), targets=P(), key=P())  # and cotangents'
+
+    def shard(fun: Callable[..., Any], in_specs: tuple, out_specs: Any) -> Callable[..., Any]:
+        if kind == "manual":
+            return fun
+        names = {"in_specs": in_specs, "out_specs": out_specs, "axis_names": {axis}}
+        return jax.shard_map(fun, mesh=mesh, **names)
+
+    if manual:
+        return _pipelined(_Halves(shard(run, (specs,), (P(), specs)), _scaled), inputs)
+    forward = functools.partial(_keeping_inputs, shard(run, (specs,), P()))
+    backward = shard(functools.partial(_recomputed, run), (specs, P()), specs)
+    return _pipelined(_Halves(forward, backward), inputs)
