@@ -63,8 +63,11 @@ def check_layers(num_layers: int, stages: int, repeats: int) -> None:
 def _stage_mesh(axis_name: str, stacked_params: Any, mesh: Any) -> tuple[str, Any]:
     """Whether the stage axis is ``"manual"`` here or to be ``"opened"``, and its mesh."""
     context = jax.sharding.get_abstract_mesh()
+    inside = tuple(sorted(collectives.manual_axes(context), key=str))  # a shard_map's axes
+    if inside and axis_name not in inside and collectives.devices(context, inside) == 1:
+        raise ValueError(_NESTED_ON_ONE.format(axis=axis_name, inside=inside))
     if axis_name in context.axis_names:
-        manual = dict(zip(context.axis_names, context.axis_types))[axis_name] == AxisType.Manual
+        manual = axis_name in inside
         if manual or mesh is None:
             return ("manual" if manual else "opened"), context
     if mesh is not None:
@@ -80,6 +83,14 @@ def _stage_mesh(axis_name: str, stacked_params: Any, mesh: Any) -> tuple[str, An
         f"`axis_name`={axis_name!r} is not an axis of the mesh here: lay `stacked_params` out "
         f"on a mesh with it (Explicit axes), call under jax.set_mesh(mesh), or pass `mesh`."
     )
+
+
+_NESTED_ON_ONE = (
+    "`axis_name`={axis!r}: a pipeline opened inside a shard_map over axes {inside} of one device, "
+    "which XLA cannot partition (jaxga's loop over a batch axis of size 1): pass the train "
+    "step pipeline_axis={axis!r} (the stages manual in its loop), or reduce_once=False "
+    "(jaxga.value_and_grad: axis_name=()), its loop in jit's global view."
+)
 
 
 def plan_stages(

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxga
@@ -772,3 +772,61 @@ def test_nnx_vmap_stack_named_but_whole_trains_as_one_device():
         states.append((value, nnx.to_pure_dict(nnx.state(model, nnx.Param))))  # no metadata
     piped, one_device = states
     chex.assert_trees_all_close(piped, one_device, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_a_data_axis_of_one_device_runs_with_pipeline_axis_or_is_refused(stages):
+    """data 1 × stage S: the nested route (a pipeline opened inside jaxga's loop over a
+    batch axis of one device) is one XLA cannot partition: refused, naming
+    `pipeline_axis=`; with it, both steps run exact against the whole batch."""
+    import optax
+
+    mesh = jax.make_mesh((1, stages), ("data", "stage"), axis_types=(AxisType.Auto,) * 2)
+    head = np.random.default_rng(3).normal(size=(D, 5)).astype(np.float32)
+    params, batch = {"stack": stack(), "head": head}, skewed_batch()
+
+    def loss(params, batch, model_state, rng):
+        pair = (params["stack"], params["head"])
+        return jaxga.pipeline_loss(layer, head_fn, pair, batch["x"], batch, num_microbatches=4), (
+            model_state
+        )
+
+    def reference(params):
+        return head_fn(params["head"], jaxga.remat_scan(layer, params["stack"], batch["x"]), batch)
+
+    specs = {"stack": {"w": P("stage"), "b": P("stage")}, "head": P()}
+    state = jaxga.TrainState.create(params=jax.tree.map(jnp.asarray, params), tx=optax.sgd(0.1))
+    nested = jaxga.make_train_step(loss, 2, mesh=mesh, strategy=specs)
+    with pytest.raises(ValueError, match=r"of one device.*pass the train step pipeline_axis="):
+        nested(state, batch)
+    step = jaxga.make_train_step(loss, 2, mesh=mesh, strategy=specs, pipeline_axis="stage")
+    state, metrics = step(state, batch)
+    value, grads = jax.value_and_grad(lambda p: reference(p).value)(params)
+    chex.assert_trees_all_close(metrics["loss"], value, rtol=1e-5)
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    chex.assert_trees_all_close(state.params, want, rtol=1e-4, atol=1e-6)
+    with jax.set_mesh(mesh):
+        model = _Staged(stages)
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def nnx_loss(model, batch):
+        pair = (model.w[...], model.head[...])
+        return jaxga.pipeline_loss(
+            lambda w, x: jnp.tanh(x @ w), head_fn, pair, batch["x"], batch, num_microbatches=4
+        )
+
+    with pytest.raises(ValueError, match=r"of one device.*pass the train step pipeline_axis="):
+        jaxga.nnx_train_step(nnx_loss, 2, mesh=mesh)(model, optimizer, batch)
+    metrics = jaxga.nnx_train_step(nnx_loss, 2, mesh=mesh, pipeline_axis="stage")(
+        model, optimizer, batch
+    )
+
+    def nnx_reference(w, head):
+        h = jaxga.remat_scan(lambda w, x: jnp.tanh(x @ w), w, batch["x"])
+        return head_fn(head, h, batch).value
+
+    w = stack()["w"]  # pipeline_order(w, S, 1) is w
+    value, (grad_w, grad_head) = jax.value_and_grad(nnx_reference, argnums=(0, 1))(w, head)
+    chex.assert_trees_all_close(metrics["loss"], value, rtol=1e-5)
+    chex.assert_trees_all_close(model.w[...], w - 0.1 * grad_w, rtol=1e-4, atol=1e-6)
+    chex.assert_trees_all_close(model.head[...], head - 0.1 * grad_head, rtol=1e-4, atol=1e-6)
