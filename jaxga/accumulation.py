@@ -44,7 +44,7 @@ def accumulate(
     axis_name: Any = None,
     accumulator_dtype: Any = None,
     unroll: int | bool = 1,
-    aux: str = "auto",
+    aux: Any = None,
     canonical_convolutions: bool | str = "auto",
     state_reduction: str | Callable[[Any, tuple[Any, ...]], Any] = "mean",
 ) -> Accumulate:
@@ -62,9 +62,10 @@ def accumulate(
         axis_name: the `shard_map` axis the batch is split over; sums are reduced once.
         accumulator_dtype: the dtype gradients are summed in; `None`: at least float32.
         unroll: `lax.scan`'s; `1` keeps one micro-batch's activations at a time.
-        aux: how each aux leaf combines: `"auto"` (by a micro-batch's shapes: a `Mean`
-            summed, a row per example merged, a scalar `[k]`), or a kind (`"sum"`, `"rows"`,
-            `"stack"`: `[k, ...]`) for each subtree, a prefix of the aux (`{"logits": "rows"}`).
+        aux: how each aux leaf combines over the micro-batches: a kind, `"sum"`, `"rows"`
+            (a row per example, in the batch's order) or `"stack"` (`[k, ...]`), for each
+            subtree, a prefix of the aux (`{"logits": "rows", "hist": None}`); `None`: a
+            `Mean` summed, any other leaf stacked, `[k, ...]` (`k = 1` too).
         canonical_convolutions: the loop's convolutions NHWC/HWIO; `"auto"`: on CPU backends only.
         state_reduction: how threaded state is replicated over the devices after the loop:
             `"mean"` (floats averaged, ints and keys maxed) or `(x, axes) -> x` per leaf.

@@ -275,9 +275,7 @@ def scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> tu
 
 
 def _aux_kinds(options: Options, call: Call, aux: Any) -> Any:
-    if options.aux == "auto":  # one place where a shape can tell state from aux
-        auxiliary.check_not_state(aux, call.args, {*options.batch_argnums, *options.argnums})
-    return auxiliary.kinds(options.aux, aux, k=options.num_microbatches, rows=call.rows)
+    return auxiliary.kinds(options.aux, aux, rows=call.rows)
 
 
 def _scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> tuple:
@@ -302,10 +300,10 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
     """`scan_and_reduce` in a ``shard_map`` that jaxga opens over the route's axes.
 
     The micro-batches go in split, the arrays the loop reads whole (gathered over the axes
-    once; JAX closes over no arrays of Explicit axes), everything else closed over. Aux
-    comes out as the whole batch gives it: a `Mean` summed over the devices, rows the
-    batch's rows in order; a value per micro-batch, one per micro-batch and device
-    (`[k, devices, ...]`).
+    once; JAX closes over no arrays of Explicit axes), everything else closed over. Aux is
+    combined on each device, then over the devices: a `"sum"` leaf (a `Mean`) summed, rows
+    the batch's rows in order, a `"stack"` leaf each device's `[k, ...]` in turn (`[devices
+    · k, ...]`, as `out_specs=P(axes)` gives them from a user's own `shard_map`).
     """
     axes = call.route.axes
     rows = call.rows // collectives.axis_size(call.route)
@@ -334,11 +332,11 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
         )
         here = on_device(here, collectives.Route("manual", axes))
         sums, aux, found["kinds"] = _scan_and_reduce(fun, options, here)
-        return sums, auxiliary.with_device_axis(aux, found["kinds"], rows)
+        return sums, auxiliary.with_device_axis(aux, found["kinds"])
 
     whole = {"primals": P(), "threaded": P(), "arrays": P()}
     in_specs = (given._replace(microbatches=P(None, axes), **whole),)
-    specs = {"in_specs": in_specs, "out_specs": (P(), P(None, axes)), "axis_names": set(axes)}
+    specs = {"in_specs": in_specs, "out_specs": (P(), P(axes)), "axis_names": set(axes)}
     try:
         sums, aux = jax.shard_map(local, mesh=call.route.mesh, **specs)(given)
     except Exception as e:
@@ -346,10 +344,7 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
             e.add_note(_OPENED_NOTE.format(axes=axes))
         raise
     sums = sums._replace(grads=collectives.laid_out_as(sums.grads, call.primals))  # FSDP: sliced
-    if found["kinds"] is None:
-        return sums, None
-    aux = auxiliary.without_device_axis(aux, found["kinds"])
-    return sums, auxiliary.combine(aux, found["kinds"])
+    return sums, auxiliary.without_device_axis(aux, found["kinds"])
 
 
 _OPENED_NOTE = (

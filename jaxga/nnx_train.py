@@ -158,6 +158,7 @@ def _accumulate_wrt(
         axis_name=None if layout is None else layout.loop_axes,
         accumulator_dtype=options.accumulator_dtype,
         unroll=options.unroll,
+        aux=options.aux,
         canonical_convolutions=options.canonical_convolutions,
     )
 
@@ -247,6 +248,7 @@ def nnx_train_step(
     num_microbatches: int | str = 1,
     *,
     has_aux: bool = False,
+    aux: Any = None,
     mesh: jax.sharding.Mesh | None = None,
     axis_name: str | None = None,
     memory_budget: int | str | None = None,
@@ -269,8 +271,9 @@ def nnx_train_step(
         loss: `loss(model, batch) -> loss`, a [`jaxga.Mean`][jaxga.Mean] or a scalar mean;
             `loss(model, batch, rngs)` for a step called with `rngs=`.
         num_microbatches: micro-batches per step, or `"auto"`, as for `make_train_step`.
-        has_aux: whether the loss returns `(loss, aux)`; `metrics["aux"]` is the whole batch's
-            (as for [`jaxga.value_and_grad`][jaxga.value_and_grad]).
+        has_aux: whether the loss returns `(loss, aux)`, given back as `metrics["aux"]`.
+        aux: how each aux leaf combines (`"rows"` for per-example outputs), as for
+            [`jaxga.accumulate`][jaxga.accumulate]; `None`: a `Mean` summed, others stacked.
         mesh: split the batch over this mesh's `axis_name`; the model stays where its
             variables' sharding metadata put it (replicated where it says nothing), and the
             gradient is reduced once per step.
@@ -304,15 +307,13 @@ def nnx_train_step(
     if mesh is not None:
         sharding.check_mesh(mesh, axis_name, concrete=True)
     mesh_loop.check_pipeline_axis(mesh, axis_name, pipeline_axis, once)
-    has_aux = _checks.check_bool(has_aux, "has_aux")
-    if pipeline_axis is not None and has_aux:  # its rows would leave the loop per device
-        raise ValueError("`pipeline_axis` with has_aux=True: not supported; return a Mean alone.")
     layout = (
         None if mesh is None else sharding.MeshLayout(mesh, axis_name, None, once, pipeline_axis)
     )
     options = steps.step_options(
         num_microbatches,
         has_aux=has_aux,
+        aux=aux,
         layout=layout,
         memory_budget=memory_budget,
         accumulator_dtype=accumulator_dtype,
