@@ -78,6 +78,12 @@ def accumulate(
         >>> acc = jaxga.accumulate(jnp.vdot, num_microbatches=2)(jnp.ones(2), jnp.eye(2))
         >>> float(acc.mean.value), float(acc.mean.count), acc.grads
         (1.0, 2.0, Array([0.5, 0.5], dtype=float32))
+        >>> def loss(w, x):
+        ...     return jnp.mean(x @ w), {"rows": x @ w, "max": jnp.max(x @ w)}
+        >>> aux = {"rows": "rows", "max": None}  # None: a Mean summed, others stacked
+        >>> acc = jaxga.accumulate(loss, has_aux=True, num_microbatches=2, aux=aux)
+        >>> {name: x.shape for name, x in acc(jnp.ones(2), jnp.eye(2)).aux.items()}
+        {'max': (2,), 'rows': (2,)}
     """
     _checks.check_callable(fun, "fun")
     k = _checks.positive_int(num_microbatches, "num_microbatches")

@@ -18,6 +18,7 @@ class Kind:
     """How an aux leaf of one kind combines (as optax's ``microbatching`` ``Accumulator``).
 
     Attributes:
+        means: what a leaf of this kind comes back as, in words (for errors).
         over_microbatches: the scan's stacked leaf, ``[k, ...]``, to this device's value.
         summed_over_devices: where jaxga opens the ``shard_map``, the devices' values are
             summed (`True`) or concatenated along their leading axis (`False`).
@@ -25,6 +26,7 @@ class Kind:
         needs: what `fits` asks, in words, for the error when it does not.
     """
 
+    means: str
     over_microbatches: Callable[[jax.Array], jax.Array]
     summed_over_devices: bool
     fits: Callable[[jax.Array, int], bool]
@@ -52,11 +54,11 @@ def _anything(x: jax.Array, rows: int) -> bool:
 
 
 KINDS = {  # what `aux=` may name a subtree: the one table
-    "sum": Kind(_summed, True, _is_number, "numbers"),
-    "rows": Kind(merge_microbatches, False, _has_rows, "a leading axis of {rows} rows"),
-    "stack": Kind(_as_is, False, _anything, "anything"),
+    "sum": Kind("summed", _summed, True, _is_number, "numbers"),
+    "rows": Kind("a row per example", merge_microbatches, False, _has_rows, "{rows} rows"),
+    "stack": Kind("[k, ...]", _as_is, False, _anything, "anything"),
 }
-_NAMES = "'sum' (summed), 'rows' (a row per example, in the batch's order), 'stack' ([k, ...])"
+_NAMES = ", ".join(f"{name!r} ({kind.means})" for name, kind in KINDS.items())
 
 
 def is_mean(x: Any) -> bool:

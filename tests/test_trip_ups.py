@@ -269,7 +269,7 @@ def test_a_flattened_per_token_aux_keeps_its_micro_batch_axis():
         return jnp.mean(x * w), (x * w).reshape(-1)
 
     as_rows = jaxga.value_and_grad(loss, num_microbatches=4, has_aux=True, aux="rows")
-    with pytest.raises(TypeError, match=r"aux of shape \(12,\) .*'rows' leaf needs .* 2 rows"):
+    with pytest.raises(TypeError, match=r"aux of shape \(12,\) .*'rows' leaf needs 2 rows"):
         as_rows(2.0, x)
     (_, aux), _ = jaxga.value_and_grad(loss, num_microbatches=4, has_aux=True)(2.0, x)
     parts = jaxga.split_microbatches(x, 4)
