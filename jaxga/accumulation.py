@@ -44,7 +44,7 @@ def accumulate(
     axis_name: Any = None,
     accumulator_dtype: Any = None,
     unroll: int | bool = 1,
-    aux: str = "auto",
+    aux: Any = None,
     canonical_convolutions: bool | str = "auto",
     state_reduction: str | Callable[[Any, tuple[Any, ...]], Any] = "mean",
 ) -> Accumulate:
@@ -62,9 +62,10 @@ def accumulate(
         axis_name: the `shard_map` axis the batch is split over; sums are reduced once.
         accumulator_dtype: the dtype gradients are summed in; `None`: at least float32.
         unroll: `lax.scan`'s; `1` keeps one micro-batch's activations at a time.
-        aux: how each aux leaf combines: `"auto"` (by a micro-batch's shapes: a `Mean`
-            summed, a row per example merged, a scalar `[k]`), or a kind (`"sum"`, `"rows"`,
-            `"stack"`: `[k, ...]`) for each subtree, a prefix of the aux (`{"logits": "rows"}`).
+        aux: how each aux leaf combines over the micro-batches: a kind, `"sum"`, `"rows"`
+            (a row per example, in the batch's order) or `"stack"` (`[k, ...]`), for each
+            subtree, a prefix of the aux (`{"logits": "rows", "hist": None}`); `None`: a
+            `Mean` summed, any other leaf stacked, `[k, ...]` (`k = 1` too).
         canonical_convolutions: the loop's convolutions NHWC/HWIO; `"auto"`: on CPU backends only.
         state_reduction: how threaded state is replicated over the devices after the loop:
             `"mean"` (floats averaged, ints and keys maxed) or `(x, axes) -> x` per leaf.
@@ -77,6 +78,12 @@ def accumulate(
         >>> acc = jaxga.accumulate(jnp.vdot, num_microbatches=2)(jnp.ones(2), jnp.eye(2))
         >>> float(acc.mean.value), float(acc.mean.count), acc.grads
         (1.0, 2.0, Array([0.5, 0.5], dtype=float32))
+        >>> def loss(w, x):
+        ...     return jnp.mean(x @ w), {"rows": x @ w, "max": jnp.max(x @ w)}
+        >>> aux = {"rows": "rows", "max": None}  # None: a Mean summed, others stacked
+        >>> acc = jaxga.accumulate(loss, has_aux=True, num_microbatches=2, aux=aux)
+        >>> {name: x.shape for name, x in acc(jnp.ones(2), jnp.eye(2)).aux.items()}
+        {'max': (2,), 'rows': (2,)}
     """
     _checks.check_callable(fun, "fun")
     k = _checks.positive_int(num_microbatches, "num_microbatches")

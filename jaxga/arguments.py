@@ -32,7 +32,7 @@ class Options(NamedTuple):
     axis_name: Any
     accumulator_dtype: Any
     unroll: int | bool
-    aux: Any  # "auto", or kinds (auxiliary.KINDS) as a prefix of the aux tree
+    aux: Any  # None (a Mean summed, others stacked), or kinds (auxiliary.KINDS), a prefix
     num_real_microbatches: Any = None  # None: all; else an int (or traced int) in 1..k
     canonical_convolutions: bool | str = "auto"  # True, False or "auto": on CPU backends only
     state_reduction: Any = "mean"  # "mean" (engine.mean_over_devices) or (x, axes) -> x

@@ -280,9 +280,7 @@ def scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> tu
 
 
 def _aux_kinds(options: Options, call: Call, aux: Any) -> Any:
-    if options.aux == "auto":  # one place where a shape can tell state from aux
-        auxiliary.check_not_state(aux, call.args, {*options.batch_argnums, *options.argnums})
-    return auxiliary.kinds(options.aux, aux, k=options.num_microbatches, rows=call.rows)
+    return auxiliary.kinds(options.aux, aux, rows=call.rows)
 
 
 def _scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> tuple:
@@ -368,7 +366,8 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
     reduce-scattered once, after the loop; everything else the loop reads goes in whole
     (split over the stages as it lies). Aux comes out as the whole batch gives it: a `Mean`
     summed over the devices, rows the batch's rows in order; a value per micro-batch, one
-    per micro-batch and device (`[k, devices, ...]`).
+    per micro-batch and device (`[devices · k, ...]`, as `out_specs=P(axes)` gives them
+    from a user's own `shard_map`).
     """
     axes, lay = call.route.axes, layout(options, call)
     rows = call.rows // collectives.axis_size(call.route)
@@ -397,11 +396,11 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
         sums, aux, found["kinds"] = _scan_and_reduce(fun, options, here)
         if not lay.each:
             sums = sums._replace(grads=collectives.reduce_scattered(sums.grads, lay.scatter))
-        return sums, auxiliary.with_device_axis(aux, found["kinds"], rows)
+        return sums, auxiliary.with_device_axis(aux, found["kinds"])
 
     in_specs = Given(lay.primals, P(None, axes), threaded=lay.threaded, arrays=P())
     sums_specs = Sums(grads=lay.grads, total=P(), count=P(), threaded=lay.threaded)
-    specs = {"in_specs": (in_specs,), "out_specs": (sums_specs, P(None, axes))}
+    specs = {"in_specs": (in_specs,), "out_specs": (sums_specs, P(axes))}
     try:
         opened = jax.shard_map(local, mesh=call.route.mesh, axis_names=set(lay.manual), **specs)
         sums, aux = opened(given)
@@ -411,10 +410,7 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
         raise
     if options.placement is None or options.placement.grad_specs is None:  # as they came
         sums = sums._replace(grads=collectives.laid_out_as(sums.grads, call.primals))
-    if found["kinds"] is None:
-        return sums, None
-    aux = auxiliary.without_device_axis(aux, found["kinds"])
-    return sums, auxiliary.combine(aux, found["kinds"])
+    return sums, auxiliary.without_device_axis(aux, found["kinds"])
 
 
 _OPENED_NOTE = (

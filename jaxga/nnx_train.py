@@ -183,6 +183,7 @@ def _accumulate_wrt(
         axis_name=None if layout is None else layout.loop_axes,
         accumulator_dtype=options.accumulator_dtype,
         unroll=options.unroll,
+        aux=options.aux,
         canonical_convolutions=options.canonical_convolutions,
     )
 
@@ -263,6 +264,7 @@ def nnx_train_step(
     num_microbatches: int | str = 1,
     *,
     has_aux: bool = False,
+    aux: Any = None,
     mesh: jax.sharding.Mesh | None = None,
     axis_name: str | None = None,
     strategy: str | None = None,
@@ -286,8 +288,9 @@ def nnx_train_step(
         loss: `loss(model, batch) -> loss`, a [`jaxga.Mean`][jaxga.Mean] or a scalar mean;
             `loss(model, batch, rngs)` for a step called with `rngs=`.
         num_microbatches: micro-batches per step, or `"auto"`, as for `make_train_step`.
-        has_aux: whether the loss returns `(loss, aux)`; `metrics["aux"]` is the whole batch's
-            (as for [`jaxga.value_and_grad`][jaxga.value_and_grad]).
+        has_aux: whether the loss returns `(loss, aux)`, given back as `metrics["aux"]`.
+        aux: how each aux leaf combines (`"rows"` for per-example outputs), as for
+            [`jaxga.accumulate`][jaxga.accumulate]; `None`: a `Mean` summed, others stacked.
         mesh: split the batch over this mesh's `axis_name`; the model stays where its
             variables' sharding metadata put it (replicated where it says nothing), and the
             gradient is reduced once per step.
@@ -323,12 +326,10 @@ def nnx_train_step(
     layout = mesh_loop.mesh_layout(
         mesh, axis_name, strategy, reduce_once=reduce_once, pipeline_axis=pipeline_axis
     )
-    has_aux = _checks.check_bool(has_aux, "has_aux")
-    if pipeline_axis is not None and has_aux:  # its rows would leave the loop per device
-        raise ValueError("`pipeline_axis` with has_aux=True: not supported; return a Mean alone.")
     options = steps.step_options(
         num_microbatches,
         has_aux=has_aux,
+        aux=aux,
         layout=layout,
         memory_budget=memory_budget,
         accumulator_dtype=accumulator_dtype,

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxga import _checks, collectives, convolution, planner, sharding
+from jaxga import _checks, auxiliary, collectives, convolution, planner, sharding
 from jaxga.arguments import check_unroll
 from jaxga.compiler import compiler_options
 from jaxga.engine import Accumulated
@@ -206,6 +206,7 @@ class StepOptions:
         rng_field: the train state's key field; `None`: jaxga.TrainState's (or none).
         memory_budget: with `"auto"`, the bytes a device may use.
         has_aux: (NNX) whether the loss returns `(loss, aux)`, given back as `metrics["aux"]`.
+        aux: (NNX) how each aux leaf combines over the micro-batches (`jaxga.accumulate`'s).
         canonical_convolutions: the loop's convolutions in XLA:CPU's fast layout.
         weight: whether `tx.update` gets `weight=`; `None`: for a `jaxga.MultiSteps`, or one in tx.
         learning_rate: the `learning_rate` metric, a function of the optimiser state.
@@ -227,6 +228,7 @@ class StepOptions:
     rng_field: str | None = None
     memory_budget: int | None = None
     has_aux: bool = False
+    aux: Any = None
     canonical_convolutions: bool | str = "auto"
     weight: bool | None = None
     learning_rate: Callable[[Any], Any] = injected_learning_rate
@@ -251,6 +253,10 @@ def step_options(num_microbatches: Any, **options: Any) -> StepOptions:
     if not isinstance(weight := options.pop("weight"), bool | None):
         raise TypeError(f"`weight` must be None, True or False; got {weight!r}.")
     rate = options.pop("learning_rate") or injected_learning_rate
+    has_aux = _checks.check_bool(options.pop("has_aux", False), "has_aux")
+    layout = options.get("layout")
+    if has_aux and layout is not None and layout.pipeline_axis is not None:  # rows per stage
+        raise ValueError("`pipeline_axis` with has_aux=True: not supported; return a Mean alone.")
     _checks.check_callable(rate, "learning_rate", "a function of the optimiser state or None")
     return StepOptions(
         num_microbatches=num_microbatches,
@@ -263,6 +269,8 @@ def step_options(num_microbatches: Any, **options: Any) -> StepOptions:
         compiler_options=dict(xla),
         weight=weight,
         learning_rate=rate,
+        has_aux=has_aux,
+        aux=auxiliary.check(options.pop("aux", None)),
         **options,
     )
 

@@ -168,8 +168,8 @@ def test_has_aux_comes_back_as_the_whole_batch_gives_it():
         aux = {"logits": logits, "mean": jaxga.Mean.of(losses), "max": jnp.max(losses)}
         return jnp.mean(losses), aux
 
-    k = 4
-    (value, aux), grads = jaxga.value_and_grad(loss, num_microbatches=k, has_aux=True)(
+    k, kinds = 4, {"logits": "rows", "mean": None, "max": None}  # None: the default
+    (value, aux), grads = jaxga.value_and_grad(loss, num_microbatches=k, has_aux=True, aux=kinds)(
         params, batch
     )
     (expected_value, expected_aux), expected_grads = jax.value_and_grad(loss, has_aux=True)(
@@ -179,7 +179,7 @@ def test_has_aux_comes_back_as_the_whole_batch_gives_it():
     # per-example leaves in batch order, Means summed: as the whole batch gives them
     assert_trees_close(aux["logits"], expected_aux["logits"])
     assert_trees_close(aux["mean"], expected_aux["mean"])
-    # other leaves: one per micro-batch (a Python loop over the strided micro-batches)
+    # other leaves, by default: one per micro-batch (a Python loop over the micro-batches)
     parts = jaxga.split_microbatches(batch, k)
     expected_max = [loss(params, jax.tree.map(lambda x: x[i], parts))[1]["max"] for i in range(k)]
     assert_trees_close(aux["max"], jnp.stack(expected_max))
@@ -194,9 +194,8 @@ def test_rng_key_per_microbatch():
         return jnp.mean(jnp.where(keep, x * w, 0.0)), keep
 
     key = jax.random.key(42)
-    (_, masks), grads = jaxga.value_and_grad(loss, num_microbatches=k, has_aux=True, rng_argnums=2)(
-        2.0, x, key
-    )
+    options = {"num_microbatches": k, "has_aux": True, "rng_argnums": 2, "aux": "rows"}
+    (_, masks), grads = jaxga.value_and_grad(loss, **options)(2.0, x, key)
     # Reference: a Python loop drawing fold_in(key, i) for micro-batch i.
     parts = jaxga.split_microbatches(x, k)
     expected = [
@@ -298,7 +297,8 @@ def test_aux_merges_back_to_batch_order():
         logits = mlp(params, batch["x"])
         return jnp.mean(optax_xent(logits, batch["y"])), logits
 
-    (_, aux), _ = jaxga.value_and_grad(loss, num_microbatches=6, has_aux=True)(params, batch)
+    vg = jaxga.value_and_grad(loss, num_microbatches=6, has_aux=True, aux="rows")
+    (_, aux), _ = vg(params, batch)
     np.testing.assert_allclose(aux, mlp(params, batch["x"]), rtol=1e-5, atol=1e-6)
 
 

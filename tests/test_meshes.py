@@ -331,7 +331,7 @@ def test_nnx_train_step_gives_aux_and_takes_rngs():
     model = Dropped(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)  # nothing moves
     rngs = nnx.Rngs(dropout=7)
-    step = jaxga.nnx_train_step(loss, K, has_aux=True)
+    step = jaxga.nnx_train_step(loss, K, has_aux=True, aux="rows")
     metrics = step(model, optimizer, batch, rngs=rngs)
     assert int(rngs.dropout.count[...]) == K  # one draw per micro-batch
     logits = metrics["aux"]["logits"]
@@ -391,9 +391,9 @@ def test_a_model_naming_the_batch_axis_trains_in_the_global_view():
 
     with jax.set_mesh(mesh):
         want_model, want_opt = nnx.jit(build)()
-        want = jaxga.nnx_train_step(loss, 1, has_aux=True)(want_model, want_opt, batch)
+        want = jaxga.nnx_train_step(loss, 1, has_aux=True, aux="rows")(want_model, want_opt, batch)
         model, optimizer = nnx.jit(build)()
-    kwargs = {"mesh": mesh, "axis_name": "fsdp", "has_aux": True}
+    kwargs = {"mesh": mesh, "axis_name": "fsdp", "has_aux": True, "aux": "rows"}
     with pytest.raises(Exception) as error:  # in a shard_map over "fsdp": JAX refuses
         jaxga.nnx_train_step(loss, K, **kwargs)(model, optimizer, batch)
     assert "reduce_once=False" in " ".join(getattr(error.value, "__notes__", ()))
@@ -419,10 +419,12 @@ def test_reduce_once_is_checked():
         jaxga.nnx_train_step(nnx_loss, K, reduce_once=1)
 
 
-@pytest.mark.parametrize("aux", ["auto", "stack"])
+@pytest.mark.parametrize("aux", [{"rows": "rows", "mean": None}, None])
 def test_aux_and_keywords_come_back_alike_on_every_route(aux):
-    """A row per example, a Mean and (aux="stack") rows per micro-batch: the same shapes and
-    values in jaxga's shard_map and in jit's global view; a string keyword stays a string."""
+    """Named rows and a Mean: the same shapes and values in jaxga's shard_map and in jit's
+    global view; a string keyword stays a string. Stacked (the default), each call of the
+    loss's: `[devices · k, ...]` in the shard_map, device-major, `[k, ...]` in the global
+    view, the same rows once each is merged back."""
     mesh = mesh_of("explicit")
     host_params, host_batch = host_data()
 
@@ -443,6 +445,12 @@ def test_aux_and_keywords_come_back_alike_on_every_route(aux):
         ]
     (_, opened), _ = outs[0]
     (_, global_view), _ = outs[1]
+    if aux is None:  # device d's micro-batch i at d * k + i: its rows, merged, are d's
+        devices = mesh.shape["data"]
+        assert opened["rows"].shape == (devices * K, 64 // (devices * K))
+        per_device = opened["rows"].reshape(devices, K, -1)
+        opened["rows"] = jnp.concatenate([jaxga.merge_microbatches(d) for d in per_device])
+        global_view["rows"] = jaxga.merge_microbatches(global_view["rows"])
     for a, b in zip(jax.tree.leaves(opened), jax.tree.leaves(global_view)):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)

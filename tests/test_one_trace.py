@@ -82,7 +82,7 @@ def test_the_train_steps_trace_the_loss_once():
         return jaxga.Mean.of((pred - batch["y"]) ** 2), {"pred": pred}
 
     fun, calls = counted(loss)
-    step = jaxga.nnx_train_step(fun, K, has_aux=True)
+    step = jaxga.nnx_train_step(fun, K, has_aux=True, aux="rows")
     _, x, y = data()
     metrics = step(model, optimizer, {"x": x, "y": y}, 2)
     assert len(calls) == 1 and metrics["aux"]["pred"].shape == (16,)
@@ -101,7 +101,7 @@ def test_each_aux_leaf_combines_as_its_kind_says():
         err = x @ w - y
         return jnp.mean(err**2), {"err": err, "cum": jnp.cumsum(err), "sq": jnp.sum(err**2)}
 
-    kinds = {"err": "auto", "cum": "stack", "sq": "sum"}
+    kinds = {"err": "rows", "cum": "stack", "sq": "sum"}
     options = {"has_aux": True, "num_microbatches": K, "batch_argnums": (1, 2)}
     vg = jax.jit(jaxga.value_and_grad(fun, aux=kinds, **options))
     (_, aux), _ = vg(w, x, y)
@@ -109,9 +109,9 @@ def test_each_aux_leaf_combines_as_its_kind_says():
     chex.assert_trees_all_close(aux["err"], fun(w, x, y)[1]["err"], rtol=1e-6)  # the batch's rows
     chex.assert_trees_all_close(aux["cum"], jnp.stack([m["cum"] for m in micro]), rtol=1e-6)
     chex.assert_trees_all_close(aux["sq"], sum(m["sq"] for m in micro), rtol=1e-6)
-    # "auto" would have merged the cumulative sums as rows: a kind names the exception
-    (_, auto), _ = jaxga.value_and_grad(fun, **options)(w, x, y)
-    assert auto["cum"].shape == (16,)
+    # unnamed, every leaf is stacked: no leaf is taken for rows by its size
+    (_, default), _ = jaxga.value_and_grad(fun, **options)(w, x, y)
+    assert default["cum"].shape == default["err"].shape == (K, 4) and default["sq"].shape == (K,)
 
 
 def test_a_loss_valid_only_at_micro_batch_size_runs():
@@ -122,8 +122,8 @@ def test_a_loss_valid_only_at_micro_batch_size_runs():
         err = (x @ w - y).reshape(K, 1)  # 4 rows: a micro-batch's, not the batch's 16
         return jnp.mean(err**2), err[:, 0]
 
-    vg = jaxga.value_and_grad(fun, has_aux=True, num_microbatches=K, batch_argnums=(1, 2))
-    (value, aux), grads = vg(w, x, y)
+    options = {"num_microbatches": K, "batch_argnums": (1, 2), "aux": "rows"}
+    (value, aux), grads = jaxga.value_and_grad(fun, has_aux=True, **options)(w, x, y)
     want = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
     chex.assert_trees_all_close((value, grads), want, rtol=1e-5)
     chex.assert_trees_all_close(aux, x @ w - y, rtol=1e-6)
@@ -131,7 +131,7 @@ def test_a_loss_valid_only_at_micro_batch_size_runs():
 
 def test_aux_kinds_are_checked_and_named():
     w, x, y = data()
-    with pytest.raises(ValueError, match=r"`aux\['err'\]` must be 'auto' or a tree of kinds"):
+    with pytest.raises(ValueError, match=r"`aux\['err'\]` must be None or a tree of kinds"):
         jaxga.value_and_grad(loss_and_aux, has_aux=True, num_microbatches=K, aux={"err": "cat"})
     bad_prefix = jaxga.value_and_grad(
         loss_and_aux, has_aux=True, num_microbatches=K, batch_argnums=(1, 2), aux=["rows"]
@@ -143,9 +143,9 @@ def test_aux_kinds_are_checked_and_named():
         has_aux=True,
         num_microbatches=K,
         batch_argnums=(1, 2),
-        aux={"err": "auto", "max": "rows", "mse": "auto"},
+        aux={"err": None, "max": "rows", "mse": None},
     )
-    with pytest.raises(TypeError, match=r"`aux` says 'rows' for aux\[.max.\] of shape \(\)"):
+    with pytest.raises(TypeError, match=r"aux\['max'\] of shape \(\) .*: a 'rows' leaf needs"):
         not_rows(w, x, y)
 
 
@@ -170,8 +170,8 @@ def test_aux_kinds_on_an_opened_route_are_the_whole_batchs():
     want = jax.value_and_grad(lambda w: fun(w, x, y)[0].value)(w)
     chex.assert_trees_all_close((value, grads), want, rtol=1e-5)
     chex.assert_trees_all_close(aux["err"], x @ w - y, rtol=1e-6)
-    maxima = jnp.array([[micro[i]["max"] for micro in devices] for i in range(2)])
-    chex.assert_trees_all_close(aux["max"], maxima, rtol=1e-6)  # [k, devices]
+    maxima = jnp.array([micro[i]["max"] for micro in devices for i in range(2)])
+    chex.assert_trees_all_close(aux["max"], maxima, rtol=1e-6)  # [devices · k], device-major
     chex.assert_trees_all_close(aux["sq"], jnp.sum((x @ w - y) ** 2), rtol=1e-5)
 
 
@@ -187,18 +187,25 @@ class EqxModel(eqx.Module):
         return self.norm(self.linear(x), state)
 
 
+def split_xy(x, y):
+    return jaxga.split_microbatches(x, K), jaxga.split_microbatches(y, K)
+
+
 def eqx_loss(model, state, x, y):  # Equinox's stateful.ipynb: (loss, new state)
     batched = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
     pred, state = batched(x, state)
     return jnp.mean((pred[:, 0] - y) ** 2), state
 
 
-def test_equinox_state_in_aux_is_pointed_to_state_argnums():
+def test_equinox_state_goes_through_state_argnums():
+    """State threaded through `state_argnums`; returned as aux, it is aux: no shape tells."""
     model, state = eqx.nn.make_with_state(EqxModel)(jax.random.key(0))
     _, x, y = data()
     options = {"num_microbatches": K, "batch_argnums": (2, 3)}
-    with pytest.raises(TypeError, match=r"aux, a State shaped as args\[1\].*state_argnums=1"):
-        eqx.filter_jit(jaxga.value_and_grad(eqx_loss, has_aux=True, **options))(model, state, x, y)
+    as_aux = eqx.filter_jit(jaxga.value_and_grad(eqx_loss, has_aux=True, **options))
+    (_, stacked), _ = as_aux(model, state, x, y)  # each micro-batch's, from the first state
+    firsts = [eqx_loss(model, state, xi, yi)[1] for xi, yi in zip(*split_xy(x, y))]
+    chex.assert_trees_all_close(stacked, jax.tree.map(lambda *s: jnp.stack(s), *firsts), rtol=1e-5)
     both = jaxga.value_and_grad(eqx_loss, has_aux=True, state_argnums=1, **options)
     with pytest.raises(
         TypeError, match=r"must return \(\(value, aux\), new_state\).*has_aux=False"
@@ -208,7 +215,7 @@ def test_equinox_state_in_aux_is_pointed_to_state_argnums():
     (value, grads), new_state = vg(model, state, x, y)
     # the Python loop: each micro-batch starts from the state the one before returned
     total, summed, threaded = 0.0, None, state
-    for xi, yi in zip(jaxga.split_microbatches(x, K), jaxga.split_microbatches(y, K)):
+    for xi, yi in zip(*split_xy(x, y)):
         (v, threaded), g = eqx.filter_value_and_grad(eqx_loss, has_aux=True)(
             model, threaded, xi, yi
         )

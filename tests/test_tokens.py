@@ -413,8 +413,8 @@ def test_padding_microbatches_are_not_run_and_give_zero_aux_rows():
         return token_loss("sequence_mean")(params, batch), rows
 
     def run(params, batch, n):
-        vg = jaxga.value_and_grad(loss, has_aux=True, num_microbatches=K, num_real_microbatches=n)
-        return vg(params, batch)
+        options = {"num_microbatches": K, "num_real_microbatches": n, "aux": "rows"}
+        return jaxga.value_and_grad(loss, has_aux=True, **options)(params, batch)
 
     run = jax.jit(run)
     for n in range(1, K + 1):

@@ -19,7 +19,8 @@ def dropout_loss(w, batch, key):  # a Linen-style loss with its dropout key as a
 
 def test_a_key_argument_gets_a_key_per_microbatch_by_default():
     x, key, k = jnp.ones((8, 16)), jax.random.key(3), 4
-    (_, keep), _ = jaxga.value_and_grad(dropout_loss, num_microbatches=k, has_aux=True)(2.0, x, key)
+    vg = jaxga.value_and_grad(dropout_loss, num_microbatches=k, has_aux=True, aux="rows")
+    (_, keep), _ = vg(2.0, x, key)
     parts = jaxga.split_microbatches(x, k)
     expected = [
         jax.random.bernoulli(jax.random.fold_in(key, i), 0.5, parts[i].shape) for i in range(k)
@@ -132,7 +133,8 @@ def test_a_batch_read_from_a_closure_is_told_to_pass_the_batch():
 
 
 def test_per_example_aux_needs_no_second_call():
-    """Flax's own metrics call (logits [B, C] against labels [B]) takes the aux as it is."""
+    """Flax's own metrics call (logits [B, C] against labels [B]) takes the aux as it is,
+    named `"rows"` (by default it would be `[k, B // k, C]`, each micro-batch's)."""
     w, x = (
         jax.random.normal(jax.random.key(0), (3, 5)),
         jax.random.normal(jax.random.key(1), (8, 3)),
@@ -143,7 +145,8 @@ def test_per_example_aux_needs_no_second_call():
         logits = batch[0] @ w
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean(), logits
 
-    (_, logits), _ = jaxga.value_and_grad(loss, num_microbatches=4, has_aux=True)(w, (x, labels))
+    vg = jaxga.value_and_grad(loss, num_microbatches=4, has_aux=True, aux="rows")
+    (_, logits), _ = vg(w, (x, labels))
     metrics = nnx.metrics.Accuracy()
     metrics.update(logits=logits, labels=labels)  # raised "expected logits.ndim == 2" before
     chex.assert_trees_all_close(logits, x @ w, rtol=1e-6)
@@ -258,17 +261,17 @@ def test_an_equinox_module_passed_along_is_not_taken_apart():
 
 
 def test_a_flattened_per_token_aux_keeps_its_micro_batch_axis():
-    """Only leaves with one row per example are merged back; a (B*T,) leaf is not one, and
-    the default asks for `aux="stack"` (or a kind by leaf) instead of guessing."""
+    """A (B*T,) leaf is not a row per example: stacked by default, `[k, B // k * T]`, and
+    refused, its path named, if called `"rows"`."""
     x = jax.random.normal(jax.random.key(0), (8, 3, 2))
 
     def loss(w, x):
         return jnp.mean(x * w), (x * w).reshape(-1)
 
-    with pytest.raises(TypeError, match=r"aux of shape \(12,\) for a micro-batch.*aux='stack'"):
-        jaxga.value_and_grad(loss, num_microbatches=4, has_aux=True)(2.0, x)
-    vg = jaxga.value_and_grad(loss, num_microbatches=4, has_aux=True, aux="stack")
-    (_, aux), _ = vg(2.0, x)
+    as_rows = jaxga.value_and_grad(loss, num_microbatches=4, has_aux=True, aux="rows")
+    with pytest.raises(TypeError, match=r"aux of shape \(12,\) .*'rows' leaf needs 2 rows"):
+        as_rows(2.0, x)
+    (_, aux), _ = jaxga.value_and_grad(loss, num_microbatches=4, has_aux=True)(2.0, x)
     parts = jaxga.split_microbatches(x, 4)
     chex.assert_trees_all_close(aux, jnp.stack([loss(2.0, parts[i])[1] for i in range(4)]))
 
