@@ -1,11 +1,9 @@
 """A train step's state on a mesh: laid out by its strategy, and the engine's one loop onto
 the mesh told where the parameters lie (`collectives.Placement`)."""
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, collectives
 from jaxga.accumulation import Accumulate
@@ -14,6 +12,7 @@ from jaxga.microbatch import IndivisibleBatchError
 from jaxga.sharding import (
     MeshLayout,
     axes_size,
+    batch_specs,
     check_mesh,
     check_strategy,
     fsdp_specs,
@@ -33,16 +32,16 @@ class OnMesh(NamedTuple):
 
 
 def accumulate_on_mesh(
-    loss: Callable[..., Any],
+    accumulated: Accumulate,
     layout: MeshLayout,
     state: Any,
     batch: Any,
     *,
-    accumulate: Callable[[Callable[..., Any]], Callable[..., Accumulated]],
     model_state: Any,
     rng: Any,
 ) -> OnMesh:
-    """``accumulate(loss)`` over ``layout.mesh``: the batch split over ``layout.axis_name``.
+    """``accumulated`` (a loss, accumulated) over ``layout.mesh``: the batch split over
+    ``layout.axis_name``, the state laid out by ``layout.strategy``.
 
     With ``layout.pipeline_axis``, that axis is manual in the loop too: each stage's
     parameters (split over it by ``strategy``'s specs) stay on it, and `jaxga.pipeline_scan`
@@ -55,13 +54,13 @@ def accumulate_on_mesh(
     view instead, the parameters gathered once, JAX reducing in every micro-batch.
     """
     mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
-    k, devices = accumulate(loss).options.num_microbatches, axes_size(mesh, axis_name)
+    k, devices = accumulated.options.num_microbatches, axes_size(mesh, axis_name)
     size = _checks.leading_size(batch, "batch", "batch") or 0  # 0: no leaves, as accumulate says
     if size % (devices * k):
         raise IndivisibleBatchError.of(size, k, devices, axis_name)
     specs = state_specs(state, mesh, strategy, axis_name=axis_name)
     state = place(mesh, state, specs)
-    batch = place(mesh, batch, jax.tree.map(lambda _: P(axis_name), batch))
+    batch = place(mesh, batch, batch_specs(batch, layout))
     split = split_of(strategy)
     grad_specs = fsdp_specs(state.params, mesh, axis_name) if split.opt_state else specs.params
     check_layout(
@@ -74,18 +73,22 @@ def accumulate_on_mesh(
             grad_specs=(grad_specs,),
             gather_each=split.gather_each,
         )
-        looped = Accumulate(loss, accumulate(loss).options._replace(placement=placement))
-        accumulated = looped(state.params, batch, model_state, rng)
+        acc = placed(accumulated, placement)(state.params, batch, model_state, rng)
     else:  # jit's global view: the parameters gathered once, JAX reducing in every micro-batch
         gathered = collectives.specs_over(specs.params, others(layout))
-        accumulated = accumulate(loss)(place(mesh, state.params, gathered), batch, model_state, rng)
-    grads = place(mesh, accumulated.grads, grad_specs)
+        acc = accumulated(place(mesh, state.params, gathered), batch, model_state, rng)
+    grads = place(mesh, acc.grads, grad_specs)
     return OnMesh(
-        accumulated=accumulated._replace(grads=grads),
+        accumulated=acc._replace(grads=grads),
         state=state,
         specs=specs,
         params=place(mesh, state.params, grad_specs),
     )
+
+
+def placed(accumulated: Accumulate, placement: collectives.Placement) -> Accumulate:
+    """``accumulated`` told where a train step lays the values it differentiates out."""
+    return Accumulate(accumulated.fun, accumulated.options._replace(placement=placement))
 
 
 def mesh_layout(

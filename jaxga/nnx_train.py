@@ -7,10 +7,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, arguments, collectives, mesh_loop, modules, sharding, steps
-from jaxga.accumulation import Accumulate, accumulate
+from jaxga.accumulation import Accumulate
 from jaxga.arguments import check_num_real
 from jaxga.state import unaliased
 
@@ -169,25 +168,6 @@ def _check_wrt(model: Any, optimizer: Any) -> None:
             raise ValueError(f"`optimizer.wrt` must select floats; got {got}.")
 
 
-def _accumulate_wrt(
-    loss: Callable[..., Any], options: steps.StepOptions, wrt: Any, call: _Call
-) -> Callable[..., Any]:
-    layout = options.layout
-    return accumulate(  # the gradient of what the optimizer updates, and only that
-        loss,
-        nnx.DiffState(0, wrt),
-        has_aux=options.has_aux,
-        num_microbatches=options.num_microbatches,
-        num_real_microbatches=call.num_real,
-        rng_argnums=None if call.key is None else 2,  # a key, typed or raw: folded
-        axis_name=None if layout is None else layout.loop_axes,
-        accumulator_dtype=options.accumulator_dtype,
-        unroll=options.unroll,
-        aux=options.aux,
-        canonical_convolutions=options.canonical_convolutions,
-    )
-
-
 def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[..., Any]:
     checked = steps.loss_alone(loss, "`loss(model, batch)`", pair=False, aux=options.has_aux)
 
@@ -201,36 +181,50 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
             state = sharding.place(layout.mesh, state, specs)
         model, optimizer, *streams = nnx.merge(graphdef, state)  # streams: [an nnx.Rngs] or []
         rngs = streams or ([] if call.key is None else [call.key])
-        accumulate_model = _accumulate_wrt(checked, options, optimizer.wrt, call)
+        accumulated = steps.accumulator(  # the gradient of what the optimizer updates alone
+            checked,
+            options,
+            nnx.DiffState(0, optimizer.wrt),
+            num_real=call.num_real,
+            rng_argnums=None if call.key is None else 2,  # a key, typed or raw: folded
+        )
         if layout is None:
-            acc = accumulate_model(model, batch, *rngs)
+            acc = accumulated(model, batch, *rngs)
         else:  # jit's global view of the mesh: the batch over its axis, the model as laid out
             with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
-                specs_of_batch = jax.tree.map(lambda _: P(layout.axis_name), batch)
-                batch = sharding.place(layout.mesh, batch, specs_of_batch)
-                placed = _placed(accumulate_model, layout, model, optimizer.wrt)
-                acc = placed(model, batch, *rngs)
-
-        extra = steps.tx_args(options, optimizer.tx, acc, call.end_group, optimizer.opt_state)
-
-        def apply_tx(state: Any, grads: Any) -> Any:
-            model, optimizer, *streams = nnx.merge(graphdef, state)
-            held = isinstance(optimizer, nnx.ModelAndOptimizer)
-            optimizer.update(*(() if held else (model,)), grads, **extra)
-            return nnx.state((model, optimizer, *streams))
-
+                batch = sharding.place(layout.mesh, batch, sharding.batch_specs(batch, layout))
+                acc = _placed(accumulated, layout, model, optimizer.wrt)(model, batch, *rngs)
         before = nnx.state((model, optimizer, *streams))
-        state = steps.apply_update(acc, apply_tx, before, "weight" in extra)
+        optimizer = steps.Optimizer(optimizer.tx, _Updated(graphdef), _OptState(graphdef))
+        state, metrics = steps.optimize(options, optimizer, acc, before, call.end_group)
         if layout is not None:
             state = sharding.place(layout.mesh, state, specs)
-        _, after, *_ = nnx.merge(graphdef, state)  # `optimizer` still holds the state before
-        opt_state = nnx.as_pure(after.opt_state)
-        metrics = steps.metrics(acc, optimizer.tx, opt_state, options, "weight" in extra)
         if options.has_aux:
             metrics["aux"] = acc.aux
         return sharding.offload(state, select=options.offload), metrics
 
     return train_step
+
+
+class _Updated(NamedTuple):
+    """``nnx.Optimizer.update`` of a step's pure state: the model and optimizer put together."""
+
+    graphdef: Any
+
+    def __call__(self, state: Any, grads: Any, **extra: Any) -> Any:
+        model, optimizer, *streams = nnx.merge(self.graphdef, state)
+        held = isinstance(optimizer, nnx.ModelAndOptimizer)
+        optimizer.update(*(() if held else (model,)), grads, **extra)
+        return nnx.state((model, optimizer, *streams))
+
+
+class _OptState(NamedTuple):
+    """The pure optimiser state in a step's state."""
+
+    graphdef: Any
+
+    def __call__(self, state: Any) -> Any:
+        return nnx.as_pure(nnx.merge(self.graphdef, state)[1].opt_state)
 
 
 def _placed(
@@ -255,8 +249,7 @@ def _placed(
         grad_specs=(grad_specs,),
         gather_each=split.gather_each,
     )
-    options = accumulate_model.options._replace(placement=placement)
-    return Accumulate(accumulate_model.fun, options)
+    return mesh_loop.placed(accumulate_model, placement)
 
 
 def nnx_train_step(
@@ -323,14 +316,15 @@ def nnx_train_step(
     except TypeError:
         _checks.check_arity(loss, "loss", 3, "`loss(model, batch)` or `loss(model, batch, rngs)`")
     axis_name = "data" if axis_name is None else axis_name
-    layout = mesh_loop.mesh_layout(
-        mesh, axis_name, strategy, reduce_once=reduce_once, pipeline_axis=pipeline_axis
-    )
     options = steps.step_options(
         num_microbatches,
+        mesh=mesh,
+        axis_name=axis_name,
+        strategy=strategy,
+        reduce_once=reduce_once,
+        pipeline_axis=pipeline_axis,
         has_aux=has_aux,
         aux=aux,
-        layout=layout,
         memory_budget=memory_budget,
         accumulator_dtype=accumulator_dtype,
         donate=donate,
@@ -341,5 +335,4 @@ def nnx_train_step(
         weight=weight,
         learning_rate=learning_rate,
     )
-    devices = 1 if mesh is None else sharding.axes_size(mesh, axis_name)
-    return NNXTrainStep(_nnx_step, loss, options, devices)
+    return NNXTrainStep(_nnx_step, loss, options)

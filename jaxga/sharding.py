@@ -369,6 +369,11 @@ class MeshLayout(NamedTuple):
         return self.axis_name if self.reduce_once else ()
 
 
+def batch_specs(batch: Any, layout: MeshLayout) -> Any:
+    """Each leaf of ``batch`` split over ``layout``'s batch axis (its rows)."""
+    return jax.tree.map(lambda _: P(layout.axis_name), batch)
+
+
 def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Callable) -> Any:
     """``state`` ``put`` where a step keeps it (concrete): on the mesh, offloaded as asked."""
     if layout is not None:  # laid out already if its step and first parameter are

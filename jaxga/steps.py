@@ -5,13 +5,14 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxga import _checks, auxiliary, collectives, convolution, planner, sharding
+from jaxga import _checks, auxiliary, collectives, convolution, mesh_loop, planner, sharding
+from jaxga.accumulation import Accumulate, accumulate
 from jaxga.arguments import check_unroll
 from jaxga.compiler import compiler_options
 from jaxga.engine import Accumulated
@@ -234,30 +235,33 @@ class StepOptions:
     learning_rate: Callable[[Any], Any] = injected_learning_rate
 
 
-def step_options(num_microbatches: Any, **options: Any) -> StepOptions:
+def step_options(
+    num_microbatches: Any,
+    *,
+    mesh: Any,
+    axis_name: Any,
+    strategy: Any,
+    reduce_once: Any,
+    pipeline_axis: Any,
+    **options: Any,
+) -> StepOptions:
+    """Both train steps' arguments, checked once: their `StepOptions` (the layout built)."""
+    layout = mesh_loop.mesh_layout(
+        mesh, axis_name, strategy, reduce_once=reduce_once, pipeline_axis=pipeline_axis
+    )
     xla = options.pop("compiler_options")
     if xla is None:
         xla = compiler_options()
     elif not isinstance(xla, Mapping):
         raise TypeError(f"`compiler_options` must be a dict of XLA options or None; got {xla!r}.")
-    budget = options.pop("memory_budget")
-    expected = "a positive int or 'auto'"
-    if num_microbatches == "auto":
-        budget = planner.device_budget(budget, name="memory_budget")
-    elif budget is not None:
-        raise ValueError(f'`memory_budget` needs num_microbatches="auto"; got {num_microbatches=}.')
-    elif isinstance(num_microbatches, str):
-        raise ValueError(f"`num_microbatches` must be {expected}; got {num_microbatches!r}.")
-    else:
-        num_microbatches = _checks.positive_int(num_microbatches, "num_microbatches", expected)
+    num_microbatches, budget = _count(num_microbatches, options.pop("memory_budget"))
     if not isinstance(weight := options.pop("weight"), bool | None):
         raise TypeError(f"`weight` must be None, True or False; got {weight!r}.")
     rate = options.pop("learning_rate") or injected_learning_rate
-    has_aux = _checks.check_bool(options.pop("has_aux", False), "has_aux")
-    layout = options.get("layout")
-    if has_aux and layout is not None and layout.pipeline_axis is not None:  # rows per stage
-        raise ValueError("`pipeline_axis` with has_aux=True: not supported; return a Mean alone.")
     _checks.check_callable(rate, "learning_rate", "a function of the optimiser state or None")
+    has_aux = _checks.check_bool(options.pop("has_aux", False), "has_aux")
+    if has_aux and pipeline_axis is not None:  # its rows would leave the loop per stage
+        raise ValueError("`pipeline_axis` with has_aux=True: not supported; return a Mean alone.")
     return StepOptions(
         num_microbatches=num_microbatches,
         memory_budget=budget,
@@ -267,12 +271,70 @@ def step_options(num_microbatches: Any, **options: Any) -> StepOptions:
         unroll=check_unroll(options.pop("unroll")),
         canonical_convolutions=convolution.check_option(options.pop("canonical_convolutions")),
         compiler_options=dict(xla),
+        layout=layout,
         weight=weight,
         learning_rate=rate,
         has_aux=has_aux,
         aux=auxiliary.check(options.pop("aux", None)),
         **options,
     )
+
+
+def _count(num_microbatches: Any, budget: Any) -> tuple[int | str, int | None]:
+    """``num_microbatches`` and ``memory_budget``, checked (the budget: with "auto" alone)."""
+    expected = "a positive int or 'auto'"
+    if num_microbatches == "auto":
+        return num_microbatches, planner.device_budget(budget, name="memory_budget")
+    if budget is not None:
+        raise ValueError(f'`memory_budget` needs num_microbatches="auto"; got {num_microbatches=}.')
+    if isinstance(num_microbatches, str):
+        raise ValueError(f"`num_microbatches` must be {expected}; got {num_microbatches!r}.")
+    return _checks.positive_int(num_microbatches, "num_microbatches", expected), None
+
+
+def accumulator(
+    loss: Callable[..., Any], options: StepOptions, argnums: Any, *, num_real: Any, **roles: Any
+) -> Accumulate:
+    """``loss`` accumulated as a train step's ``options`` say (micro-batches, loop, dtypes);
+    ``roles``: its batch, state and key arguments, as [`jaxga.accumulate`][jaxga.accumulate]'s."""
+    layout = options.layout
+    return accumulate(
+        loss,
+        argnums,
+        options.has_aux,
+        num_microbatches=options.num_microbatches,
+        num_real_microbatches=num_real,
+        axis_name=None if layout is None else layout.loop_axes,
+        accumulator_dtype=options.accumulator_dtype,
+        unroll=options.unroll,
+        aux=options.aux,
+        canonical_convolutions=options.canonical_convolutions,
+        **roles,
+    )
+
+
+class Optimizer(NamedTuple):
+    """How a train step runs its optimiser: what `optimize` needs of the model's kind."""
+
+    tx: Any  # the optax transformation (`state.tx`, `optimizer.tx`)
+    update: Callable[..., Any]  # (state, grads, **extra) -> state: Flax's apply_gradients, NNX's
+    opt_state: Callable[[Any], Any]  # the optimiser state in a state
+
+
+def optimize(
+    options: StepOptions, optimizer: Optimizer, acc: Accumulated, state: Any, end_group: Any
+) -> tuple[Any, Metrics]:
+    """The tail both train steps share: ``optimizer.update`` of ``state`` by ``acc.grads``
+    (with `weight` and `end_group` as `tx_args` says), and the step's metrics."""
+    extra = tx_args(options, optimizer.tx, acc, end_group, optimizer.opt_state(state))
+    update = functools.partial(_call_with, optimizer.update, extra)
+    new = apply_update(acc, update, state, "weight" in extra)
+    opt_state = optimizer.opt_state(new)
+    return new, metrics(acc, optimizer.tx, opt_state, options, "weight" in extra)
+
+
+def _call_with(update: Callable[..., Any], extra: dict[str, Any], state: Any, grads: Any) -> Any:
+    return update(state, grads, **extra)
 
 
 class JittedStep:
@@ -289,11 +351,13 @@ class JittedStep:
     _static_argnums: tuple[int, ...] = ()  # of the jitted function's arguments
     plan_search = "predict"
 
-    def __init__(self, build: Callable[..., Any], loss: Any, options: StepOptions, devices=1):
+    def __init__(self, build: Callable[..., Any], loss: Any, options: StepOptions):
         self.options = options
         self.plan: planner.Plan | None = None
         self.max_plans = 8
-        self._build, self._loss, self._devices = build, loss, devices
+        layout = options.layout
+        self._devices = 1 if layout is None else sharding.axes_size(layout.mesh, layout.axis_name)
+        self._build, self._loss = build, loss
         self._plans: dict[Any, planner.Plan] = {}
         self._checked: set[Any] = set()  # the signatures `_once` checked
         if options.num_microbatches == "auto":
@@ -353,7 +417,7 @@ class JittedStep:
     def _fixed(self, num_microbatches: int, remat: Any) -> "JittedStep":
         del remat  # the model's own
         options = dataclasses.replace(self.options, num_microbatches=num_microbatches)
-        return type(self)(self._build, self._loss, options, self._devices)
+        return type(self)(self._build, self._loss, options)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Lowers the step (planned, with `"auto"`) for these arguments, as a call lays them out."""

@@ -2,6 +2,7 @@
 
 import functools
 import inspect
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -10,7 +11,6 @@ from flax import nnx
 from flax.training import train_state
 
 from jaxga import _checks, mesh_loop, modules, sharding, steps
-from jaxga.accumulation import accumulate
 from jaxga.arguments import StateStructureError, check_num_real
 from jaxga.state import StateFields, TrainState, check_field_names, state_fields, unaliased
 from jaxga.steps import Metrics, StepOptions
@@ -78,32 +78,16 @@ def _accumulate_state(
     num_real: Any,
 ) -> mesh_loop.OnMesh:
     layout = options.layout
-    configured = functools.partial(
-        accumulate,
-        num_microbatches=options.num_microbatches,
-        num_real_microbatches=num_real,
-        batch_argnums=1,
-        state_argnums=2,
-        rng_argnums=3,
-        axis_name=None if layout is None else layout.loop_axes,
-        accumulator_dtype=options.accumulator_dtype,
-        unroll=options.unroll,
-        canonical_convolutions=options.canonical_convolutions,
-    )
+    roles = {"batch_argnums": 1, "state_argnums": 2, "rng_argnums": 3}
+    accumulated = steps.accumulator(loss, options, 0, num_real=num_real, **roles)
     model_state, rng = fields.read(state), fields.step_key(state)
     try:  # the errors a train state's fields explain get a note
         if layout is not None:
             with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
                 return mesh_loop.accumulate_on_mesh(
-                    loss,
-                    layout,
-                    state,
-                    batch,
-                    accumulate=configured,
-                    model_state=model_state,
-                    rng=rng,
+                    accumulated, layout, state, batch, model_state=model_state, rng=rng
                 )
-        acc = configured(loss)(state.params, batch, model_state, rng)
+        acc = accumulated(state.params, batch, model_state, rng)
         return mesh_loop.OnMesh(accumulated=acc, state=state, specs=None, params=state.params)
     except TypeError as e:
         if isinstance(e, StateStructureError):
@@ -133,6 +117,11 @@ def _apply_gradients(state: Any, extra: dict[str, Any]) -> Callable[..., Any]:
     return state.apply_gradients
 
 
+def _applied(state: Any, grads: Any, **extra: Any) -> Any:
+    """``state``'s own ``apply_gradients`` (Flax's update, or a subclass's) with ``extra``."""
+    return _apply_gradients(state, extra)(grads=grads, **extra)
+
+
 def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[..., Any]:
     checked = steps.loss_alone(loss, "`loss(params, batch, model_state, rng)`", pair=True)
 
@@ -142,19 +131,14 @@ def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[...,
         fields = state_fields(state, options.model_state_fields, options.rng_field)
         looped = _accumulate_state(checked, options, fields, state, batch, num_real=num_real)
         acc = looped.accumulated
-        extra = steps.tx_args(options, state.tx, acc, end_group, state.opt_state)
-        _apply_gradients(state, extra)  # checked here, called on the state laid out below
-
-        def apply(state: Any, grads: Any) -> Any:  # Flax's update, or a subclass's
-            return _apply_gradients(state, extra)(grads=grads, **extra)
-
+        _apply_gradients(state, steps.tx_args(options, state.tx, acc, end_group, state.opt_state))
         # the optimiser sees the parameters laid out as the gradients (ZeRO-1: sharded)
         before = looped.state.replace(params=looped.params)
-        new = steps.apply_update(acc, apply, before, "weight" in extra)
+        optimizer = steps.Optimizer(state.tx, _applied, operator.attrgetter("opt_state"))
+        new, metrics = steps.optimize(options, optimizer, acc, before, end_group)
         new = fields.write(new.replace(step=state.step + 1), acc.state)
         if options.layout is not None:
             new = sharding.place(options.layout.mesh, new, looped.specs)
-        metrics = steps.metrics(acc, state.tx, new.opt_state, options, "weight" in extra)
         return sharding.offload(new, select=options.offload), metrics
 
     return train_step
@@ -236,12 +220,14 @@ def make_train_step(
     if mesh is None and axis_name is not None:
         mesh = jax.make_mesh((1,), (axis_name,), devices=jax.local_devices()[:1])
     axis_name = "data" if axis_name is None else axis_name
-    layout = mesh_loop.mesh_layout(
-        mesh, axis_name, strategy, reduce_once=reduce_once, pipeline_axis=pipeline_axis
-    )
     fields, key = check_field_names(model_state_fields, rng_field)
     options = steps.step_options(
         num_microbatches,
+        mesh=mesh,
+        axis_name=axis_name,
+        strategy=strategy,
+        reduce_once=reduce_once,
+        pipeline_axis=pipeline_axis,
         memory_budget=memory_budget,
         accumulator_dtype=accumulator_dtype,
         donate=donate,
@@ -249,14 +235,12 @@ def make_train_step(
         unroll=unroll,
         canonical_convolutions=canonical_convolutions,
         compiler_options=compiler_options,
-        layout=layout,
         model_state_fields=fields,
         rng_field=key,
         weight=weight,
         learning_rate=learning_rate,
     )
-    devices = 1 if mesh is None else sharding.axes_size(mesh, axis_name)
-    return TrainStep(_state_step, loss, options, devices)
+    return TrainStep(_state_step, loss, options)
 
 
 def _check_no_optimizer(*positional: Any) -> None:
