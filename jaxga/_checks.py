@@ -55,7 +55,7 @@ def float_dtype(value: Any, name: str = "accumulator_dtype") -> jnp.dtype | None
     raise TypeError(f"`{name}` must be a floating dtype (jnp.float32...) or None; got {got}.")
 
 
-def sum_dtype(dtype: jnp.dtype | None, leaf_dtype: Any) -> jnp.dtype:
+def sum_dtype_for(dtype: jnp.dtype | None, leaf_dtype: Any) -> jnp.dtype:
     return jnp.promote_types(jnp.float32, leaf_dtype) if dtype is None else jnp.dtype(dtype)
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxga import _checks, arguments, auxiliary, collectives, modules
+from jaxga import _checks, arguments, auxiliary, collectives, meshes, modules
 from jaxga.arguments import Options
 from jaxga.convolution import canonical_convolutions, rewrites
 from jaxga.loss import Mean, check_value
@@ -186,13 +186,13 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
         real = carry.index < options.num_real_microbatches
         return jax.lax.cond(real, step, skip, carry, batches)
 
-    def sum_dtype(x):
-        return _checks.sum_dtype(options.accumulator_dtype, jnp.result_type(x))
+    def grad_dtype(x):
+        return _checks.sum_dtype_for(options.accumulator_dtype, jnp.result_type(x))
 
     zero = jnp.zeros((), call.sum_dtype)
     init = Carry(
         index=jnp.zeros((), jnp.int32),
-        grads=collectives.zeros_like_sums(call.primals, sum_dtype, call.route),
+        grads=collectives.zeros_like_sums(call.primals, grad_dtype, call.route),
         total=zero,
         count=zero,
         threaded=call.threaded,
@@ -325,7 +325,7 @@ def layout(options: Options, call: Call) -> Layout:
     mesh, batch_axes, stages = call.route.mesh, call.route.axes, placement.stage_axes
     manual = (*batch_axes, *stages)
     others = [a for a in mesh.axis_names if a not in manual]
-    kept = manual if not collectives.explicit_axes(mesh, others) else stages
+    kept = manual if not meshes.explicit_axes(mesh, others) else stages
     lies = placement.primal_specs
     lies = modules.specs_of(call.primals) if lies is None else lies
     grads = lies if placement.grad_specs is None else placement.grad_specs
@@ -333,11 +333,11 @@ def layout(options: Options, call: Call) -> Layout:
         manual=manual,
         kept=kept,
         each=placement.gather_each,
-        primals=collectives.specs_over(lies, kept),
-        grads=collectives.specs_over(grads, kept),
-        gather=collectives.specs_over(lies, () if kept == stages else batch_axes),
-        scatter=collectives.specs_over(grads, () if kept == stages else batch_axes),
-        threaded=collectives.specs_over(modules.specs_of(call.threaded), stages),
+        primals=meshes.specs_over(lies, kept),
+        grads=meshes.specs_over(grads, kept),
+        gather=meshes.specs_over(lies, () if kept == stages else batch_axes),
+        scatter=meshes.specs_over(grads, () if kept == stages else batch_axes),
+        threaded=meshes.specs_over(modules.specs_of(call.threaded), stages),
     )
 
 

@@ -4,10 +4,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxga import _checks
+from jaxga import _checks, meshes
 
 
 class IndivisibleBatchError(ValueError):
@@ -43,7 +43,7 @@ def split_microbatches(batch: Any, num_microbatches: int, *, name: str = "batch"
 def _reshaped(x: jax.Array, shape: tuple[int, ...], head: int, leading: tuple) -> jax.Array:
     """``x`` reshaped; on Explicit axes, its first ``head`` axes' entries become ``leading``."""
     sharding = jax.typeof(x).sharding
-    if not isinstance(sharding, NamedSharding) or AxisType.Explicit not in sharding.mesh.axis_types:
+    if not meshes.is_explicit(sharding):
         return jnp.reshape(x, shape)  # JAX infers the layout
     mesh = getattr(getattr(x, "sharding", None), "mesh", sharding.mesh)  # concrete if it can
     entries = (*sharding.spec.partitions, *[None] * x.ndim)[: x.ndim]

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxga import collectives
+from jaxga import meshes
 
 
 def is_graph_node(x: Any) -> bool:
@@ -112,9 +112,9 @@ def specs_of(tree: Any) -> Any:
     """
 
     def one(spec: Any, x: Any) -> Any:
-        return spec if any(spec) else collectives.type_spec(x)
+        return spec if any(spec) else meshes.type_spec(x)
 
-    return jax.tree.map(one, nnx.get_partition_spec(tree), tree, is_leaf=collectives.is_spec)
+    return jax.tree.map(one, nnx.get_partition_spec(tree), tree, is_leaf=meshes.is_spec)
 
 
 def check_unshared(parts: dict[int, Any]) -> None:

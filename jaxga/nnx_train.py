@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxga import _checks, arguments, collectives, mesh_loop, modules, sharding, steps
+from jaxga import _checks, arguments, collectives, layouts, modules, sharding, steps
 from jaxga.accumulation import Accumulate
 from jaxga.arguments import check_num_real
 from jaxga.state import unaliased
@@ -240,16 +240,16 @@ def _placed(
     grads = "fsdp" if split.opt_state else strategy  # split as the optimiser state
     grad_specs = sharding.nnx_state_specs(params, mesh, grads, axis_name=axis_name)
     fix = "name '{}' in the stacked layers' variables' sharding metadata"
-    mesh_loop.check_layout(
+    layouts.check_layout(
         layout, sharding.nnx_state_specs(nnx.state(model), mesh, axis_name=axis_name), fix
     )
     placement = collectives.Placement(
-        stage_axes=mesh_loop.stage_axes(layout),
+        stage_axes=layouts.stage_axes(layout),
         primal_specs=(primal_specs,),
         grad_specs=(grad_specs,),
         gather_each=split.gather_each,
     )
-    return mesh_loop.placed(accumulate_model, placement)
+    return layouts.placed(accumulate_model, placement)
 
 
 def nnx_train_step(

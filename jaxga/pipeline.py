@@ -7,9 +7,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 
-from jaxga import collectives
+from jaxga import collectives, meshes
 from jaxga._checks import check_arity, check_callable, positive_int
 from jaxga.loss import Mean
 from jaxga.pipeline_schedules import SCHEDULES, Inputs, Schedule, Stages, checked_mean, pipelined
@@ -46,7 +45,7 @@ def pipeline_order(stacked_params: Any, stages: int, repeats: int = 1) -> Any:
 
     def reorder(p: Any) -> jax.Array:  # no gather: on Explicit axes, the layout is kept
         where = jax.typeof(p).sharding
-        if AxisType.Explicit not in getattr(where.mesh, "axis_types", ()):
+        if not meshes.is_explicit(where):
             return swap(jnp.asarray(p))
         with jax.sharding.use_abstract_mesh(getattr(where.mesh, "abstract_mesh", where.mesh)):
             return jax.sharding.auto_axes(swap, out_sharding=where.spec)(p)
@@ -63,8 +62,8 @@ def check_layers(num_layers: int, stages: int, repeats: int) -> None:
 def _stage_mesh(axis_name: str, stacked_params: Any, mesh: Any) -> tuple[str, Any]:
     """Whether the stage axis is ``"manual"`` here or to be ``"opened"``, and its mesh."""
     context = jax.sharding.get_abstract_mesh()
-    inside = tuple(sorted(collectives.manual_axes(context), key=str))  # a shard_map's axes
-    if inside and axis_name not in inside and collectives.devices(context, inside) == 1:
+    inside = tuple(sorted(meshes.manual_axes(context), key=str))  # a shard_map's axes
+    if inside and axis_name not in inside and meshes.devices(context, inside) == 1:
         raise ValueError(_NESTED_ON_ONE.format(axis=axis_name, inside=inside))
     if axis_name in context.axis_names:
         manual = axis_name in inside

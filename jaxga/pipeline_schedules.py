@@ -9,10 +9,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxga import collectives
+from jaxga import collectives, meshes
 from jaxga.loss import Mean
 from jaxga.microbatch import IndivisibleBatchError, merge_microbatches, split_microbatches
 from jaxga.remat import Policy, remat_scan
@@ -114,13 +113,13 @@ def take(tree: Any, index: Any) -> Any:
     return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False), tree)
 
 
-def put(tree: Any, index: Any, value: Any, where: Any) -> Any:
+def written(tree: Any, index: Any, value: Any, where: Any) -> Any:
     """``tree`` with entry ``index`` of its leading axis set to ``value`` where ``where``."""
 
-    def put(x, v):
+    def write(x, v):
         return jax.lax.dynamic_update_index_in_dim(x, jnp.where(where, v, x[index]), index, 0)
 
-    return jax.tree.map(put, tree, value)
+    return jax.tree.map(write, tree, value)
 
 
 def select(where: Any, a: Any, b: Any) -> Any:
@@ -196,10 +195,10 @@ def autodiff_ticks(stages: Stages, inputs: Inputs) -> Any:
         given = select(work.valid, select(stage == 0, first, held), take(xs, work.microbatch))
         out = run(inputs.params, given, work, inputs.key)
         done = work.valid & (stage == last) & (work.chunk == plan.repeats - 1)
-        outputs = put(outputs, work.microbatch, out, done)
+        outputs = written(outputs, work.microbatch, out, done)
         passed = jax.lax.ppermute(out, axis, plan.sends)  # stage S - 1's goes round to 0
         back = plan.forward(t, last)  # what stage 0 got: kept for its next chunk
-        stored = put(stored, back.microbatch, passed, (stage == 0) & back.valid)
+        stored = written(stored, back.microbatch, passed, (stage == 0) & back.valid)
         return (passed, stored, outputs), None
 
     carry = (take(zeros, 0), zeros, zeros)
@@ -221,9 +220,8 @@ def checked_mean(head_fn: Callable[..., Any], head_params: Any, y: Any, targets:
 
 def _zeros_varying(tree: Any, axis: str) -> Any:
     """Zeros like ``tree`` varying over ``axis`` and every manual axis here: a carry's start."""
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual}
-    return collectives.varying(jax.tree.map(jnp.zeros_like, tree), tuple(manual | {axis}))
+    manual = meshes.manual_axes(jax.sharding.get_abstract_mesh()) | {axis}
+    return collectives.varying(jax.tree.map(jnp.zeros_like, tree), tuple(manual))
 
 
 def _when(where: jax.Array, fun: Callable[..., Any], *args: Any) -> Any:
@@ -271,7 +269,7 @@ def _tick(stages: Stages, split: Inputs, carry: tuple, t: jax.Array) -> tuple:
     f, b = plan.forward(t, s), plan.backward(t, s)
     h = select((s == 0) & (f.chunk == 0), take(split.x, f.microbatch), arrived)
     y = _when(f.valid, functools.partial(run_stage, stages), split.params, h, f, key)
-    saved = put(saved, f.slot, h, f.valid)
+    saved = written(saved, f.slot, h, f.valid)
     at_head = f.valid & (s == last) & (f.chunk == final)
     head = functools.partial(_head_step, stages, split)
     micro_mean, d_head, dy = _when(at_head, head, y, f.microbatch)
@@ -281,7 +279,7 @@ def _tick(stages: Stages, split: Inputs, carry: tuple, t: jax.Array) -> tuple:
     grads = grads._replace(
         params=jax.tree.map(jnp.add, grads.params, d_params),
         head=jax.tree.map(jnp.add, grads.head, d_head),
-        x=put(grads.x, b.microbatch, dh, b.valid & (s == 0) & (b.chunk == 0)),
+        x=written(grads.x, b.microbatch, dh, b.valid & (s == 0) & (b.chunk == 0)),
     )
     arrived = jax.lax.ppermute(y, stages.axis, plan.sends)
     returned = jax.lax.ppermute(dh, stages.axis, [(j, i) for i, j in plan.sends])

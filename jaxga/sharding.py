@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxga import _checks, collectives
+from jaxga import _checks, collectives, meshes
 from jaxga.microbatch import IndivisibleBatchError  # noqa: F401 (jaxga.sharding's, as before)
 
 
@@ -50,10 +50,10 @@ _SPACES = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Devi
 _MOVED: dict[Any, list[bool]] = {}  # offload's leaves to move, by tree structure
 
 
-is_spec = collectives.is_spec  # a leaf of a tree of specs
+is_spec = meshes.is_spec  # a leaf of a tree of specs
 
 
-def _laid_out_as(x: Any, sharding: NamedSharding) -> bool:
+def _is_laid_out(x: Any, sharding: NamedSharding) -> bool:
     now = getattr(x, "sharding", None)  # None: a host array or a bare shape struct
     on_mesh = isinstance(now, NamedSharding) and now.mesh == sharding.mesh
     return on_mesh and now.is_equivalent_to(sharding, x.ndim)
@@ -91,7 +91,7 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
 
     def rows(path, x):
         on_devices = isinstance(x, jax.Array) and x.ndim > 0  # global rows: keep or reshard
-        if on_devices and (_laid_out_as(x, sharding) or not x.is_fully_addressable):
+        if on_devices and (_is_laid_out(x, sharding) or not x.is_fully_addressable):
             return jax.device_put(x, sharding)
         shape = np.shape(x)
         if not shape or shape[0] % shards:
@@ -112,7 +112,7 @@ def axes_size(mesh: Any, axis_name: Any) -> int:
         >>> jaxga.sharding.axes_size(jax.make_mesh((1, 1), ("data", "model")), ("data", "model"))
         1
     """
-    return collectives.devices(mesh, axis_name)
+    return meshes.devices(mesh, axis_name)
 
 
 def onto(tree: Any, mesh: Mesh) -> Any:
@@ -325,7 +325,7 @@ def nnx_state_specs(state: Any, mesh: Mesh, strategy: Any = None, *, axis_name: 
     if not (strategy is None or isinstance(check_strategy(strategy), str)):
         expected = f"one of {', '.join(map(repr, STRATEGIES))} or None (the model's metadata)"
         raise TypeError(f"`strategy` for an NNX model must be {expected}; got {strategy!r}.")
-    split, size = split_of(strategy), collectives.devices(mesh, axis_name)
+    split, size = split_of(strategy), meshes.devices(mesh, axis_name)
 
     def one(variable: Any, spec: Any) -> Any:
         given = spec.get_value()
@@ -350,7 +350,7 @@ def state_shardings(
 
 def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
     """Inside a jit, ``tree`` constrained to ``specs`` on ``mesh`` (on Explicit axes: resharded)."""
-    move = jax.reshard if collectives.explicit_axes(mesh) else jax.lax.with_sharding_constraint
+    move = jax.reshard if meshes.explicit_axes(mesh) else jax.lax.with_sharding_constraint
     return jax.tree.map(lambda x, spec: move(x, NamedSharding(mesh, spec)), tree, specs)
 
 
@@ -383,7 +383,7 @@ def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Call
         if isinstance(strategy, str):
             specs = fsdp_specs(first, mesh, axis_name) if split_of(strategy).params else [P()]
         wanted = [NamedSharding(mesh, spec) for spec in [P(), *specs]]
-        if not all(map(_laid_out_as, [state.step, *first], wanted)):
+        if not all(map(_is_laid_out, [state.step, *first], wanted)):
             state = put(state, state_shardings(state, mesh, strategy, axis_name=axis_name))
     elif offload_state:
         first = jax.tree.leaves(state)[0]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxga import _checks, auxiliary, collectives, convolution, mesh_loop, planner, sharding
+from jaxga import _checks, auxiliary, collectives, convolution, layouts, planner, sharding
 from jaxga.accumulation import Accumulate, accumulate
 from jaxga.arguments import check_unroll
 from jaxga.compiler import compiler_options
@@ -246,7 +246,7 @@ def step_options(
     **options: Any,
 ) -> StepOptions:
     """Both train steps' arguments, checked once: their `StepOptions` (the layout built)."""
-    layout = mesh_loop.mesh_layout(
+    layout = layouts.mesh_layout(
         mesh, axis_name, strategy, reduce_once=reduce_once, pipeline_axis=pipeline_axis
     )
     xla = options.pop("compiler_options")

@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 from flax.training import train_state
 
-from jaxga import _checks, mesh_loop, modules, sharding, steps
+from jaxga import _checks, layouts, modules, sharding, steps
 from jaxga.arguments import StateStructureError, check_num_real
 from jaxga.state import StateFields, TrainState, check_field_names, state_fields, unaliased
 from jaxga.steps import Metrics, StepOptions
@@ -76,7 +76,7 @@ def _accumulate_state(
     batch: Any,
     *,
     num_real: Any,
-) -> mesh_loop.OnMesh:
+) -> layouts.OnMesh:
     layout = options.layout
     roles = {"batch_argnums": 1, "state_argnums": 2, "rng_argnums": 3}
     accumulated = steps.accumulator(loss, options, 0, num_real=num_real, **roles)
@@ -84,11 +84,11 @@ def _accumulate_state(
     try:  # the errors a train state's fields explain get a note
         if layout is not None:
             with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
-                return mesh_loop.accumulate_on_mesh(
+                return layouts.accumulate_on_mesh(
                     accumulated, layout, state, batch, model_state=model_state, rng=rng
                 )
         acc = accumulated(state.params, batch, model_state, rng)
-        return mesh_loop.OnMesh(accumulated=acc, state=state, specs=None, params=state.params)
+        return layouts.OnMesh(accumulated=acc, state=state, specs=None, params=state.params)
     except TypeError as e:
         if isinstance(e, StateStructureError):
             e.add_note(f"jaxga: {fields.describe(state)}.")

@@ -5,7 +5,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jaxga import _checks, collectives
+from jaxga import _checks, collectives, meshes
 from jaxga.accumulation import Accumulate
 from jaxga.engine import Accumulated
 from jaxga.microbatch import IndivisibleBatchError
@@ -75,7 +75,7 @@ def accumulate_on_mesh(
         )
         acc = placed(accumulated, placement)(state.params, batch, model_state, rng)
     else:  # jit's global view: the parameters gathered once, JAX reducing in every micro-batch
-        gathered = collectives.specs_over(specs.params, others(layout))
+        gathered = meshes.specs_over(specs.params, others(layout))
         acc = accumulated(place(mesh, state.params, gathered), batch, model_state, rng)
     grads = place(mesh, acc.grads, grad_specs)
     return OnMesh(
@@ -124,13 +124,13 @@ def check_layout(layout: MeshLayout, param_specs: Any, fix: str) -> None:
     """Raises unless the loop can run on ``layout``: ZeRO-3 and a pipeline's stage axis (which
     must split some parameters; ``fix`` says how, ``{}`` its name) need the mesh's other
     axes (those the loop leaves in jit's global view) Auto."""
-    explicit = collectives.explicit_axes(layout.mesh, others(layout))
+    explicit = meshes.explicit_axes(layout.mesh, others(layout))
     if split_of(layout.strategy).gather_each and (explicit or not layout.reduce_once):
         raise ValueError(f"`strategy`='zero3' {_ZERO3_GATHERS}; got {layout.mesh}.")
     if layout.pipeline_axis is None:
         return
-    specs = jax.tree.leaves(param_specs, is_leaf=collectives.is_spec)
-    named = [s for s in specs if any(collectives.spec_over(s, layout.pipeline_axis))]
+    specs = jax.tree.leaves(param_specs, is_leaf=meshes.is_spec)
+    named = [s for s in specs if any(meshes.spec_over(s, layout.pipeline_axis))]
     if not named:
         stage = layout.pipeline_axis
         raise ValueError(f"`pipeline_axis`={stage!r} splits no parameter: {fix.format(stage)}.")

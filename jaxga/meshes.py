@@ -1,0 +1,66 @@
+"""Mesh facts, read in one place: axis types, Manual axes, device counts, specs over axes."""
+
+import math
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def axes(axis_name: Any) -> tuple[Any, ...]:
+    """Returns ``axis_name``, a name or a collection of names, as a tuple of names."""
+    return tuple(axis_name) if isinstance(axis_name, tuple | list | set) else (axis_name,)
+
+
+def axis_types(mesh: Any) -> dict[Any, AxisType]:
+    """``mesh``'s axis types by name: the one place a mesh's types are read."""
+    return dict(zip(mesh.axis_names, mesh.axis_types))
+
+
+def explicit_axes(mesh: Any, names: Any = None) -> tuple[Any, ...]:
+    """The Explicit axes of ``mesh`` among ``names`` (``None``: all of them)."""
+    types = axis_types(mesh)
+    names = types if names is None else axes(names)
+    return tuple(a for a in names if types[a] == AxisType.Explicit)
+
+
+def manual_axes(mesh: Any) -> frozenset:
+    """The axes of ``mesh`` (an abstract mesh) that a ``shard_map`` here has made Manual."""
+    return frozenset(a for a, t in axis_types(mesh).items() if t == AxisType.Manual)
+
+
+def is_explicit(sharding: Any) -> bool:
+    """Whether ``sharding`` is a `NamedSharding` on a mesh with Explicit axes (its type says)."""
+    return isinstance(sharding, NamedSharding) and bool(explicit_axes(sharding.mesh))
+
+
+def devices(mesh: Any, names: Any) -> int:
+    """How many devices ``mesh``'s axes ``names`` hold."""
+    return math.prod(mesh.shape[a] for a in axes(names))
+
+
+def spec_over(spec: P, names: Any) -> P:
+    """``spec`` with its entries naming the axes ``names`` alone (the others dropped)."""
+    keep = set(axes(names))
+
+    def entry(e: Any) -> Any:
+        return tuple(a for a in axes(e or ()) if a in keep) or None
+
+    return P(*map(entry, spec))
+
+
+def specs_over(specs: Any, names: Any) -> Any:
+    """`spec_over` of every spec of ``specs``."""
+    return jax.tree.map(lambda spec: spec_over(spec, names), specs, is_leaf=is_spec)
+
+
+def is_spec(x: Any) -> bool:
+    """Whether ``x`` is a ``PartitionSpec`` (a leaf of a tree of specs)."""
+    return isinstance(x, P)
+
+
+def type_spec(x: Any) -> P:
+    """``x``'s PartitionSpec as its type says (Explicit axes), else ``P()``."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return P(*sharding.spec) if is_explicit(sharding) else P()
