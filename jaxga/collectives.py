@@ -159,8 +159,10 @@ class Placement(NamedTuple):
 
     Without one (`jaxga.value_and_grad`), each value lies as its type (Explicit axes) or its
     NNX variable's sharding metadata says. The differentiated values split over the batch's
-    axes go in split and are gathered inside, once (or in every micro-batch: ``gather_each``,
-    ZeRO-3); their gradients are reduce-scattered once, after the loop, as ``grad_specs`` say.
+    axes go in split; they are gathered inside once and their gradients reduce-scattered
+    once, after the loop, as ``grad_specs`` say — or, with ``gather_each`` (ZeRO-3),
+    gathered in every micro-batch and reduce-scattered there (the gather's transpose). A
+    primal split over the batch's axes has a gradient split over them too.
     """
 
     stage_axes: tuple[Any, ...] = ()  # manual in the loop beside the batch's: a pipeline's
@@ -183,10 +185,11 @@ def gathered(tree: Any, over: tuple[Any, ...]) -> Any:
 
 
 def laid_out_as(tree: Any, like: Any) -> Any:
-    """``tree`` resharded as ``like``'s Explicit-axes types say (others as they are)."""
+    """``tree`` resharded as ``like``'s Explicit-axes types say (others as they are);
+    ``like``: arrays, or their types (``jax.typeof``'s)."""
 
     def lay(x: Any, y: Any) -> Any:
-        want = jax.typeof(y).sharding
+        want = (jax.typeof(y) if isinstance(y, jax.Array) else y).sharding
         return jax.reshard(x, want) if is_explicit(want) and jax.typeof(x).sharding != want else x
 
     return jax.tree.map(lay, tree, like)

@@ -325,7 +325,8 @@ def layout(options: Options, call: Call) -> Layout:
     mesh, batch_axes, stages = call.route.mesh, call.route.axes, placement.stage_axes
     manual = (*batch_axes, *stages)
     others = [a for a in mesh.axis_names if a not in manual]
-    kept = manual if not meshes.explicit_axes(mesh, others) else stages
+    split_kept = not meshes.explicit_axes(mesh, others)  # JAX reduce-scatters beside Auto
+    kept = manual if split_kept else stages
     lies = placement.primal_specs
     lies = modules.specs_of(call.primals) if lies is None else lies
     grads = lies if placement.grad_specs is None else placement.grad_specs
@@ -335,8 +336,8 @@ def layout(options: Options, call: Call) -> Layout:
         each=placement.gather_each,
         primals=meshes.specs_over(lies, kept),
         grads=meshes.specs_over(grads, kept),
-        gather=meshes.specs_over(lies, () if kept == stages else batch_axes),
-        scatter=meshes.specs_over(grads, () if kept == stages else batch_axes),
+        gather=meshes.specs_over(lies, batch_axes if split_kept else ()),
+        scatter=meshes.specs_over(grads, batch_axes if split_kept else ()),
         threaded=meshes.specs_over(modules.specs_of(call.threaded), stages),
     )
 

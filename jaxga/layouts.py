@@ -63,17 +63,10 @@ def accumulate_on_mesh(
     batch = place(mesh, batch, batch_specs(batch, layout))
     split = split_of(strategy)
     grad_specs = fsdp_specs(state.params, mesh, axis_name) if split.opt_state else specs.params
-    check_layout(
-        layout, specs.params, "give `strategy` specs with P('{stage}') on the stacked layers"
-    )
+    check_layout(layout, specs.params, "give `strategy` specs with P('{}') on the stacked layers")
     if layout.reduce_once:  # the engine's one loop onto the mesh
-        placement = collectives.Placement(
-            stage_axes=stage_axes(layout),
-            primal_specs=(specs.params,),
-            grad_specs=(grad_specs,),
-            gather_each=split.gather_each,
-        )
-        acc = placed(accumulated, placement)(state.params, batch, model_state, rng)
+        where = placement(layout, (specs.params,), (grad_specs,))
+        acc = placed(accumulated, where)(state.params, batch, model_state, rng)
     else:  # jit's global view: the parameters gathered once, JAX reducing in every micro-batch
         gathered = meshes.specs_over(specs.params, others(layout))
         acc = accumulated(place(mesh, state.params, gathered), batch, model_state, rng)
@@ -83,6 +76,17 @@ def accumulate_on_mesh(
         state=state,
         specs=specs,
         params=place(mesh, state.params, grad_specs),
+    )
+
+
+def placement(layout: MeshLayout, primal_specs: Any, grad_specs: Any) -> collectives.Placement:
+    """The `collectives.Placement` of a step on ``layout``: its stage axes, ZeRO-3's gathers,
+    and the specs (a tuple, one tree per differentiated argument; ``None``: as they lie)."""
+    return collectives.Placement(
+        stage_axes=stage_axes(layout),
+        primal_specs=primal_specs,
+        grad_specs=grad_specs,
+        gather_each=split_of(layout.strategy).gather_each,
     )
 
 
@@ -151,7 +155,6 @@ def others(layout: MeshLayout) -> list[Any]:
     return [a for a in layout.mesh.axis_names if a not in manual]
 
 
-_STRATEGY_FIX = "give `strategy` specs with P('{}') on the stacked layers"
 _ZERO3_GATHERS = (
     "gathers in every micro-batch in a shard_map over the batch's axes, which needs "
     "reduce_once=True and no other Explicit mesh axes (JAX 0.12 cannot differentiate the "

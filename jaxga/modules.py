@@ -103,7 +103,8 @@ def write_back(parts: Any, rest: Any) -> None:
 
 
 def specs_of(tree: Any) -> Any:
-    """Each array's ``PartitionSpec``: its NNX Variable's sharding metadata, else its type's.
+    """Each array's ``PartitionSpec``: on Explicit axes its type's (the layout it has), else
+    its NNX Variable's sharding metadata, else ``P()``.
 
     Examples:
         >>> import jax.numpy as jnp, jaxga
@@ -112,7 +113,8 @@ def specs_of(tree: Any) -> Any:
     """
 
     def one(spec: Any, x: Any) -> Any:
-        return spec if any(spec) else meshes.type_spec(x)
+        explicit = meshes.is_explicit(getattr(jax.typeof(x), "sharding", None))
+        return meshes.type_spec(x) if explicit else spec
 
     return jax.tree.map(one, nnx.get_partition_spec(tree), tree, is_leaf=meshes.is_spec)
 

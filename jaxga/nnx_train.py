@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxga import _checks, arguments, collectives, layouts, modules, sharding, steps
+from jaxga import _checks, arguments, layouts, modules, sharding, steps
 from jaxga.accumulation import Accumulate
 from jaxga.arguments import check_num_real
 from jaxga.state import unaliased
@@ -173,8 +173,8 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
 
     def train_step(graphdef: Any, state: Any, batch: Any, call: _Call) -> tuple[Any, steps.Metrics]:
         state = sharding.offload(state, "device", select=options.offload)
-        layout = options.layout
-        if layout is not None:  # as the strategy (the variables' metadata) lays it out
+        layout, specs = options.layout, None
+        if layout is not None:  # as the metadata, or the strategy, says; the rest as it is
             specs = sharding.nnx_state_specs(
                 state, layout.mesh, layout.strategy, axis_name=layout.axis_name
             )
@@ -197,7 +197,7 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
         before = nnx.state((model, optimizer, *streams))
         optimizer = steps.Optimizer(optimizer.tx, _Updated(graphdef), _OptState(graphdef))
         state, metrics = steps.optimize(options, optimizer, acc, before, call.end_group)
-        if layout is not None:
+        if specs is not None:
             state = sharding.place(layout.mesh, state, specs)
         if options.has_aux:
             metrics["aux"] = acc.aux
@@ -227,29 +227,19 @@ class _OptState(NamedTuple):
         return nnx.as_pure(nnx.merge(self.graphdef, state)[1].opt_state)
 
 
-def _placed(
-    accumulate_model: Accumulate, layout: sharding.MeshLayout, model: Any, wrt: Any
-) -> Accumulate:
-    """``accumulate_model`` told where the parameters it differentiates (``wrt`` of ``model``)
-    lie on the mesh: as the strategy (or their metadata) says; the gradients, as the
-    optimiser state."""
+def _placed(accumulated: Accumulate, layout: sharding.MeshLayout, model: Any, wrt: Any):
+    """``accumulated`` told where the parameters it differentiates (``wrt`` of ``model``)
+    lie on the mesh: as the strategy says, the gradients as the optimiser state; without
+    one, where they are (their types, their metadata: the engine reads them)."""
     mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
+    every = sharding.nnx_state_specs(nnx.state(model), mesh, axis_name=axis_name)
+    layouts.check_layout(layout, every, "name '{}' in the stacked layers' sharding metadata")
+    if strategy is None:
+        return layouts.placed(accumulated, layouts.placement(layout, None, None))
     params = nnx.state(model, wrt)
-    primal_specs = sharding.nnx_state_specs(params, mesh, strategy, axis_name=axis_name)
-    split = sharding.split_of(strategy)
-    grads = "fsdp" if split.opt_state else strategy  # split as the optimiser state
-    grad_specs = sharding.nnx_state_specs(params, mesh, grads, axis_name=axis_name)
-    fix = "name '{}' in the stacked layers' variables' sharding metadata"
-    layouts.check_layout(
-        layout, sharding.nnx_state_specs(nnx.state(model), mesh, axis_name=axis_name), fix
-    )
-    placement = collectives.Placement(
-        stage_axes=layouts.stage_axes(layout),
-        primal_specs=(primal_specs,),
-        grad_specs=(grad_specs,),
-        gather_each=split.gather_each,
-    )
-    return layouts.placed(accumulate_model, placement)
+    specs = sharding.nnx_state_specs(params, mesh, strategy, axis_name=axis_name)
+    grads = sharding.nnx_state_specs(params, mesh, strategy, axis_name=axis_name, grads=True)
+    return layouts.placed(accumulated, layouts.placement(layout, (specs,), (grads,)))
 
 
 def nnx_train_step(
@@ -320,7 +310,7 @@ def nnx_train_step(
         num_microbatches,
         mesh=mesh,
         axis_name=axis_name,
-        strategy=strategy,
+        strategy=sharding.check_nnx_strategy(strategy),
         reduce_once=reduce_once,
         pipeline_axis=pipeline_axis,
         has_aux=has_aux,

@@ -1,7 +1,6 @@
 """Train states and batches on a mesh: layouts (ZeRO-1, FSDP...); the loop is the engine's."""
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -14,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, collectives, meshes
-from jaxga.microbatch import IndivisibleBatchError  # noqa: F401 (jaxga.sharding's, as before)
+from jaxga.microbatch import IndivisibleBatchError  # noqa: F401 (importable from here too)
 
 
 class Split(NamedTuple):
@@ -69,6 +68,7 @@ def check_mesh(mesh: Any, axis_name: Any = None, concrete: bool = False) -> None
 
 
 def check_strategy(strategy: Any) -> Any:
+    """``strategy``, checked: a name of `STRATEGIES`, or anything else (specs, ``None``)."""
     if isinstance(strategy, str) and strategy not in STRATEGIES:
         names = ", ".join(map(repr, STRATEGIES))
         expected = f"one of {names}, None (as placed) or a tree of PartitionSpecs for the params"
@@ -87,7 +87,7 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
     """
     check_mesh(mesh, axis_name, concrete=True)
     sharding = NamedSharding(mesh, P(axis_name))
-    shards = int(np.prod([mesh.local_mesh.shape[a] for a in collectives.axes(axis_name)]))
+    shards = meshes.devices(mesh.local_mesh, axis_name)
 
     def rows(path, x):
         on_devices = isinstance(x, jax.Array) and x.ndim > 0  # global rows: keep or reshard
@@ -238,7 +238,8 @@ def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:
 def fsdp_specs(tree: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
     """[`fsdp_spec`][jaxga.sharding.fsdp_spec] of every leaf of `tree` over `mesh`'s `axis_name`."""
     check_mesh(mesh, axis_name)
-    return jax.tree.map(lambda x: fsdp_spec(jnp.shape(x), mesh.shape[axis_name], axis_name), tree)
+    size = meshes.devices(mesh, axis_name)
+    return jax.tree.map(lambda x: fsdp_spec(jnp.shape(x), size, axis_name), tree)
 
 
 def _check_param_specs(specs: Any, params: Any, mesh: Mesh) -> None:
@@ -255,7 +256,7 @@ def _check_param_specs(specs: Any, params: Any, mesh: Mesh) -> None:
                 f"{shape}), each None or axes of the mesh {mesh.axis_names}; got {spec!r}."
             )
         for dim, entry in enumerate(spec):
-            size = math.prod(mesh.shape[a] for a in collectives.axes(entry or ()))
+            size = meshes.devices(mesh, entry or ())
             if shape[dim] % size:
                 raise ValueError(
                     f"{where}, {spec}, splits its axis {dim} of size {shape[dim]} over the "
@@ -308,10 +309,30 @@ def state_specs(
     return specs.replace(params=strategy, opt_state=opt_state)
 
 
-def nnx_state_specs(state: Any, mesh: Mesh, strategy: Any = None, *, axis_name: Any = "data"):
-    """A Flax NNX state's PartitionSpecs: each variable's sharding metadata (or its type's);
-    under a named ``strategy``, a variable that names none is split over ``axis_name`` as
-    the strategy splits the parameters (`nnx.Param`) or the optimiser state.
+def nnx_state_specs(
+    state: Any,
+    mesh: Mesh,
+    strategy: str | None = None,
+    *,
+    axis_name: Any = "data",
+    grads: bool = False,
+) -> Any:
+    """A Flax NNX state's PartitionSpecs on ``mesh``, as a train step lays it out.
+
+    Each variable's sharding metadata (axes ``mesh`` lacks dropped); a variable whose
+    metadata names none: ``None`` without a ``strategy`` (where it is, it stays), else split
+    over ``axis_name`` as the strategy splits the parameters (`nnx.Param`) or the optimiser
+    state, or ``P()``.
+
+    Args:
+        state: an `nnx.State` (`nnx.state(model)`, `nnx.state((model, optimizer))`).
+        mesh: the mesh the state is laid out on.
+        strategy: `None` (the metadata alone) or one of `STRATEGIES`.
+        axis_name: the batch's mesh axis (or axes) a strategy splits over.
+        grads: the specs of ``state``'s gradients, split as the optimiser state.
+
+    Returns:
+        An `nnx.State` shaped as ``state``, a `PartitionSpec` in each variable.
 
     Examples:
         >>> import jax, optax, jaxga, flax.nnx as nnx
@@ -322,22 +343,29 @@ def nnx_state_specs(state: Any, mesh: Mesh, strategy: Any = None, *, axis_name: 
         P(None, 'data')
     """
     check_mesh(mesh, axis_name)
-    if not (strategy is None or isinstance(check_strategy(strategy), str)):
-        expected = f"one of {', '.join(map(repr, STRATEGIES))} or None (the model's metadata)"
-        raise TypeError(f"`strategy` for an NNX model must be {expected}; got {strategy!r}.")
+    check_nnx_strategy(strategy)
     split, size = split_of(strategy), meshes.devices(mesh, axis_name)
 
     def one(variable: Any, spec: Any) -> Any:
-        given = spec.get_value()
-        opt = isinstance(variable, nnx.optimizer.OptState)
-        if any(given) or not (split.opt_state if opt else split.params):
-            return spec
-        if not (opt or isinstance(variable, nnx.Param)):
-            return spec
+        given = meshes.spec_over(spec.get_value(), mesh.axis_names)
+        opt = grads or isinstance(variable, nnx.optimizer.OptState)
+        wanted = split.opt_state if opt else split.params and isinstance(variable, nnx.Param)
+        if any(given) or strategy is None:
+            return spec.replace(given if any(given) else None)
+        if not wanted:
+            return spec.replace(given)
         return spec.replace(fsdp_spec(jnp.shape(variable.get_value()), size, axis_name))
 
     specs = nnx.get_partition_spec(state)
     return jax.tree.map(one, state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def check_nnx_strategy(strategy: Any) -> str | None:
+    """``strategy`` for an NNX model: ``None`` (its metadata) or a name of `STRATEGIES`."""
+    if not (strategy is None or isinstance(check_strategy(strategy), str)):
+        expected = f"one of {', '.join(map(repr, STRATEGIES))} or None (the model's metadata)"
+        raise TypeError(f"`strategy` for an NNX model must be {expected}; got {strategy!r}.")
+    return strategy
 
 
 def state_shardings(
@@ -349,9 +377,18 @@ def state_shardings(
 
 
 def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
-    """Inside a jit, ``tree`` constrained to ``specs`` on ``mesh`` (on Explicit axes: resharded)."""
+    """Inside a jit, ``tree`` constrained to ``specs`` on ``mesh`` (on Explicit axes:
+    resharded); a leaf whose spec is ``None`` stays where it is."""
     move = jax.reshard if meshes.explicit_axes(mesh) else jax.lax.with_sharding_constraint
-    return jax.tree.map(lambda x, spec: move(x, NamedSharding(mesh, spec)), tree, specs)
+
+    def one(spec: Any, x: Any) -> Any:
+        return x if spec is None else move(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(one, specs, tree, is_leaf=_spec_or_none)
+
+
+def _spec_or_none(x: Any) -> bool:
+    return x is None or is_spec(x)
 
 
 class MeshLayout(NamedTuple):

@@ -28,7 +28,7 @@ _HINT = "was it built for these parameters?"
 
 
 def apply_update(
-    acc: Accumulated, update: Callable[[Any, Any], Any], state: Any, always: bool
+    acc: Accumulated, update: Callable[[Any, Any], Any], state: Any, *, always: bool
 ) -> Any:
     """``update(state, grads)``, checked and traced once; with no items counted, ``state``
     unless ``always`` (then with zero gradients: a transformation given ``weight`` weighs
@@ -49,7 +49,8 @@ def apply_update(
             if before != jnp.shape(after):
                 change = f"{jax.tree_util.keystr(path)} from {before} to {jnp.shape(after)}"
                 raise ValueError(f"The optimiser's update changes the shape of {change}: {_HINT}")
-        traced["tree"], traced["types"] = jax.tree.structure(new), jax.tree.leaves(new)
+        traced["tree"] = jax.tree.structure(new)
+        traced["types"] = [jax.typeof(x) for x in jax.tree.leaves(new)]
         return jax.tree.leaves(new)
 
     def kept(state: Any, grads: Any) -> list[Any]:  # cond traces `updated` first
@@ -319,6 +320,7 @@ class Optimizer(NamedTuple):
     tx: Any  # the optax transformation (`state.tx`, `optimizer.tx`)
     update: Callable[..., Any]  # (state, grads, **extra) -> state: Flax's apply_gradients, NNX's
     opt_state: Callable[[Any], Any]  # the optimiser state in a state
+    check: Callable[[dict[str, Any]], Any] | None = None  # raises unless `update` takes extra
 
 
 def optimize(
@@ -327,8 +329,10 @@ def optimize(
     """The tail both train steps share: ``optimizer.update`` of ``state`` by ``acc.grads``
     (with `weight` and `end_group` as `tx_args` says), and the step's metrics."""
     extra = tx_args(options, optimizer.tx, acc, end_group, optimizer.opt_state(state))
+    if optimizer.check is not None:
+        optimizer.check(extra)
     update = functools.partial(_call_with, optimizer.update, extra)
-    new = apply_update(acc, update, state, "weight" in extra)
+    new = apply_update(acc, update, state, always="weight" in extra)
     opt_state = optimizer.opt_state(new)
     return new, metrics(acc, optimizer.tx, opt_state, options, "weight" in extra)
 

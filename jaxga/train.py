@@ -131,10 +131,10 @@ def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[...,
         fields = state_fields(state, options.model_state_fields, options.rng_field)
         looped = _accumulate_state(checked, options, fields, state, batch, num_real=num_real)
         acc = looped.accumulated
-        _apply_gradients(state, steps.tx_args(options, state.tx, acc, end_group, state.opt_state))
         # the optimiser sees the parameters laid out as the gradients (ZeRO-1: sharded)
         before = looped.state.replace(params=looped.params)
-        optimizer = steps.Optimizer(state.tx, _applied, operator.attrgetter("opt_state"))
+        check = functools.partial(_apply_gradients, state)  # a subclass's takes `extra`?
+        optimizer = steps.Optimizer(state.tx, _applied, operator.attrgetter("opt_state"), check)
         new, metrics = steps.optimize(options, optimizer, acc, before, end_group)
         new = fields.write(new.replace(step=state.step + 1), acc.state)
         if options.layout is not None:
