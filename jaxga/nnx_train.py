@@ -239,7 +239,11 @@ def _placed(
     split = sharding.split_of(strategy)
     grads = "fsdp" if split.opt_state else strategy  # split as the optimiser state
     grad_specs = sharding.nnx_state_specs(params, mesh, grads, axis_name=axis_name)
-    fix = "name '{}' in the stacked layers' variables' sharding metadata"
+    fix = (
+        "name '{}' in the stacked layers' variables' sharding metadata (nnx.vmap's "
+        "transform_metadata names it only on variables that already carry some: create them "
+        "with nnx.with_partitioning(init, (None, ...)), e.g. nnx.Linear(kernel_init=...))"
+    )
     layouts.check_layout(
         layout, sharding.nnx_state_specs(nnx.state(model), mesh, axis_name=axis_name), fix
     )

@@ -74,13 +74,16 @@ def _stage_mesh(axis_name: str, stacked_params: Any, mesh: Any) -> tuple[str, An
             got = f"{axis_name!r} is not an axis of `mesh` {mesh.axis_names}"
             raise ValueError(f"`axis_name`={got}.")
         return "opened", mesh
+    seen = tuple(context.axis_names)  # the axes of the mesh here, or of the params'
     for leaf in jax.tree.leaves(stacked_params):  # Explicit axes: the type says
-        typed = getattr(jax.typeof(leaf), "sharding", None)
-        if axis_name in getattr(getattr(typed, "mesh", None), "axis_names", ()):
-            return "opened", typed.mesh
+        typed = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+        if axis_name in getattr(typed, "axis_names", ()):
+            return "opened", typed
+        seen = seen or tuple(getattr(typed, "axis_names", ()))
     raise ValueError(
-        f"`axis_name`={axis_name!r} is not an axis of the mesh here: lay `stacked_params` out "
-        f"on a mesh with it (Explicit axes), call under jax.set_mesh(mesh), or pass `mesh`."
+        f"`axis_name`={axis_name!r} is not an axis of the mesh here (axes {seen}): lay "
+        "`stacked_params` out on a mesh with it (Explicit axes), call under "
+        "jax.set_mesh(mesh), or pass `mesh`."
     )
 
 
@@ -125,17 +128,39 @@ def plan_stages(
     if m < plan.stages or (grouped and m % plan.stages):
         need = f"{'a multiple of' if grouped else 'at least'} the S={plan.stages} stages"
         raise ValueError(f"`num_microbatches`={m}; it must be {need} (and divide x's rows).")
-    if kind == "manual" and any(
-        axis_name not in collectives.varying_axes(x) for x in jax.tree.leaves(stacked_params)
-    ):
+    if kind == "manual":
+        _check_split(stacked_params, axis_name)
+    layers = stack_length(stacked_params) * (plan.stages if kind == "manual" else 1)  # L
+    check_layers(layers, plan.stages, repeats)
+    return Stages(layer_fn, policy, plan, axis_name, head_fn), kind, mesh
+
+
+def _check_split(stacked_params: Any, axis_name: str) -> None:
+    """A `ValueError` unless, inside a ``shard_map`` over ``axis_name``, every stacked leaf
+    varies over it (laid out over the stages), and the ``shard_map`` checks what varies."""
+    if not collectives.varying_axes(collectives.varying(jnp.zeros(()), (axis_name,))):
+        raise ValueError(_UNCHECKED.format(axis=axis_name))
+    same = [
+        jax.tree_util.keystr(path)
+        for path, x in jax.tree_util.tree_leaves_with_path(stacked_params)
+        if axis_name not in collectives.varying_axes(x)
+    ]
+    if same:
         fix = (
             f"lay the layer axis out over it: P({axis_name!r}) in your shard_map's in_specs, "
             "a train step's strategy specs, or the variables' sharding metadata"
         )
-        raise ValueError(f"`stacked_params` are the same on every stage of {axis_name!r}: {fix}.")
-    layers = stack_length(stacked_params) * (plan.stages if kind == "manual" else 1)  # L
-    check_layers(layers, plan.stages, repeats)
-    return Stages(layer_fn, policy, plan, axis_name, head_fn), kind, mesh
+        more = f" (and {len(same) - 1} more)" if len(same) > 1 else ""
+        got = f"`stacked_params`{same[0]}{more}"
+        raise ValueError(f"{got} is the same on every stage of {axis_name!r}: {fix}.")
+
+
+_UNCHECKED = (
+    "`axis_name`={axis!r}: the pipeline runs inside a shard_map with check_vma=False "
+    "(check_rep=False in older JAX), where jaxga cannot see which values are split over the "
+    "stages, nor differentiate its collectives exactly: call jax.shard_map(..., "
+    "check_vma=True) (the default), or call the pipeline in jit's global view."
+)
 
 
 def pipeline_scan(

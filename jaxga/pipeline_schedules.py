@@ -175,11 +175,13 @@ def run_stage(stages: Stages, params: Any, x: Any, work: Work, key: Any) -> Any:
     return remat_scan(layer, (take(chunks, work.chunk), ids), x, policy=stages.policy)
 
 
-def autodiff_ticks(stages: Stages, inputs: Inputs) -> Any:
+def autodiff_ticks(stages: Stages, inputs: Inputs, *, everywhere: bool = True) -> Any:
     """One stage's part of a schedule JAX differentiates: the last stage's outputs, on
-    every stage. A bubble tick runs the layers on a real micro-batch, never on what the
-    stage holds (zeros, NaN, garbage), and drops the result; not in a ``cond``, which would
-    keep the weights at every tick of the backward. Stage 0 keeps what comes round."""
+    every stage (``everywhere``: a ``psum``), else on the last stage alone (the others
+    return their input ``x``: no collective but the ``ppermute``s, forward or backward).
+    A bubble tick runs the layers on a real micro-batch, never on what the stage holds
+    (zeros, NaN, garbage), and drops the result; not in a ``cond``, which would keep the
+    weights at every tick of the backward. Stage 0 keeps what comes round."""
     plan, axis = stages.schedule, stages.axis
     stage, last = jax.lax.axis_index(axis), plan.stages - 1
     xs = split_rows(inputs.x, plan.microbatches, "x")
@@ -201,9 +203,10 @@ def autodiff_ticks(stages: Stages, inputs: Inputs) -> Any:
         stored = written(stored, back.microbatch, passed, (stage == 0) & back.valid)
         return (passed, stored, outputs), None
 
-    carry = (take(zeros, 0), zeros, zeros)
+    carry = (take(zeros, 0), zeros, zeros if everywhere else collectives.varying(xs, (axis,)))
     (_, _, outputs), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
-    outputs = jax.lax.psum(select(stage == last, outputs, zeros), axis)  # on every stage
+    if everywhere:
+        outputs = jax.lax.psum(select(stage == last, outputs, zeros), axis)
     return merge_microbatches(outputs)
 
 
@@ -353,8 +356,10 @@ def pipelined(stages: Stages, kind: str, mesh: Any, inputs: Inputs) -> Any:
     residuals out of it)."""
     axis, manual = stages.axis, stages.schedule.manual
     run = functools.partial(manual_ticks if manual else autodiff_ticks, stages)
-    if kind == "manual" and not manual:
-        return run(inputs)  # JAX differentiates the ticks where they are
+    if kind == "manual":  # jaxga's loop counts this loss once over the stages
+        collectives.note_stage_axis(axis)
+    if kind == "manual" and not manual:  # JAX differentiates the ticks where they are
+        return run(inputs, everywhere=False)  # the output stays on the last stage
     specs = Inputs(params=P(axis), head=P(), x=P(), targets=P(), key=P())  # and cotangents'
 
     def shard(fun: Callable[..., Any], in_specs: tuple, out_specs: Any) -> Callable[..., Any]:
