@@ -206,7 +206,9 @@ def pipeline_scan(
         mesh: the mesh, if neither the context (``jax.set_mesh``) nor the params' types say.
 
     Returns:
-        The last layer's output, like ``x``, the same on every stage.
+        The last layer's output, like ``x``: in jit's global view, the whole of it; inside
+        a ``shard_map`` over ``axis_name``, on the last stage (the others get ``x`` back:
+        run the head there; `jaxga.value_and_grad` reads a loss on the last stage).
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxga
