@@ -107,6 +107,7 @@ def plan_stages(
     repeats: int = 1,
     schedule: str = "gpipe",
     head_fn: Callable[..., Any] | None = None,
+    embed_fn: Callable[..., Any] | None = None,
 ) -> tuple[Stages, str, Any]:
     """A pipeline's arguments checked: its `Stages`, whether the stage axis is
     ``"manual"`` here or to be ``"opened"``, and the mesh."""
@@ -132,7 +133,7 @@ def plan_stages(
         _check_split(stacked_params, axis_name)
     layers = stack_length(stacked_params) * (plan.stages if kind == "manual" else 1)  # L
     check_layers(layers, plan.stages, repeats)
-    return Stages(layer_fn, policy, plan, axis_name, head_fn), kind, mesh
+    return Stages(layer_fn, policy, plan, axis_name, head_fn, embed_fn), kind, mesh
 
 
 def _check_split(stacked_params: Any, axis_name: str) -> None:
@@ -243,6 +244,7 @@ def pipeline_loss(
     policy: Policy = "full",
     rng: jax.Array | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    embed_fn: Callable[..., Any] | None = None,
 ) -> Mean:
     """The loss of a pipelined layer stack: ``head_fn`` on `pipeline_scan`'s output, summed.
 
@@ -273,6 +275,11 @@ def pipeline_loss(
         policy: as for `pipeline_scan`.
         rng: as for `pipeline_scan`.
         mesh: as for `pipeline_scan`.
+        embed_fn: ``embed_fn(embed_params, x) -> the first layer's input``, or ``None``
+            (``x`` is that input). Given, ``params`` is ``(stacked_params, head_params,
+            embed_params)``, and the 1F1B schedules run it on stage 0 per micro-batch, its
+            backward there too: no stage holds the whole batch's embedded input or its
+            gradient. ``x`` is then not differentiated (token ids, say).
 
     Returns:
         A `jaxga.Mean`: the totals and counts of every micro-batch, summed.
@@ -296,16 +303,30 @@ def pipeline_loss(
         True
     """
     check_callable(head_fn, "head_fn")
-    if not (isinstance(params, tuple | list) and len(params) == 2):
-        got = f"a {type(params).__name__}" + (
-            f" of length {len(params)}" if isinstance(params, tuple | list) else ""
-        )
-        raise TypeError(f"`params` must be a pair (stacked_params, head_params); got {got}.")
-    stacked_params, head_params = params
+    stacked_params, head_params, embed_params = _parts(params, embed_fn)
     options = {"num_microbatches": num_microbatches, "axis_name": axis_name, "policy": policy}
     options |= {"schedule": schedule, "repeats": repeats, "rng": rng, "mesh": mesh}
     if schedule in SCHEDULES and not SCHEDULES[schedule].manual:
+        x = x if embed_fn is None else embed_fn(embed_params, x)
         y = pipeline_scan(layer_fn, stacked_params, x, **options)
         return checked_mean(head_fn, head_params, y, targets)
-    stages, kind, mesh = plan_stages(layer_fn, stacked_params, head_fn=head_fn, **options)
-    return pipelined(stages, kind, mesh, Inputs(stacked_params, head_params, x, targets, rng))
+    heads = {"head_fn": head_fn, "embed_fn": embed_fn}
+    stages, kind, mesh = plan_stages(layer_fn, stacked_params, **heads, **options)
+    inputs = Inputs(stacked_params, head_params, x, targets, rng, embed=embed_params)
+    return pipelined(stages, kind, mesh, inputs)
+
+
+def _parts(params: Any, embed_fn: Callable[..., Any] | None) -> tuple[Any, Any, Any]:
+    """``pipeline_loss``'s ``params`` as ``(stacked, head, embed)`` (``embed`` None without
+    ``embed_fn``), or a `TypeError` naming what they must be."""
+    want = "a pair (stacked_params, head_params)"
+    if embed_fn is not None:
+        check_callable(embed_fn, "embed_fn")
+        want = "a triple (stacked_params, head_params, embed_params) with `embed_fn`"
+    size = 2 if embed_fn is None else 3
+    if not (isinstance(params, tuple | list) and len(params) == size):
+        got = f"a {type(params).__name__}" + (
+            f" of length {len(params)}" if isinstance(params, tuple | list) else ""
+        )
+        raise TypeError(f"`params` must be {want}; got {got}.")
+    return (*params, None) if embed_fn is None else tuple(params)
