@@ -58,6 +58,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 RESULTS = Path(__file__).parent / "results" / "pipeline_cpu.json"
 H100_RESULTS = Path(__file__).parent / "results" / "pipeline_h100_compiled.json"
+EMBEDDED_RESULTS = Path(__file__).parent / "results" / "pipeline_embedded_cpu.json"
 L, WIDTH, VOCAB, ROWS, S = 8, 256, 64, 128, 4
 
 
@@ -201,12 +202,76 @@ def h100_stage_peaks() -> list[dict]:
     return out
 
 
+def embed(table, ids):
+    return table[ids]
+
+
+def embedded_step(schedule: str, m: int, per_microbatch: bool):
+    """A step whose stack input is computed in it: token ids, an embedding table. With
+    ``per_microbatch``, `pipeline_loss`'s ``embed_fn`` (stage 0, a micro-batch at a time);
+    else the loss embeds the whole batch first."""
+    stack, head = model()
+    table = np.random.default_rng(3).normal(size=(VOCAB, WIDTH)).astype(np.float32)
+    ids = np.random.default_rng(1).integers(0, VOCAB, size=ROWS * m)
+    labels = np.random.default_rng(2).integers(0, VOCAB, size=ROWS * m)
+    mesh = jax.make_mesh((S,), ("stage",), devices=jax.devices()[:S])
+    params = (jax.device_put(stack, NamedSharding(mesh, P("stage"))), head, table)
+
+    def loss(params):
+        options = {"num_microbatches": m, "schedule": schedule}
+        if per_microbatch:
+            mean = jaxga.pipeline_loss(
+                block, head_fn, params, ids, labels, embed_fn=embed, **options
+            )
+        else:
+            x = embed(params[2], ids)
+            mean = jaxga.pipeline_loss(block, head_fn, params[:2], x, labels, **options)
+        return mean.value
+
+    return jax.jit(jax.value_and_grad(loss)), (params,)
+
+
+EMBEDDED = [  # name, schedule, embed_fn
+    ("GPipe, the batch embedded first", "gpipe", False),
+    ("1F1B, the batch embedded first", "1f1b", False),
+    ("1F1B, embed_fn per micro-batch", "1f1b", True),
+]
+
+
+def embedded_rows(microbatches: list[int]) -> list[dict]:
+    """Compiled scratch per device of `embedded_step`'s setups, nothing run."""
+    rows = []
+    for m in microbatches:
+        for name, schedule, per_microbatch in EMBEDDED:
+            f, args = embedded_step(schedule, m, per_microbatch)
+            memory = f.lower(*args).compile().memory_analysis()
+            rows.append({"method": name, "m": m, "temp_mib": memory.temp_size_in_bytes / 2**20})
+    return rows
+
+
+def print_embedded(microbatches: list[int]) -> None:
+    rows = embedded_rows(microbatches)
+    print("| method (embedding inside the step) | m | scratch MiB |\n| --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['method']} | {r['m']} | {r['temp_mib']:.1f} |")
+    temps = {(r["method"], r["m"]): r["temp_mib"] for r in rows}
+    low, high = min(microbatches), max(microbatches)
+    each = ", ".join(f"{n} {temps[n, high] / temps[n, low]:.2f}x" for n, _, _ in EMBEDDED)
+    print(f"compiled scratch m={high} / m={low}: {each} (CPU, 8 host devices)")
+    out = {"device": "cpu (8 host devices)", "rows": rows}
+    EMBEDDED_RESULTS.write_text(json.dumps(out, indent=1))
+    print(f"wrote {EMBEDDED_RESULTS}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--h100", action="store_true", help="the compiled-for-H100 rows alone")
+    parser.add_argument("--embedded", action="store_true", help="the embedding-inside rows alone")
     args = parser.parse_args()
+    if args.embedded:
+        return print_embedded(args.microbatches)
     if args.h100:
         print("compiled for NVIDIA H100s (XLA target config; nothing runs), per device:")
         print("| method | m | peak GiB | state GiB |\n| --- | --- | --- | --- |")

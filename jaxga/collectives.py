@@ -1,6 +1,8 @@
 """Reductions across devices: which axes a call's batch is split over, and one reduction after."""
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -97,8 +99,9 @@ def _kind_of(axis: Any) -> str:
         jax.lax.axis_index(axis)
     except NameError:
         message = (
-            "is not bound: call it inside jax.shard_map over it, under jax.set_mesh(mesh) of a "
-            "mesh that has it, or pass axis_name=None."
+            f"is not bound (the mesh here has axes {tuple(mesh.axis_names)}): call it inside "
+            "jax.shard_map over it, under jax.set_mesh(mesh) of a mesh that has it, or pass "
+            "axis_name=None."
         )
         raise ValueError(f"`axis_name`={axis!r} {message}") from None
     return "manual"
@@ -269,3 +272,55 @@ def zeros_like_sums(primals: Any, dtype: Callable[[Any], Any], route: Route) -> 
 def reduce_after(sums: Any, like: Any, route: Route) -> Any:
     """``sums`` reduced once over a manual route's axes, but for those ``like`` varies over."""
     return psum_invariant(sums, like, route.axes) if route.kind == "manual" else sums
+
+
+_STAGE_AXES: contextvars.ContextVar[list | None] = contextvars.ContextVar("stages", default=None)
+
+
+@contextlib.contextmanager
+def stage_axes_seen() -> Iterator[list]:
+    """A list that every pipeline run here, its stage axis Manual, appends its axis to."""
+    token = _STAGE_AXES.set([])
+    try:
+        yield _STAGE_AXES.get()
+    finally:
+        _STAGE_AXES.reset(token)
+
+
+def note_stage_axis(axis: Any) -> None:
+    """Tells the loop tracing this loss that a pipeline ran over the Manual ``axis``."""
+    seen = _STAGE_AXES.get()
+    if seen is not None and axis not in seen:
+        seen.append(axis)
+
+
+def counted_once(parts: tuple[Any, Any], stage_axes: list, route: Route) -> tuple[Any, Any]:
+    """A micro-batch's ``(total, count)`` as its pipelines' last stages give them: counted
+    once over each stage axis, whatever the other stages return (a head run on every stage,
+    a loss masked to the last one, a psum over the stages). Over a stage axis of the
+    route, zeros on the other stages (the route sums them after the loop); over one
+    outside it, the last stage's on every stage."""
+    for axis in stage_axes:
+        last = jax.lax.axis_index(axis) == jax.lax.axis_size(axis) - 1
+        parts = tuple(jnp.where(last, x, jnp.zeros_like(x)) for x in parts)
+        if route.kind != "manual" or axis not in route.axes:
+            parts = tuple(jax.lax.psum(parts, axis))
+    return parts
+
+
+def check_reduced(parts: tuple[Any, Any], route: Route) -> None:
+    """A `ValueError` if a micro-batch's ``(total, count)`` varies over a Manual mesh axis
+    that ``route`` does not reduce over (the loop could not sum it)."""
+    over = set(route.axes) if route.kind == "manual" else set()
+    extra = sorted(set().union(*map(varying_axes, parts)) - over, key=str)
+    if extra:
+        raise ValueError(_NOT_REDUCED.format(extra=extra, route=tuple(sorted(over, key=str))))
+
+
+_NOT_REDUCED = (
+    "`fun` returned a loss that varies over the mesh axes {extra}, which `axis_name` (the "
+    "axes jaxga sums the loss over: {route}) does not name: add them to `axis_name` if "
+    "each device there holds other rows of the batch, or return the loss the same on "
+    "every device of them (jax.lax.psum of a total masked to the device that holds it, "
+    "with its count)."
+)

@@ -138,7 +138,8 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
             diff = given[i] if i in options.argnums else None
             args[i] = modules.put_together(parts, diff, threaded.modules[i])
         try:
-            out = fun(*args, **call.kwargs)
+            with collectives.stage_axes_seen() as stage_axes:  # pipelines: counted once
+                out = fun(*args, **call.kwargs)
         except Exception as e:  # often an argument of examples left whole: say which
             arguments.note_unsplit(e, fun, options, call.args, call.rows * options.num_microbatches)
             raise
@@ -148,9 +149,12 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
             for i, parts in call.parts.items()
         }
         module_state = arguments.cast_like(module_state, threaded.modules, "left its modules")
-        count = jax.lax.stop_gradient(jnp.asarray(output.mean.count, call.sum_dtype))
+        parts = (jnp.asarray(output.mean.total), jnp.asarray(output.mean.count))
+        total, count = collectives.counted_once(parts, stage_axes, call.route)
+        collectives.check_reduced((total, count), call.route)
+        count = jax.lax.stop_gradient(count.astype(call.sum_dtype))
         micro = MicroOutput(count, output.aux, Threaded(user=output.state, modules=module_state))
-        return jnp.asarray(output.mean.total), micro
+        return total, micro
 
     return loss
 

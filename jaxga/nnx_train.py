@@ -233,13 +233,20 @@ def _placed(accumulated: Accumulate, layout: sharding.MeshLayout, model: Any, wr
     one, where they are (their types, their metadata: the engine reads them)."""
     mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
     every = sharding.nnx_state_specs(nnx.state(model), mesh, axis_name=axis_name)
-    layouts.check_layout(layout, every, "name '{}' in the stacked layers' sharding metadata")
+    layouts.check_layout(layout, every, _STAGES_FIX)
     if strategy is None:
         return layouts.placed(accumulated, layouts.placement(layout, None, None))
     params = nnx.state(model, wrt)
     specs = sharding.nnx_state_specs(params, mesh, strategy, axis_name=axis_name)
     grads = sharding.nnx_state_specs(params, mesh, strategy, axis_name=axis_name, grads=True)
     return layouts.placed(accumulated, layouts.placement(layout, (specs,), (grads,)))
+
+
+_STAGES_FIX = (
+    "name '{}' in the stacked layers' variables' sharding metadata (nnx.vmap's "
+    "transform_metadata names it only on variables that already carry some: create them "
+    "with nnx.with_partitioning(init, (None, ...)), e.g. nnx.Linear(kernel_init=...))"
+)
 
 
 def nnx_train_step(

@@ -74,13 +74,16 @@ def _stage_mesh(axis_name: str, stacked_params: Any, mesh: Any) -> tuple[str, An
             got = f"{axis_name!r} is not an axis of `mesh` {mesh.axis_names}"
             raise ValueError(f"`axis_name`={got}.")
         return "opened", mesh
+    seen = tuple(context.axis_names)  # the axes of the mesh here, or of the params'
     for leaf in jax.tree.leaves(stacked_params):  # Explicit axes: the type says
-        typed = getattr(jax.typeof(leaf), "sharding", None)
-        if axis_name in getattr(getattr(typed, "mesh", None), "axis_names", ()):
-            return "opened", typed.mesh
+        typed = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+        if axis_name in getattr(typed, "axis_names", ()):
+            return "opened", typed
+        seen = seen or tuple(getattr(typed, "axis_names", ()))
     raise ValueError(
-        f"`axis_name`={axis_name!r} is not an axis of the mesh here: lay `stacked_params` out "
-        f"on a mesh with it (Explicit axes), call under jax.set_mesh(mesh), or pass `mesh`."
+        f"`axis_name`={axis_name!r} is not an axis of the mesh here (axes {seen}): lay "
+        "`stacked_params` out on a mesh with it (Explicit axes), call under "
+        "jax.set_mesh(mesh), or pass `mesh`."
     )
 
 
@@ -104,6 +107,7 @@ def plan_stages(
     repeats: int = 1,
     schedule: str = "gpipe",
     head_fn: Callable[..., Any] | None = None,
+    embed_fn: Callable[..., Any] | None = None,
 ) -> tuple[Stages, str, Any]:
     """A pipeline's arguments checked: its `Stages`, whether the stage axis is
     ``"manual"`` here or to be ``"opened"``, and the mesh."""
@@ -125,17 +129,39 @@ def plan_stages(
     if m < plan.stages or (grouped and m % plan.stages):
         need = f"{'a multiple of' if grouped else 'at least'} the S={plan.stages} stages"
         raise ValueError(f"`num_microbatches`={m}; it must be {need} (and divide x's rows).")
-    if kind == "manual" and any(
-        axis_name not in collectives.varying_axes(x) for x in jax.tree.leaves(stacked_params)
-    ):
+    if kind == "manual":
+        _check_split(stacked_params, axis_name)
+    layers = stack_length(stacked_params) * (plan.stages if kind == "manual" else 1)  # L
+    check_layers(layers, plan.stages, repeats)
+    return Stages(layer_fn, policy, plan, axis_name, head_fn, embed_fn), kind, mesh
+
+
+def _check_split(stacked_params: Any, axis_name: str) -> None:
+    """A `ValueError` unless, inside a ``shard_map`` over ``axis_name``, every stacked leaf
+    varies over it (laid out over the stages), and the ``shard_map`` checks what varies."""
+    if not collectives.varying_axes(collectives.varying(jnp.zeros(()), (axis_name,))):
+        raise ValueError(_UNCHECKED.format(axis=axis_name))
+    same = [
+        jax.tree_util.keystr(path)
+        for path, x in jax.tree_util.tree_leaves_with_path(stacked_params)
+        if axis_name not in collectives.varying_axes(x)
+    ]
+    if same:
         fix = (
             f"lay the layer axis out over it: P({axis_name!r}) in your shard_map's in_specs, "
             "a train step's strategy specs, or the variables' sharding metadata"
         )
-        raise ValueError(f"`stacked_params` are the same on every stage of {axis_name!r}: {fix}.")
-    layers = stack_length(stacked_params) * (plan.stages if kind == "manual" else 1)  # L
-    check_layers(layers, plan.stages, repeats)
-    return Stages(layer_fn, policy, plan, axis_name, head_fn), kind, mesh
+        more = f" (and {len(same) - 1} more)" if len(same) > 1 else ""
+        got = f"`stacked_params`{same[0]}{more}"
+        raise ValueError(f"{got} is the same on every stage of {axis_name!r}: {fix}.")
+
+
+_UNCHECKED = (
+    "`axis_name`={axis!r}: the pipeline runs inside a shard_map with check_vma=False "
+    "(check_rep=False in older JAX), where jaxga cannot see which values are split over the "
+    "stages, nor differentiate its collectives exactly: call jax.shard_map(..., "
+    "check_vma=True) (the default), or call the pipeline in jit's global view."
+)
 
 
 def pipeline_scan(
@@ -181,7 +207,9 @@ def pipeline_scan(
         mesh: the mesh, if neither the context (``jax.set_mesh``) nor the params' types say.
 
     Returns:
-        The last layer's output, like ``x``, the same on every stage.
+        The last layer's output, like ``x``: in jit's global view, the whole of it; inside
+        a ``shard_map`` over ``axis_name``, on the last stage (the others get ``x`` back:
+        run the head there; `jaxga.value_and_grad` reads a loss on the last stage).
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxga
@@ -216,6 +244,7 @@ def pipeline_loss(
     policy: Policy = "full",
     rng: jax.Array | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    embed_fn: Callable[..., Any] | None = None,
 ) -> Mean:
     """The loss of a pipelined layer stack: ``head_fn`` on `pipeline_scan`'s output, summed.
 
@@ -246,6 +275,11 @@ def pipeline_loss(
         policy: as for `pipeline_scan`.
         rng: as for `pipeline_scan`.
         mesh: as for `pipeline_scan`.
+        embed_fn: ``embed_fn(embed_params, x) -> the first layer's input``, or ``None``
+            (``x`` is that input). Given, ``params`` is ``(stacked_params, head_params,
+            embed_params)``, and the 1F1B schedules run it on stage 0 per micro-batch, its
+            backward there too: no stage holds the whole batch's embedded input or its
+            gradient. ``x`` is then not differentiated (token ids, say).
 
     Returns:
         A `jaxga.Mean`: the totals and counts of every micro-batch, summed.
@@ -269,16 +303,30 @@ def pipeline_loss(
         True
     """
     check_callable(head_fn, "head_fn")
-    if not (isinstance(params, tuple | list) and len(params) == 2):
-        got = f"a {type(params).__name__}" + (
-            f" of length {len(params)}" if isinstance(params, tuple | list) else ""
-        )
-        raise TypeError(f"`params` must be a pair (stacked_params, head_params); got {got}.")
-    stacked_params, head_params = params
+    stacked_params, head_params, embed_params = _parts(params, embed_fn)
     options = {"num_microbatches": num_microbatches, "axis_name": axis_name, "policy": policy}
     options |= {"schedule": schedule, "repeats": repeats, "rng": rng, "mesh": mesh}
     if schedule in SCHEDULES and not SCHEDULES[schedule].manual:
+        x = x if embed_fn is None else embed_fn(embed_params, x)
         y = pipeline_scan(layer_fn, stacked_params, x, **options)
         return checked_mean(head_fn, head_params, y, targets)
-    stages, kind, mesh = plan_stages(layer_fn, stacked_params, head_fn=head_fn, **options)
-    return pipelined(stages, kind, mesh, Inputs(stacked_params, head_params, x, targets, rng))
+    heads = {"head_fn": head_fn, "embed_fn": embed_fn}
+    stages, kind, mesh = plan_stages(layer_fn, stacked_params, **heads, **options)
+    inputs = Inputs(stacked_params, head_params, x, targets, rng, embed=embed_params)
+    return pipelined(stages, kind, mesh, inputs)
+
+
+def _parts(params: Any, embed_fn: Callable[..., Any] | None) -> tuple[Any, Any, Any]:
+    """``pipeline_loss``'s ``params`` as ``(stacked, head, embed)`` (``embed`` None without
+    ``embed_fn``), or a `TypeError` naming what they must be."""
+    want = "a pair (stacked_params, head_params)"
+    if embed_fn is not None:
+        check_callable(embed_fn, "embed_fn")
+        want = "a triple (stacked_params, head_params, embed_params) with `embed_fn`"
+    size = 2 if embed_fn is None else 3
+    if not (isinstance(params, tuple | list) and len(params) == size):
+        got = f"a {type(params).__name__}" + (
+            f" of length {len(params)}" if isinstance(params, tuple | list) else ""
+        )
+        raise TypeError(f"`params` must be {want}; got {got}.")
+    return (*params, None) if embed_fn is None else tuple(params)

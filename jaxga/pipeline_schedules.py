@@ -144,6 +144,7 @@ class Stages(NamedTuple):
     schedule: Schedule
     axis: str
     head_fn: Callable[..., Any] | None = None  # (head_params, y, targets) -> Mean
+    embed_fn: Callable[..., Any] | None = None  # (embed_params, x of a micro-batch) -> input
 
 
 class Inputs(NamedTuple):
@@ -154,6 +155,7 @@ class Inputs(NamedTuple):
     x: Any
     targets: Any  # what the head compares with, or None
     key: Any  # a PRNG key or None
+    embed: Any = None  # the embedding's, with `Stages.embed_fn`; else None
 
 
 def run_stage(stages: Stages, params: Any, x: Any, work: Work, key: Any) -> Any:
@@ -175,11 +177,13 @@ def run_stage(stages: Stages, params: Any, x: Any, work: Work, key: Any) -> Any:
     return remat_scan(layer, (take(chunks, work.chunk), ids), x, policy=stages.policy)
 
 
-def autodiff_ticks(stages: Stages, inputs: Inputs) -> Any:
+def autodiff_ticks(stages: Stages, inputs: Inputs, *, everywhere: bool = True) -> Any:
     """One stage's part of a schedule JAX differentiates: the last stage's outputs, on
-    every stage. A bubble tick runs the layers on a real micro-batch, never on what the
-    stage holds (zeros, NaN, garbage), and drops the result; not in a ``cond``, which would
-    keep the weights at every tick of the backward. Stage 0 keeps what comes round."""
+    every stage (``everywhere``: a ``psum``), else on the last stage alone (the others
+    return their input ``x``: no collective but the ``ppermute``s, forward or backward).
+    A bubble tick runs the layers on a real micro-batch, never on what the stage holds
+    (zeros, NaN, garbage), and drops the result; not in a ``cond``, which would keep the
+    weights at every tick of the backward. Stage 0 keeps what comes round."""
     plan, axis = stages.schedule, stages.axis
     stage, last = jax.lax.axis_index(axis), plan.stages - 1
     xs = split_rows(inputs.x, plan.microbatches, "x")
@@ -201,9 +205,10 @@ def autodiff_ticks(stages: Stages, inputs: Inputs) -> Any:
         stored = written(stored, back.microbatch, passed, (stage == 0) & back.valid)
         return (passed, stored, outputs), None
 
-    carry = (take(zeros, 0), zeros, zeros)
+    carry = (take(zeros, 0), zeros, zeros if everywhere else collectives.varying(xs, (axis,)))
     (_, _, outputs), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
-    outputs = jax.lax.psum(select(stage == last, outputs, zeros), axis)  # on every stage
+    if everywhere:
+        outputs = jax.lax.psum(select(stage == last, outputs, zeros), axis)
     return merge_microbatches(outputs)
 
 
@@ -259,6 +264,38 @@ def _backward(stages: Stages, primals: tuple, dy: Any, work: Work, key: Any) -> 
     return jax.vjp(forward, *primals)[1](dy)
 
 
+def _stack_input(stages: Stages, split: Inputs, work: Work, where: jax.Array) -> Any:
+    """Micro-batch ``work.microbatch``'s input to the stack: its rows of ``x``, or
+    ``embed_fn`` of them, computed in a ``cond`` where ``where`` (stage 0, its first chunk)."""
+    x = take(split.x, work.microbatch)
+    if stages.embed_fn is None:
+        return x
+    here = collectives.varying(split.embed, (stages.axis,))  # its gradient: no psum in a branch
+    return _when(where & work.valid, stages.embed_fn, here, x)
+
+
+def _embed_backward(stages: Stages, split: Inputs, work: Work, dh: Any) -> Any:
+    """The embedding's gradient on micro-batch ``work.microbatch``, its output's ``dh``."""
+    x = take(split.x, work.microbatch)
+
+    def embedded(params: Any) -> Any:
+        return stages.embed_fn(params, x)
+
+    here = collectives.varying(split.embed, (stages.axis,))
+    return jax.vjp(embedded, here)[1](dh)[0]
+
+
+def _input_grads(stages: Stages, split: Inputs, grads: Inputs, dh: Any, work: Work) -> Inputs:
+    """``grads`` with the stack input's gradient ``dh`` (micro-batch ``work.microbatch``,
+    on stage 0 at its first chunk) added: to ``x``'s, or through ``embed_fn`` to its own."""
+    where = work.valid & (jax.lax.axis_index(stages.axis) == 0) & (work.chunk == 0)
+    if stages.embed_fn is None:
+        return grads._replace(x=written(grads.x, work.microbatch, dh, where))
+    backward = functools.partial(_embed_backward, stages, split)
+    d_embed = _when(where, backward, work, dh)
+    return grads._replace(embed=jax.tree.map(jnp.add, grads.embed, d_embed))
+
+
 def _tick(stages: Stages, split: Inputs, carry: tuple, t: jax.Array) -> tuple:
     """Tick ``t`` of `manual_ticks` (``split``: its inputs, in micro-batches): the forward
     and the backward the `Schedule` gives the stage, the loss head between them on the last
@@ -267,7 +304,8 @@ def _tick(stages: Stages, split: Inputs, carry: tuple, t: jax.Array) -> tuple:
     plan, s, key = stages.schedule, jax.lax.axis_index(stages.axis), split.key
     last, final = plan.stages - 1, plan.repeats - 1
     f, b = plan.forward(t, s), plan.backward(t, s)
-    h = select((s == 0) & (f.chunk == 0), take(split.x, f.microbatch), arrived)
+    first = (s == 0) & (f.chunk == 0)
+    h = select(first, _stack_input(stages, split, f, first), arrived)
     y = _when(f.valid, functools.partial(run_stage, stages), split.params, h, f, key)
     saved = written(saved, f.slot, h, f.valid)
     at_head = f.valid & (s == last) & (f.chunk == final)
@@ -279,8 +317,8 @@ def _tick(stages: Stages, split: Inputs, carry: tuple, t: jax.Array) -> tuple:
     grads = grads._replace(
         params=jax.tree.map(jnp.add, grads.params, d_params),
         head=jax.tree.map(jnp.add, grads.head, d_head),
-        x=written(grads.x, b.microbatch, dh, b.valid & (s == 0) & (b.chunk == 0)),
     )
+    grads = _input_grads(stages, split, grads, dh, b)
     arrived = jax.lax.ppermute(y, stages.axis, plan.sends)
     returned = jax.lax.ppermute(dh, stages.axis, [(j, i) for i, j in plan.sends])
     return (arrived, returned, saved, mean + micro_mean, grads), None
@@ -294,15 +332,34 @@ def manual_ticks(stages: Stages, inputs: Inputs) -> tuple[Mean, Inputs]:
     xs = split_rows(inputs.x, plan.microbatches, "x")
     split = inputs._replace(x=xs, targets=split_rows(inputs.targets, plan.microbatches, "targets"))
     zero = _zeros_varying(jnp.zeros((), jnp.float32), axis)
-    grads = Inputs(*(_zeros_varying(x, axis) for x in (inputs.params, inputs.head, xs)), None, None)
-    one = _zeros_varying(take(xs, 0), axis)
+    embedded = stages.embed_fn is not None  # then x's rows go in; no gradient for them
+    grads = Inputs(
+        *(_zeros_varying(x, axis) for x in (inputs.params, inputs.head)),
+        x=None if embedded else _zeros_varying(xs, axis),
+        targets=None,
+        key=None,
+        embed=_zeros_varying(inputs.embed, axis),
+    )
+    one = _zeros_varying(_one_input(stages, split), axis)
     saved = jax.tree.map(lambda a: jnp.broadcast_to(a, (plan.ring, *a.shape)), one)
     carry = (one, one, saved, Mean(zero, zero), grads)
     tick = functools.partial(_tick, stages, split)
     (_, _, _, mean, grads), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
-    summed = jax.lax.psum((mean, grads.head, merge_microbatches(grads.x)), axis)
-    mean, head_grads, x_grads = summed  # from the last stage, or stage 0 (x)
-    return mean, grads._replace(head=head_grads, x=x_grads)
+    x_grads = None if embedded else merge_microbatches(grads.x)
+    mean = jax.lax.psum(mean, axis)  # from the last stage
+    summed = (grads.head, x_grads, grads.embed)  # from the last stage, or stage 0; kept
+    like = (inputs.head, None if embedded else inputs.x, inputs.embed)  # where they vary
+    head_grads, x_grads, embed_grads = collectives.psum_invariant(summed, like, axis)
+    return mean, grads._replace(head=head_grads, x=x_grads, embed=embed_grads)
+
+
+def _one_input(stages: Stages, split: Inputs) -> Any:
+    """Zeros shaped as one micro-batch's input to the stack."""
+    x = take(split.x, 0)
+    if stages.embed_fn is None:
+        return jax.tree.map(jnp.zeros_like, x)
+    types = jax.eval_shape(stages.embed_fn, split.embed, x)
+    return jax.tree.map(jnp.zeros_like, types)
 
 
 class _Halves(NamedTuple):
@@ -353,9 +410,11 @@ def pipelined(stages: Stages, kind: str, mesh: Any, inputs: Inputs) -> Any:
     residuals out of it)."""
     axis, manual = stages.axis, stages.schedule.manual
     run = functools.partial(manual_ticks if manual else autodiff_ticks, stages)
-    if kind == "manual" and not manual:
-        return run(inputs)  # JAX differentiates the ticks where they are
-    specs = Inputs(params=P(axis), head=P(), x=P(), targets=P(), key=P())  # and cotangents'
+    if kind == "manual":  # jaxga's loop counts this loss once over the stages
+        collectives.note_stage_axis(axis)
+    if kind == "manual" and not manual:  # JAX differentiates the ticks where they are
+        return run(inputs, everywhere=False)  # the output stays on the last stage
+    specs = Inputs(params=P(axis), head=P(), x=P(), targets=P(), key=P(), embed=P())
 
     def shard(fun: Callable[..., Any], in_specs: tuple, out_specs: Any) -> Callable[..., Any]:
         if kind == "manual":
