@@ -118,7 +118,9 @@ def plan_stages(
     if schedule not in names:
         raise ValueError(f"`schedule` must be one of {names}; got {schedule!r}.")
     if repeats != 1 and not SCHEDULES[schedule].chunks:
-        got = f"{repeats} needs schedule='circular'; {schedule!r} runs one chunk"
+        first, *others = [n for n in names if SCHEDULES[n].chunks]
+        also = f" (or {', '.join(map(repr, others))})" if others else ""
+        got = f"{repeats} needs schedule={first!r}; {schedule!r} runs one chunk{also}"
         raise ValueError(f"`repeats`={got}.")
     signature = "layer_fn(params_of_one_layer, x" + (", key) -> x" if rng is not None else ") -> x")
     check_arity(layer_fn, "layer_fn", 2 if rng is None else 3, signature)

@@ -17,7 +17,7 @@ from jaxga.microbatch import IndivisibleBatchError, merge_microbatches, split_mi
 from jaxga.remat import Policy, remat_scan
 
 
-class Kind(NamedTuple):
+class ScheduleRow(NamedTuple):
     """A row of `SCHEDULES`: how a schedule runs."""
 
     manual: bool  # backward passes in the ticks, with the loss head; else JAX's autodiff
@@ -25,10 +25,10 @@ class Kind(NamedTuple):
 
 
 SCHEDULES = {
-    "gpipe": Kind(manual=False, chunks=False),
-    "circular": Kind(manual=False, chunks=True),
-    "1f1b": Kind(manual=True, chunks=False),
-    "interleaved_1f1b": Kind(manual=True, chunks=True),
+    "gpipe": ScheduleRow(manual=False, chunks=False),
+    "circular": ScheduleRow(manual=False, chunks=True),
+    "1f1b": ScheduleRow(manual=True, chunks=False),
+    "interleaved_1f1b": ScheduleRow(manual=True, chunks=True),
 }
 
 
