@@ -174,8 +174,9 @@ class Placement(NamedTuple):
     gather_each: bool = False  # ZeRO-3: the primals gathered in every micro-batch
 
 
-def gathered(tree: Any, over: tuple[Any, ...]) -> Any:
-    """``tree`` with what its Explicit-axes types split over the axes ``over`` gathered."""
+def whole_over(tree: Any, over: tuple[Any, ...]) -> Any:
+    """``tree`` resharded whole over the axes ``over`` (what its Explicit-axes types split
+    over them; outside a ``shard_map``: `all_gathered` is inside one)."""
 
     def gather(x: Any) -> Any:
         sharding = jax.typeof(x).sharding

@@ -305,12 +305,12 @@ class Given(NamedTuple):
     arrays: list[Any]  # the array leaves of the call's other arguments and keywords: whole
 
 
-class Layout(NamedTuple):
+class Opened(NamedTuple):
     """How the values of an opened route lie inside its ``shard_map``: specs, and its axes."""
 
     manual: tuple[Any, ...]  # the shard_map's axes: the batch's, and a pipeline's stages
     kept: tuple[Any, ...]  # the axes split primals stay split over (the others: gathered)
-    each: bool  # ZeRO-3: primals gathered in every micro-batch
+    gather_each: bool  # ZeRO-3: primals gathered in every micro-batch
     primals: Any  # the differentiated values', over the manual axes
     grads: Any  # the gradient sums', over the manual axes
     gather: Any  # over the batch's axes: what the primals are gathered along inside
@@ -318,8 +318,8 @@ class Layout(NamedTuple):
     threaded: Any  # the threaded state's, over the stage axes
 
 
-def layout(options: Options, call: Call) -> Layout:
-    """Where each value of an opened ``call`` lies in its ``shard_map`` (`Layout`).
+def opened(options: Options, call: Call) -> Opened:
+    """Where each value of an opened ``call`` lies in its ``shard_map`` (`Opened`).
 
     A `collectives.Placement`'s specs, else the values' own (types, NNX metadata). Split
     over the batch's axes, primals stay split unless the mesh has other Explicit axes (then
@@ -334,10 +334,10 @@ def layout(options: Options, call: Call) -> Layout:
     lies = placement.primal_specs
     lies = modules.specs_of(call.primals) if lies is None else lies
     grads = lies if placement.grad_specs is None else placement.grad_specs
-    return Layout(
+    return Opened(
         manual=manual,
         kept=kept,
-        each=placement.gather_each,
+        gather_each=placement.gather_each,
         primals=meshes.specs_over(lies, kept),
         grads=meshes.specs_over(grads, kept),
         gather=meshes.specs_over(lies, batch_axes if split_kept else ()),
@@ -374,32 +374,32 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
     per micro-batch and device (`[devices · k, ...]`, as `out_specs=P(axes)` gives them
     from a user's own `shard_map`).
     """
-    axes, lay = call.route.axes, layout(options, call)
+    axes, lay = call.route.axes, opened(options, call)
     rows = call.rows // collectives.axis_size(call.route)
     taken = {*call.parts, *options.argnums, *options.batch_argnums, *options.state_argnums}
     given = Given(
-        primals=collectives.gathered(call.primals, [a for a in axes if a not in lay.kept]),
+        primals=collectives.whole_over(call.primals, [a for a in axes if a not in lay.kept]),
         microbatches=collectives.split_over(call.microbatches, call.route),
-        threaded=collectives.gathered(call.threaded, axes),
-        arrays=collectives.gathered(_with_arrays(call, taken), axes),
+        threaded=collectives.whole_over(call.threaded, axes),
+        arrays=collectives.whole_over(_with_arrays(call, taken), axes),
     )
     found = {}  # the aux kinds, known once the loss is traced inside
 
     def local(given: Given) -> tuple[Sums, Any]:
         primals = given.primals
-        if not lay.each:  # gathered once; summed in place where scattered after the loop
+        if not lay.gather_each:  # gathered once; summed in place where scattered after the loop
             primals = collectives.all_gathered(primals, lay.gather)
             primals = collectives.varying_where_split(primals, lay.scatter)
         here = _with_arrays(call, taken, given.arrays)._replace(
             primals=primals,
-            gather=lay.gather if lay.each else None,
+            gather=lay.gather if lay.gather_each else None,
             microbatches=given.microbatches,
             threaded=given.threaded,
             rows=rows,
         )
         here = on_device(here, collectives.Route("manual", axes))
         sums, aux, found["kinds"] = _scan_and_reduce(fun, options, here)
-        if not lay.each:
+        if not lay.gather_each:
             sums = sums._replace(grads=collectives.reduce_scattered(sums.grads, lay.scatter))
         return sums, auxiliary.with_device_axis(aux, found["kinds"])
 
@@ -407,8 +407,8 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
     sums_specs = Sums(grads=lay.grads, total=P(), count=P(), threaded=lay.threaded)
     specs = {"in_specs": (in_specs,), "out_specs": (sums_specs, P(axes))}
     try:
-        opened = jax.shard_map(local, mesh=call.route.mesh, axis_names=set(lay.manual), **specs)
-        sums, aux = opened(given)
+        mapped = jax.shard_map(local, mesh=call.route.mesh, axis_names=set(lay.manual), **specs)
+        sums, aux = mapped(given)
     except Exception as e:
         if "Manual" in str(e):  # JAX's word for a loss naming the axes in its own layout
             e.add_note(_OPENED_NOTE.format(axes=axes))
