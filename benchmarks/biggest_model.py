@@ -251,7 +251,7 @@ def compile_step(setting: Setting, model: Llama, card: Card, batch: int) -> Fit:
             abstract_batch(setting.micro, model.seq_len),
         )
         stats = gpu.program(step, *gpu.on(device, args)).memory_analysis()
-        return _fit(multisteps.peak(stats), 0, card)
+        return fit_for(multisteps.peak(stats), 0, card)
     state = jax.eval_shape(functools.partial(jaxga.TrainState.create, tx=adamw), params)
     offload = setting.method == "jaxga offload=True"
     step = jaxga.make_train_step(_jaxga_loss(loss), k, offload=offload)
@@ -259,14 +259,15 @@ def compile_step(setting: Setting, model: Llama, card: Card, batch: int) -> Fit:
         report = jaxga.memory_report(
             step, *gpu.on(device, (state, abstract_batch(batch, model.seq_len)))
         )
-    return _fit(report.peak_bytes, report.host_bytes, card)
+    return fit_for(report.peak_bytes, report.host_bytes, card)
 
 
 def _mean_value(loss: Callable[..., jaxga.Mean], params: Any, batch: Any) -> jax.Array:
     return loss(params, batch).value
 
 
-def _fit(peak_bytes: int, host_bytes: int, card: Card) -> Fit:
+def fit_for(peak_bytes: int, host_bytes: int, card: Card) -> Fit:
+    """Whether a step of these device and host bytes fits ``card`` and the host beside it."""
     fits = peak_bytes <= card.device_bytes and host_bytes <= card.host_bytes
     return Fit(peak_bytes, host_bytes, fits)
 
