@@ -5,10 +5,11 @@ The model is Llama 2's shape grown by depth and width in turn: size s has L = �
 layers of width d = 128·⌊s/2⌋ (head size 128, d/128 heads, SwiGLU hidden 256·⌈8d/3/256⌉,
 RMSNorm, rotary positions, untied embedding and head, vocabulary 32,000), so that s = 64
 is Llama 2 7B (6.74B parameters) and s = 80 Llama 2 13B, and a step of s adds 4 to 8 % of
-parameters; its layers are one ``jaxga.remat_scan``. Master
-weights, gradient sums and AdamW's two moments are float32; the matrix products and the
-activations bfloat16 (attention cuDNN's fused kernel, as on a real GPU). A step is
-128 sequences of 2,048 tokens (262,144 tokens), its loss a token-weighted ``jaxga.Mean``.
+parameters; its layers are one ``jaxga.remat_scan``. Master weights, gradient sums and
+AdamW's two moments are float32; the matrix products and the activations bfloat16
+(attention cuDNN's fused kernel, as on a real GPU). A step is 128 sequences of 2,048
+tokens (262,144 tokens), its loss a token-weighted ``jaxga.Mean`` (``optax.MultiSteps``
+takes each micro-batch's mean, as it averages the micro-batches' gradients).
 
 Each row is the largest size (on that grid, by bisection) whose step compiles, for the
 described card, to a device peak (XLA's ``memory_analysis()``: arguments + outputs +
