@@ -224,7 +224,8 @@ class _OptState(NamedTuple):
     graphdef: Any
 
     def __call__(self, state: Any) -> Any:
-        return nnx.as_pure(nnx.merge(self.graphdef, state)[1].opt_state)
+        _, optimizer, *_ = nnx.merge(self.graphdef, state)
+        return nnx.as_pure(optimizer.opt_state)
 
 
 def _placed(accumulated: Accumulate, layout: sharding.MeshLayout, model: Any, wrt: Any):
