@@ -21,13 +21,18 @@ def leading_size(tree: Any, name: str, axis: str) -> int | None:
                 f"{where} is a {type(leaf).__name__ if shape is None else 'scalar'} ({leaf!r}); "
                 f"every leaf of {name} must be an array with a leading {axis} axis."
             )
-        if getattr(getattr(leaf, "dtype", None), "kind", "") in tuple("OSUMm"):  # no JAX dtype
-            raise TypeError(f"{where} must hold numbers or bools; got dtype {leaf.dtype}.")
+        numeric(leaf, where)
         sizes[where] = shape[0]
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{k}: {v}" for k, v in sizes.items())
         raise ValueError(f"The leaves of {name} have different leading sizes ({listed}).")
     return next(iter(sizes.values()), None)
+
+
+def numeric(leaf: Any, where: str) -> None:
+    """Raises for a leaf whose dtype JAX has not (objects, strings, dates), named ``where``."""
+    if getattr(getattr(leaf, "dtype", None), "kind", "") in tuple("OSUMm"):
+        raise TypeError(f"{where} must hold numbers or bools; got dtype {leaf.dtype}.")
 
 
 def _wrong(name: str, expected: str, value: Any, error: type = TypeError) -> Exception:

@@ -3,7 +3,7 @@
 import functools
 import inspect
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -39,12 +39,17 @@ class Options(NamedTuple):
     placement: Any = None  # a train step's collectives.Placement; None: as the values lie
 
 
+def _items(value: Any) -> tuple[Any, ...]:
+    """``value`` as a tuple: one position (an int or an `nnx.DiffState`), or several."""
+    try:
+        return (value,) if isinstance(value, int | nnx.DiffState) else tuple(value)
+    except TypeError:  # not iterable: checked by the caller
+        return (value,)
+
+
 def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:
     got = repr(value) if shown is None else shown
-    try:
-        values = (value,) if isinstance(value, int) else tuple(value)
-    except TypeError:  # not iterable
-        values = (value,)
+    values = _items(value)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         raise TypeError(f"`{name}` must be a non-negative int or a tuple of them; got {got}.")
     if len(set(values)) != len(values):
@@ -55,10 +60,7 @@ def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:
 def make_options(
     argnums: Any, *, batch_argnums: Any, rng_argnums: Any, state_argnums: Any, **others: Any
 ) -> Options:
-    try:
-        items = (argnums,) if isinstance(argnums, int | nnx.DiffState) else tuple(argnums)
-    except TypeError:  # not iterable: as_positions names it
-        items = (argnums,)
+    items = _items(argnums)
     diff = tuple(a.argnum if isinstance(a, nnx.DiffState) else a for a in items)
     named = {
         "argnums": as_positions("argnums", diff, shown=repr(argnums)),
@@ -129,6 +131,18 @@ def describe(x: Any) -> str:
     return f"{x!r} of type {type(x).__name__}"
 
 
+def _is_value(x: Any) -> bool:
+    return hasattr(x, "dtype") or isinstance(x, int | float | bool | complex)
+
+
+def _check_leaves(tree: Any, ok: Callable[[Any], bool], *, said: str, expected: str) -> None:
+    """Raises for the first leaf not ``ok`` of ``{"args": {i: arg}}`` or ``{"aux": aux}``."""
+    for path, leaf in tree_flatten_with_path(tree)[0]:
+        if not ok(leaf):
+            got = f"{path[0].key}{keystr(path[1:])}, {describe(leaf)}"
+            raise TypeError(f"{said} {got}; expected {expected}.")
+
+
 def _unnamed_leaves(options: Options, i: int, arg: Any) -> list[Any]:
     named = {*options.argnums, *options.batch_argnums, *options.state_argnums}
     if i in named or modules.holds_graph_node(arg):
@@ -138,10 +152,8 @@ def _unnamed_leaves(options: Options, i: int, arg: Any) -> list[Any]:
 
 def rng_positions(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
     if options.rng_argnums is not None:
-        for path, key in tree_flatten_with_path({i: args[i] for i in options.rng_argnums})[0]:
-            if not is_key(key):
-                got = f"args{keystr(path)}, {describe(key)}"
-                raise TypeError(f"`rng_argnums` names {got}; expected a PRNG key.")
+        given = {"args": {i: args[i] for i in options.rng_argnums}}
+        _check_leaves(given, is_key, said="`rng_argnums` names", expected="a PRNG key")
         return options.rng_argnums
     found = []
     for i, arg in enumerate(args):
@@ -179,9 +191,8 @@ def check_call(
     rows = rows[0] if rows else 0
     route = collectives.find_route(options.axis_name, [args[i] for i in options.batch_argnums])
     devices = collectives.axis_size(route)
-    local = rows if route.kind == "manual" else rows // devices
-    if route.axes and (rows % (1 if route.kind == "manual" else devices) or local % k):
-        size = rows * devices if route.kind == "manual" else rows  # the global batch's
+    size = rows * devices if route.kind == "manual" else rows  # the global batch's
+    if route.axes and size % (devices * k):
         raise IndivisibleBatchError.of(size, k, devices, route.axes)
     return rows, route
 
@@ -208,13 +219,13 @@ def note_unsplit(error: Exception, fun: Any, options: Options, args: tuple, rows
         leaves = jax.tree.leaves(tree)
         return any(isinstance(x, jax.Array | np.ndarray) and x.shape[:1] == (rows,) for x in leaves)
 
-    unsplit = [f"args[{i}]" for i, a in enumerate(args) if whole(_unnamed_leaves(options, i, a))]
+    unsplit = [i for i, a in enumerate(args) if whole(_unnamed_leaves(options, i, a))]
     closed = [name for name, value in _closed_over(fun).items() if whole(value)]
     if unsplit:
-        positions = (*options.batch_argnums, *(int(a[5:-1]) for a in unsplit))
+        named = ", ".join(f"args[{i}]" for i in unsplit)
         error.add_note(
-            f"jaxga: not split, yet of the batch's {rows} rows: {', '.join(unsplit)}; to split "
-            f"them too, pass batch_argnums={positions}."
+            f"jaxga: not split, yet of the batch's {rows} rows: {named}; to split "
+            f"them too, pass batch_argnums={(*options.batch_argnums, *unsplit)}."
         )
     if closed:
         error.add_note(
@@ -242,10 +253,8 @@ def check_kwargs(fun: Any, kwargs: dict[str, Any]) -> None:
 
 
 def check_primals(primals: tuple[Any, ...], argnums: tuple[int, ...]) -> None:
-    for path, leaf in tree_flatten_with_path(dict(zip(argnums, primals)))[0]:
-        if not is_inexact(leaf):
-            got = f"args{keystr(path)}, {describe(leaf)}"
-            raise TypeError(f"`argnums` differentiates {got}; expected floats.")
+    given = {"args": dict(zip(argnums, primals))}
+    _check_leaves(given, is_inexact, said="`argnums` differentiates", expected="floats")
 
 
 class Output(NamedTuple):
@@ -284,10 +293,8 @@ def parse_output(out: Any, options: Options, old_state: tuple[Any, ...], *, rows
     if jnp.shape(count) != () or not jnp.issubdtype(jnp.result_type(count), jnp.number):
         got = describe(jnp.asarray(count))
         raise TypeError(f"`fun` returned a jaxga.Mean whose count has {got}; expected a scalar.")
-    for path, leaf in tree_flatten_with_path(aux)[0]:
-        if not (hasattr(leaf, "dtype") or isinstance(leaf, int | float | bool | complex)):
-            got = f"aux{keystr(path)}, {describe(leaf)}"
-            raise TypeError(f"`fun` returned {got}; expected arrays or numbers.")
+    expected = "arrays or numbers"
+    _check_leaves({"aux": aux}, _is_value, said="`fun` returned", expected=expected)
     items = max(rows, 1)  # without a batch, each micro-batch counts once
     mean = out if isinstance(out, Mean) else Mean(out * items, jnp.float32(items))
     state = (state,) if options.single_state else state

@@ -20,10 +20,8 @@ _CHECKIFY = contextvars.ContextVar("jaxga_checkify", default=False)
 def checkify_values() -> Iterator[None]:
     """Within it, jaxga's checks of traced values are recorded for ``checkify.checkify``.
 
-    Off by default: each recorded check gets a new error code from checkify, so the same
-    step traced twice would compile to two programs, and JAX's compilation cache would miss.
-    JAX caches traces: a function traced before, outside it, keeps its program without
-    the checks; trace a new one (``jax.jit(lambda *a: f(*a))``) within it.
+    Off by default, and a function traced before, outside it, keeps its program without the
+    checks: trace a new one within it (why: ``docs/normalization.md``, "Bad values").
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxga

@@ -50,8 +50,7 @@ def _check_arrays(tree: Any, name: str, like: Any) -> None:
             expected = "an array or a number" if path else "a pytree of arrays"
             got = f"{leaf!r:.60} of type {type(leaf).__name__}"
             raise TypeError(f"`{where}` must be {expected}; got {got}.")
-        if getattr(getattr(leaf, "dtype", None), "kind", "") in tuple("OSUMm"):  # not for JAX
-            raise TypeError(f"`{where}` must hold numbers or bools; got dtype {leaf.dtype}.")
+        _checks.numeric(leaf, f"`{where}`")
         if jnp.shape(leaf) != jnp.shape(a):
             raise ValueError(f"`{where}` must have shape {jnp.shape(a)}; got {jnp.shape(leaf)}.")
 
