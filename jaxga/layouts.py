@@ -26,9 +26,8 @@ class OnMesh(NamedTuple):
     """What the loop on a mesh gives the train step."""
 
     accumulated: Accumulated  # gradients laid out as the optimiser state (ZeRO-1: sharded)
-    state: Any  # the train state, laid out
+    state: Any  # the train state as the optimiser sees it: its parameters laid out as those
     specs: Any  # the train state's PartitionSpecs
-    params: Any  # the parameters as the optimiser sees them, laid out as the gradients
 
 
 def accumulate_on_mesh(
@@ -65,33 +64,31 @@ def accumulate_on_mesh(
     grad_specs = fsdp_specs(state.params, mesh, axis_name) if split.opt_state else specs.params
     check_layout(layout, specs.params, "give `strategy` specs with P('{}') on the stacked layers")
     if layout.reduce_once:  # the engine's one loop onto the mesh
-        where = placement(layout, (specs.params,), (grad_specs,))
-        acc = placed(accumulated, where)(state.params, batch, model_state, rng)
+        on_mesh = placed(accumulated, layout, (specs.params,), (grad_specs,))
+        acc = on_mesh(state.params, batch, model_state, rng)
     else:  # jit's global view: the parameters gathered once, JAX reducing in every micro-batch
         gathered = meshes.specs_over(specs.params, others(layout))
         acc = accumulated(place(mesh, state.params, gathered), batch, model_state, rng)
     grads = place(mesh, acc.grads, grad_specs)
     return OnMesh(
         accumulated=acc._replace(grads=grads),
-        state=state,
+        state=state.replace(params=place(mesh, state.params, grad_specs)),
         specs=specs,
-        params=place(mesh, state.params, grad_specs),
     )
 
 
-def placement(layout: MeshLayout, primal_specs: Any, grad_specs: Any) -> collectives.Placement:
-    """The `collectives.Placement` of a step on ``layout``: its stage axes, ZeRO-3's gathers,
-    and the specs (a tuple, one tree per differentiated argument; ``None``: as they lie)."""
-    return collectives.Placement(
+def placed(
+    accumulated: Accumulate, layout: MeshLayout, primal_specs: Any, grad_specs: Any
+) -> Accumulate:
+    """``accumulated`` told where a train step on ``layout`` lays out the values it
+    differentiates: its `collectives.Placement` (the stage axes, ZeRO-3's gathers, and the
+    specs: a tuple, one tree per differentiated argument; ``None``: as they lie)."""
+    placement = collectives.Placement(
         stage_axes=stage_axes(layout),
         primal_specs=primal_specs,
         grad_specs=grad_specs,
         gather_each=split_of(layout.strategy).gather_each,
     )
-
-
-def placed(accumulated: Accumulate, placement: collectives.Placement) -> Accumulate:
-    """``accumulated`` told where a train step lays the values it differentiates out."""
     return Accumulate(accumulated.fun, accumulated.options._replace(placement=placement))
 
 
@@ -105,14 +102,13 @@ def mesh_layout(
         raise ValueError(f"`strategy`={strategy!r} shards the state over a mesh: pass `mesh`.")
     if mesh is not None:
         check_mesh(mesh, axis_name, concrete=True)
-    check_pipeline_axis(mesh, axis_name, pipeline_axis, once)
+    if pipeline_axis is not None:
+        _check_pipeline_axis(mesh, axis_name, pipeline_axis, once)
     return None if mesh is None else MeshLayout(mesh, axis_name, strategy, once, pipeline_axis)
 
 
-def check_pipeline_axis(mesh: Any, axis_name: Any, pipeline_axis: Any, reduce_once: bool) -> None:
+def _check_pipeline_axis(mesh: Any, axis_name: Any, pipeline_axis: str, reduce_once: bool) -> None:
     """Raises unless ``pipeline_axis`` (a train step's argument) can be ``mesh``'s stage axis."""
-    if pipeline_axis is None:
-        return
     if mesh is None:
         raise ValueError(f"`pipeline_axis`={pipeline_axis!r} needs a `mesh` with that axis.")
     if pipeline_axis not in mesh.axis_names:

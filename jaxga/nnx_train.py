@@ -11,7 +11,6 @@ from flax import nnx
 from jaxga import _checks, arguments, layouts, modules, sharding, steps
 from jaxga.accumulation import Accumulate
 from jaxga.arguments import check_num_real
-from jaxga.state import unaliased
 
 
 def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
@@ -86,8 +85,7 @@ class NNXTrainStep(steps.JittedStep):
             got = type(rngs).__name__
             raise TypeError(f"`rngs` must be an nnx.Rngs, a PRNG key or None; got {got}.")
         _check_takes_rngs(self._loss, rngs)
-        streams = [rngs] if isinstance(rngs, nnx.Rngs) else []
-        graphdef, state = nnx.split((model, optimizer, *streams))
+        graphdef, state = nnx.split((model, optimizer, *_streams(rngs)))
         self._once((graphdef, state), _check_wrt, model, optimizer)
         layout = self.options.layout
         if layout is not None:  # where the model put it; on the mesh, replicated, if nowhere
@@ -95,7 +93,7 @@ class NNXTrainStep(steps.JittedStep):
         state = sharding.lay_out(state, None, offload_state=self.options.offload)
         call = _Call(
             num_real=check_num_real(num_real_microbatches, self.options.num_microbatches),
-            key=None if streams else rngs,
+            key=None if isinstance(rngs, nnx.Rngs) else rngs,
             end_group=steps.check_end_group(end_group),
         )
         return graphdef, state, batch, call
@@ -113,14 +111,14 @@ class NNXTrainStep(steps.JittedStep):
         if self.options.num_microbatches == "auto" and rngs is not None:
             raise ValueError('`rngs` needs a fixed num_microbatches; "auto" plans without them.')
         args = (model, optimizer, batch, num_real_microbatches)
-        if (planned := self._planned(args)) is not self:
-            return planned(*args, rngs=rngs, end_group=end_group)
-        graphdef, state, batch, call = self._arguments(*args, rngs=rngs, end_group=end_group)
-        run = self._update if steps.traced(state) else self._jitted  # in a jit: inlined in it
-        state = unaliased(state) if self.options.donate else state
-        state, metrics = run(graphdef, state, batch, call)
-        nnx.update((model, optimizer, *([rngs] if isinstance(rngs, nnx.Rngs) else [])), state)
+        state, metrics = self._run(args, {"rngs": rngs, "end_group": end_group})
+        nnx.update((model, optimizer, *_streams(rngs)), state)
         return metrics
+
+
+def _streams(rngs: Any) -> list[Any]:
+    """The graph nodes ``rngs`` adds to the step's state: an `nnx.Rngs`, else none."""
+    return [rngs] if isinstance(rngs, nnx.Rngs) else []
 
 
 class _Call(NamedTuple):
@@ -149,16 +147,14 @@ def _check_takes_rngs(loss: Callable[..., Any], rngs: Any) -> None:
     except ValueError:  # no signature (some builtins): the call will tell
         return
     except TypeError:
-        handed = "which it hands the loss as its third argument"
         if rngs is None:
+            got = "takes (model, batch, rngs), but the step got no `rngs=`"
             fix = "call it with `rngs=` (an nnx.Rngs or a PRNG key)"
-            raise TypeError(
-                f"`loss` takes (model, batch, rngs), but the step got no `rngs=`, {handed}: {fix}."
-            ) from None
-        fix = "take it (`loss(model, batch, rngs)`) or call the step without `rngs=`"
-        raise TypeError(
-            f"`loss` takes (model, batch), but the step got `rngs=`, {handed}: {fix}."
-        ) from None
+        else:
+            got = "takes (model, batch), but the step got `rngs=`"
+            fix = "take it (`loss(model, batch, rngs)`) or call the step without `rngs=`"
+        handed = "which it hands the loss as its third argument"
+        raise TypeError(f"`loss` {got}, {handed}: {fix}.") from None
 
 
 def _check_wrt(model: Any, optimizer: Any) -> None:
@@ -169,7 +165,8 @@ def _check_wrt(model: Any, optimizer: Any) -> None:
 
 
 def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[..., Any]:
-    checked = steps.loss_alone(loss, "`loss(model, batch)`", pair=False, aux=options.has_aux)
+    returns = "aux" if options.has_aux else None
+    checked = steps.loss_alone(loss, "`loss(model, batch)`", returns=returns)
 
     def train_step(graphdef: Any, state: Any, batch: Any, call: _Call) -> tuple[Any, steps.Metrics]:
         state = sharding.offload(state, "device", select=options.offload)
@@ -195,7 +192,8 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
                 batch = sharding.place(layout.mesh, batch, sharding.batch_specs(batch, layout))
                 acc = _placed(accumulated, layout, model, optimizer.wrt)(model, batch, *rngs)
         before = nnx.state((model, optimizer, *streams))
-        optimizer = steps.Optimizer(optimizer.tx, _Updated(graphdef), _OptState(graphdef))
+        pure = _Optimizer(graphdef)
+        optimizer = steps.Optimizer(optimizer.tx, pure.update, pure.opt_state)
         state, metrics = steps.optimize(options, optimizer, acc, before, call.end_group)
         if specs is not None:
             state = sharding.place(layout.mesh, state, specs)
@@ -206,24 +204,19 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
     return train_step
 
 
-class _Updated(NamedTuple):
-    """``nnx.Optimizer.update`` of a step's pure state: the model and optimizer put together."""
+class _Optimizer(NamedTuple):
+    """``nnx.Optimizer`` on a step's pure state: the model and optimizer put together."""
 
     graphdef: Any
 
-    def __call__(self, state: Any, grads: Any, **extra: Any) -> Any:
+    def update(self, state: Any, grads: Any, **extra: Any) -> Any:
         model, optimizer, *streams = nnx.merge(self.graphdef, state)
         held = isinstance(optimizer, nnx.ModelAndOptimizer)
         optimizer.update(*(() if held else (model,)), grads, **extra)
         return nnx.state((model, optimizer, *streams))
 
-
-class _OptState(NamedTuple):
-    """The pure optimiser state in a step's state."""
-
-    graphdef: Any
-
-    def __call__(self, state: Any) -> Any:
+    def opt_state(self, state: Any) -> Any:
+        """The pure optimiser state in ``state``."""
         _, optimizer, *_ = nnx.merge(self.graphdef, state)
         return nnx.as_pure(optimizer.opt_state)
 
@@ -236,11 +229,11 @@ def _placed(accumulated: Accumulate, layout: sharding.MeshLayout, model: Any, wr
     every = sharding.nnx_state_specs(nnx.state(model), mesh, axis_name=axis_name)
     layouts.check_layout(layout, every, _STAGES_FIX)
     if strategy is None:
-        return layouts.placed(accumulated, layouts.placement(layout, None, None))
+        return layouts.placed(accumulated, layout, None, None)
     params = nnx.state(model, wrt)
     specs = sharding.nnx_state_specs(params, mesh, strategy, axis_name=axis_name)
     grads = sharding.nnx_state_specs(params, mesh, strategy, axis_name=axis_name, grads=True)
-    return layouts.placed(accumulated, layouts.placement(layout, (specs,), (grads,)))
+    return layouts.placed(accumulated, layout, (specs,), (grads,))
 
 
 _STAGES_FIX = (

@@ -16,9 +16,9 @@ from jaxga.accumulation import Accumulate, accumulate
 from jaxga.arguments import check_unroll
 from jaxga.compiler import compiler_options
 from jaxga.engine import Accumulated
-from jaxga.loss import Mean
 from jaxga.memory import HOST_KINDS, format_bytes
 from jaxga.multistep import MultiStepsState, MultiStepsTransformation
+from jaxga.state import unaliased
 
 Metrics = dict[str, jax.Array]
 _LOG = logging.getLogger("jaxga")
@@ -85,12 +85,10 @@ def metrics(
     and applied: ``tx.has_updated(opt_state)`` if ``tx`` has one, else whether every
     `jaxga.MultiSteps` it holds ran its inner optimiser."""
     counted = acc.mean.count > 0
-    has_updated = getattr(tx, "has_updated", None)
-    held = [] if has_updated is not None else [s.applied for s in multisteps_states(opt_state)]
-    if has_updated is not None:
+    if (has_updated := getattr(tx, "has_updated", None)) is not None:
         applied = has_updated(opt_state)
-    elif held:  # a jaxga.MultiSteps inside `tx` (a chain): the calls that ran its inner
-        applied = jnp.all(jnp.stack(held))
+    elif held := [s.applied for s in multisteps_states(opt_state)]:  # in `tx` (a chain): the
+        applied = jnp.all(jnp.stack(held))  # calls that ran its inner optimiser
     else:
         applied = counted
     return {
@@ -166,26 +164,31 @@ def signature(tree: Any) -> tuple[Any, ...]:
 
 
 def loss_alone(
-    loss: Callable[..., Any], called_as: str, *, pair: bool, aux: bool = False
+    loss: Callable[..., Any], called_as: str, *, returns: str | None = None
 ) -> Callable[..., Any]:
+    """``loss``, checked on each call: it gives the loss alone, or with ``returns`` (one of
+    `_PAIRS`) the pair ``(loss, returns)``; the engine checks what the pair's second holds."""
+
     @functools.wraps(loss)
     def checked(*args):
         out = loss(*args)
-        if pair and (isinstance(out, Mean) or not (isinstance(out, tuple) and len(out) == 2)):
-            got = type(out).__name__ if isinstance(out, Mean | tuple) else None
-            got = got or f"an array of shape {jnp.shape(out)}"
-            raise TypeError(f"{called_as} must return a pair (loss, new_model_state); got {got}.")
-        if aux and not (isinstance(out, tuple) and len(out) == 2):
-            got = type(out).__name__
-            raise TypeError(f"With has_aux=True, {called_as} must return (loss, aux); got {got}.")
-        value = out[0] if pair or aux else out
+        if returns is not None and not (isinstance(out, tuple) and len(out) == 2):
+            got = f"an array of shape {out.shape}" if hasattr(out, "shape") else type(out).__name__
+            raise TypeError(_PAIRS[returns].format(called_as=called_as, got=got))
+        value = out if returns is None else out[0]
         if isinstance(value, tuple | list):
             got = f"{type(value).__name__} of length {len(value)}"
-            hint = "; or build the step with has_aux=True" if not (pair or aux) else ""
+            hint = "; or build the step with has_aux=True" if returns is None else ""
             raise TypeError(f"{called_as} must give the loss alone, no aux; got a {got}{hint}.")
-        return out  # the engine checks the new model state (state_argnums)
+        return out
 
     return checked
+
+
+_PAIRS = {  # what a loss returns beside the loss: the error when it does not
+    "new_model_state": "{called_as} must return a pair (loss, new_model_state); got {got}.",
+    "aux": "With has_aux=True, {called_as} must return (loss, aux); got {got}.",
+}
 
 
 def traced(tree: Any) -> bool:
@@ -331,18 +334,17 @@ def optimize(
     extra = tx_args(options, optimizer.tx, acc, end_group, optimizer.opt_state(state))
     if optimizer.check is not None:
         optimizer.check(extra)
-    update = functools.partial(_call_with, optimizer.update, extra)
+    update = functools.partial(optimizer.update, **extra)
     new = apply_update(acc, update, state, always="weight" in extra)
     opt_state = optimizer.opt_state(new)
     return new, metrics(acc, optimizer.tx, opt_state, options, "weight" in extra)
 
 
-def _call_with(update: Callable[..., Any], extra: dict[str, Any], state: Any, grads: Any) -> Any:
-    return update(state, grads, **extra)
-
-
 class JittedStep:
     """A jitted train step; with `num_microbatches="auto"`, the one planned for each call.
+
+    A subclass's ``__call__`` runs `_run`; its ``_arguments`` turns a call's arguments into
+    the jitted function's (checked, laid out): the static ones, then the state (donated).
 
     Attributes:
         options: the `StepOptions` it was built with.
@@ -354,6 +356,7 @@ class JittedStep:
     _arity: int  # a call's arguments, the batch last, before `num_real_microbatches`
     _static_argnums: tuple[int, ...] = ()  # of the jitted function's arguments
     plan_search = "predict"
+    _arguments: Callable[..., tuple[Any, ...]]
 
     def __init__(self, build: Callable[..., Any], loss: Any, options: StepOptions):
         self.options = options
@@ -374,6 +377,17 @@ class JittedStep:
             donate_argnums=donated,
             compiler_options=options.compiler_options,
         )
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One call (planned, with `"auto"`): the jitted function's output; in a jit, inlined."""
+        if (planned := self._planned(args)) is not self:
+            return planned._run(args, kwargs)
+        arguments = list(self._arguments(*args, **kwargs))
+        i = len(self._static_argnums)  # the state
+        run = self._update if traced(arguments[i]) else self._jitted
+        if self.options.donate:
+            arguments[i] = unaliased(arguments[i])
+        return run(*arguments)
 
     def _planned(self, args: tuple[Any, ...]) -> "JittedStep":
         """This step, or with `"auto"` the step planned for these arguments' shapes."""

@@ -12,7 +12,7 @@ from flax.training import train_state
 
 from jaxga import _checks, layouts, modules, sharding, steps
 from jaxga.arguments import StateStructureError, check_num_real
-from jaxga.state import StateFields, TrainState, check_field_names, state_fields, unaliased
+from jaxga.state import StateFields, TrainState, check_field_names, state_fields
 from jaxga.steps import Metrics, StepOptions
 
 
@@ -39,6 +39,8 @@ class TrainStep(steps.JittedStep):
     def _arguments(
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
     ) -> tuple[Any, ...]:
+        if steps.traced(state):  # inside a jit: inlined, compiled with the enclosing one's options
+            return state, batch, num_real_microbatches, end_group
         self._once(state, _check_state, state, self.options.offload)
         state = sharding.lay_out(state, self.options.layout, offload_state=self.options.offload)
         real = check_num_real(num_real_microbatches, self.options.num_microbatches)
@@ -47,14 +49,10 @@ class TrainStep(steps.JittedStep):
     def __call__(
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
     ) -> tuple[Any, Metrics]:
-        if (planned := self._planned((state, batch, num_real_microbatches))) is not self:
-            return planned(state, batch, num_real_microbatches, end_group=end_group)
-        if steps.traced(state):  # inside a jit: inlined, compiled with the enclosing one's options
-            return self._update(state, batch, num_real_microbatches, end_group)
-        if isinstance(leaf := getattr(state, "step", None), jax.Array) and leaf.is_deleted():
+        leaf = getattr(state, "step", None)
+        if isinstance(leaf, jax.Array) and not steps.traced(leaf) and leaf.is_deleted():
             raise ValueError("`state` holds arrays an earlier call deleted: it donates them.")
-        state, *rest = self._arguments(state, batch, num_real_microbatches, end_group=end_group)
-        return self._jitted(unaliased(state) if self.options.donate else state, *rest)
+        return self._run((state, batch, num_real_microbatches), {"end_group": end_group})
 
 
 def _check_state(state: Any, offload: Any = True) -> None:
@@ -88,7 +86,7 @@ def _accumulate_state(
                     accumulated, layout, state, batch, model_state=model_state, rng=rng
                 )
         acc = accumulated(state.params, batch, model_state, rng)
-        return layouts.OnMesh(accumulated=acc, state=state, specs=None, params=state.params)
+        return layouts.OnMesh(accumulated=acc, state=state, specs=None)
     except TypeError as e:
         if isinstance(e, StateStructureError):
             e.add_note(f"jaxga: {fields.describe(state)}.")
@@ -123,7 +121,8 @@ def _applied(state: Any, grads: Any, **extra: Any) -> Any:
 
 
 def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[..., Any]:
-    checked = steps.loss_alone(loss, "`loss(params, batch, model_state, rng)`", pair=True)
+    called_as = "`loss(params, batch, model_state, rng)`"
+    checked = steps.loss_alone(loss, called_as, returns="new_model_state")
 
     def train_step(state: Any, batch: Any, num_real: Any = None, end_group: Any = None) -> tuple:
         _check_state(state)
@@ -131,11 +130,9 @@ def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[...,
         fields = state_fields(state, options.model_state_fields, options.rng_field)
         looped = _accumulate_state(checked, options, fields, state, batch, num_real=num_real)
         acc = looped.accumulated
-        # the optimiser sees the parameters laid out as the gradients (ZeRO-1: sharded)
-        before = looped.state.replace(params=looped.params)
         check = functools.partial(_apply_gradients, state)  # a subclass's takes `extra`?
         optimizer = steps.Optimizer(state.tx, _applied, operator.attrgetter("opt_state"), check)
-        new, metrics = steps.optimize(options, optimizer, acc, before, end_group)
+        new, metrics = steps.optimize(options, optimizer, acc, looped.state, end_group)
         new = fields.write(new.replace(step=state.step + 1), acc.state)
         if options.layout is not None:
             new = sharding.place(options.layout.mesh, new, looped.specs)
