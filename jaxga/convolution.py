@@ -71,22 +71,19 @@ def _transposed_aval(aval: Any, permutation: tuple[int, ...]) -> Any:
     return aval.update(shape=shape, sharding=sharding.update(spec=permuted))
 
 
-def _transpose(eqn: core.JaxprEqn, x: Any, out: Any, permutation: tuple[int, ...]) -> list:
-    """``[out = transpose(x, permutation)]`` with ``eqn``'s source and context."""
-    params = {"permutation": permutation}
-    return [
-        core.new_jaxpr_eqn(
-            [x], [out], primitives.transpose_p, params, core.no_effects, eqn.source_info, eqn.ctx
-        )
-    ]
-
-
-def _transposed(eqn: core.JaxprEqn, x: Any, permutation: tuple[int, ...]) -> tuple[Any, list]:
-    """``x`` transposed by ``permutation``: a new variable and its equation, or ``x`` itself."""
+def _transposed(
+    eqn: core.JaxprEqn, x: Any, permutation: tuple[int, ...], *, into: Any = None
+) -> tuple[Any, list]:
+    """``x`` transposed by ``permutation`` into ``into`` (default: a new variable), and its
+    equation with ``eqn``'s source and context; or ``x`` itself, no equation."""
     if permutation == tuple(range(len(permutation))):
         return x, []
-    new = core.Var(_transposed_aval(x.aval, permutation))
-    return new, _transpose(eqn, x, new, permutation)
+    into = core.Var(_transposed_aval(x.aval, permutation)) if into is None else into
+    params = {"permutation": permutation}
+    transpose = core.new_jaxpr_eqn(
+        [x], [into], primitives.transpose_p, params, core.no_effects, eqn.source_info, eqn.ctx
+    )
+    return into, [transpose]
 
 
 def _rewrite_conv(eqn: core.JaxprEqn) -> list[core.JaxprEqn]:
@@ -100,7 +97,7 @@ def _rewrite_conv(eqn: core.JaxprEqn) -> list[core.JaxprEqn]:
     rhs_t, rhs_eqns = _transposed(eqn, rhs, layout.rhs)
     back = tuple(layout.out.index(axis) for axis in range(len(layout.out)))
     out_t, _ = _transposed(eqn, out, layout.out)  # a new variable, or `out` itself
-    out_eqns = _transpose(eqn, out_t, out, back) if out_t is not out else []
+    _, out_eqns = _transposed(eqn, out_t, back, into=out)
     params = {**eqn.params, "dimension_numbers": canonical_dimension_numbers(len(layout.lhs))}
     conv = eqn.replace(invars=[lhs_t, rhs_t], outvars=[out_t], params=params)
     return [*lhs_eqns, *rhs_eqns, conv, *out_eqns]

@@ -18,10 +18,8 @@ from jaxga.remat import Policy, stack_length
 def pipeline_order(stacked_params: Any, stages: int, repeats: int = 1) -> Any:
     """The layer stack reordered so that stage ``s`` holds, contiguously, the layers it runs.
 
-    With ``repeats`` r, layer ``l`` belongs to chunk ``l // (L / (S · r))``, and chunk ``c``
-    to stage ``c % S``: stage ``s`` runs chunks ``s, s + S, ...``. Laid out over the stage
-    axis (``P(axis_name)`` on the layer axis), each stage then holds its own layers: the
-    weights never move. With ``repeats=1`` this is the stack as it is.
+    Stage ``s`` runs chunks ``s, s + S, ...`` of ``L / (S · r)`` layers each; with
+    ``repeats=1`` this is the stack as it is (docs/pipeline.md, the circular schedule).
 
     Args:
         stacked_params: a pytree of arrays with a leading layer axis L, in layer order.
@@ -181,19 +179,11 @@ def pipeline_scan(
 ) -> Any:
     """``for p in stacked_params: x = layer_fn(p, x)``, its layers split into pipeline stages.
 
-    The S devices of ``axis_name`` each run L / S of the layers (their weights never move:
-    lay ``stacked_params`` out with ``P(axis_name)`` on the layer axis, in
-    [`pipeline_order`][jaxga.pipeline_order]); ``x``'s rows are split into m micro-batches
-    (micro-batch ``i``: rows ``i, i + m, ...``) that stream through the stages, activations
-    passed on with ``ppermute``. ``"gpipe"``: each micro-batch once through S stages;
-    ``"circular"``: through each stage ``repeats`` times, a chunk of layers each time, which
-    shrinks the idle bubble to ``(S - 1) / (r · m + S - 1)``. Each stage's layers run as
-    [`remat_scan`][jaxga.remat_scan] with ``policy``; only a stage's inputs are kept for the
-    backward pass. Results and gradients are those of the layers applied in order.
-
-    Call it in jit's global view (jaxga opens a ``shard_map`` over ``axis_name`` alone),
-    inside jaxga's accumulation or ``shard_map`` over other axes, or inside your own
-    ``shard_map`` over ``axis_name``.
+    The S devices of ``axis_name`` each run L / S of the layers, as
+    [`remat_scan`][jaxga.remat_scan] with ``policy``; ``x``'s rows, split into m micro-batches
+    (micro-batch ``i``: rows ``i, i + m, ...``), stream through them. Call it in jit's global
+    view, inside jaxga's accumulation, or inside a ``shard_map`` over ``axis_name`` or others.
+    The schedules, where values lie and why: docs/pipeline.md.
 
     Args:
         layer_fn: ``layer_fn(params_of_one_layer, x) -> x``, keeping ``x``'s shapes and
@@ -250,16 +240,10 @@ def pipeline_loss(
 ) -> Mean:
     """The loss of a pipelined layer stack: ``head_fn`` on `pipeline_scan`'s output, summed.
 
-    ``"gpipe"`` and ``"circular"`` run `pipeline_scan`, then ``head_fn`` on the whole batch.
-    ``"1f1b"`` computes each micro-batch's loss on the last stage as soon as its forward
-    pass ends and starts its backward pass in the same tick: stages interleave one forward
-    and one backward, and each keeps at most ``2S - 1`` micro-batches' inputs, whatever m
-    is. ``"interleaved_1f1b"`` does so with ``repeats`` r chunks of layers a stage, as
-    circular: a micro-batch goes round the stages r times, the bubble shrinks to
-    ``(S - 1) / (r · m + S - 1)``, a stage keeps at most ``2 r S - 1`` chunk inputs (m a
-    multiple of S). Their gradients are computed in the forward pass (a ``jax.custom_vjp``
-    scales them by the loss total's cotangent): differentiate the returned `Mean`'s total,
-    or return it from a loss given to [`jaxga.value_and_grad`][jaxga.value_and_grad].
+    ``"gpipe"`` and ``"circular"`` run `pipeline_scan`, then ``head_fn`` on the whole batch;
+    ``"1f1b"`` and ``"interleaved_1f1b"`` run each micro-batch's loss and backward pass in
+    the ticks (docs/pipeline.md): differentiate the returned `Mean`'s total, or return it
+    from a loss given to [`jaxga.value_and_grad`][jaxga.value_and_grad].
 
     Args:
         layer_fn: as for `pipeline_scan`.
@@ -279,9 +263,8 @@ def pipeline_loss(
         mesh: as for `pipeline_scan`.
         embed_fn: ``embed_fn(embed_params, x) -> the first layer's input``, or ``None``
             (``x`` is that input). Given, ``params`` is ``(stacked_params, head_params,
-            embed_params)``, and the 1F1B schedules run it on stage 0 per micro-batch, its
-            backward there too: no stage holds the whole batch's embedded input or its
-            gradient. ``x`` is then not differentiated (token ids, say).
+            embed_params)``, the 1F1B schedules run it per micro-batch on stage 0, and ``x``
+            is not differentiated (token ids, say).
 
     Returns:
         A `jaxga.Mean`: the totals and counts of every micro-batch, summed.
@@ -325,10 +308,8 @@ def _parts(params: Any, embed_fn: Callable[..., Any] | None) -> tuple[Any, Any, 
     if embed_fn is not None:
         check_callable(embed_fn, "embed_fn")
         want = "a triple (stacked_params, head_params, embed_params) with `embed_fn`"
-    size = 2 if embed_fn is None else 3
-    if not (isinstance(params, tuple | list) and len(params) == size):
-        got = f"a {type(params).__name__}" + (
-            f" of length {len(params)}" if isinstance(params, tuple | list) else ""
-        )
+    size, sequence = 2 if embed_fn is None else 3, isinstance(params, tuple | list)
+    if not (sequence and len(params) == size):
+        got = f"a {type(params).__name__}" + (f" of length {len(params)}" if sequence else "")
         raise TypeError(f"`params` must be {want}; got {got}.")
     return (*params, None) if embed_fn is None else tuple(params)

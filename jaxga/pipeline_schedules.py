@@ -340,7 +340,8 @@ def manual_ticks(stages: Stages, inputs: Inputs) -> tuple[Mean, Inputs]:
         key=None,
         embed=_zeros_varying(inputs.embed, axis),
     )
-    one = _zeros_varying(_one_input(stages, split), axis)
+    stack_input = functools.partial(_stack_input, stages, split, plan.forward(0, 0), True)
+    one = _zeros_varying(jax.eval_shape(stack_input), axis)  # one micro-batch's input
     saved = jax.tree.map(lambda a: jnp.broadcast_to(a, (plan.ring, *a.shape)), one)
     carry = (one, one, saved, Mean(zero, zero), grads)
     tick = functools.partial(_tick, stages, split)
@@ -353,36 +354,19 @@ def manual_ticks(stages: Stages, inputs: Inputs) -> tuple[Mean, Inputs]:
     return mean, grads._replace(head=head_grads, x=x_grads, embed=embed_grads)
 
 
-def _one_input(stages: Stages, split: Inputs) -> Any:
-    """Zeros shaped as one micro-batch's input to the stack."""
-    x = take(split.x, 0)
-    if stages.embed_fn is None:
-        return jax.tree.map(jnp.zeros_like, x)
-    types = jax.eval_shape(stages.embed_fn, split.embed, x)
-    return jax.tree.map(jnp.zeros_like, types)
+def _with_vjp(forward: Callable[..., Any], backward: Callable[..., Any]) -> Callable[..., Any]:
+    """A function of the pipeline's `Inputs`: ``forward(inputs)`` gives its output and the
+    residuals, ``backward(residuals, cotangent)`` the inputs' cotangents."""
 
+    @jax.custom_vjp
+    def run(inputs: Inputs) -> Any:
+        return forward(inputs)[0]
 
-class _Halves(NamedTuple):
-    """The pipeline's custom VJP, as `pipelined` made it."""
+    def cotangents(residuals: Any, cotangent: Any) -> tuple[Inputs]:
+        return (backward(residuals, cotangent),)
 
-    forward: Callable[..., Any]  # (inputs) -> (output, residuals)
-    backward: Callable[..., Any]  # (residuals, cotangent) -> the inputs' cotangents
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _pipelined(halves: _Halves, inputs: Inputs) -> Any:
-    return halves.forward(inputs)[0]
-
-
-def _pipelined_forward(halves: _Halves, inputs: Inputs) -> tuple:
-    return halves.forward(inputs)
-
-
-def _pipelined_backward(halves: _Halves, residuals: Any, cotangent: Any) -> tuple:
-    return (halves.backward(residuals, cotangent),)
-
-
-_pipelined.defvjp(_pipelined_forward, _pipelined_backward)
+    run.defvjp(forward, cotangents)
+    return run
 
 
 def _scaled(grads: Inputs, cotangent: Mean) -> Inputs:
@@ -423,7 +407,7 @@ def pipelined(stages: Stages, kind: str, mesh: Any, inputs: Inputs) -> Any:
         return jax.shard_map(fun, mesh=mesh, **names)
 
     if manual:
-        return _pipelined(_Halves(shard(run, (specs,), (P(), specs)), _scaled), inputs)
+        return _with_vjp(shard(run, (specs,), (P(), specs)), _scaled)(inputs)
     forward = functools.partial(_keeping_inputs, shard(run, (specs,), P()))
     backward = shard(functools.partial(_recomputed, run), (specs, P()), specs)
-    return _pipelined(_Halves(forward, backward), inputs)
+    return _with_vjp(forward, backward)(inputs)

@@ -1,9 +1,10 @@
 """Picks the micro-batch count and remat policy that fit a memory budget, before running."""
 
 import dataclasses
+import functools
 import itertools
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from typing import Any, NamedTuple
 
@@ -213,15 +214,6 @@ def _build_one(
     return _Built(Candidate(k, size, remat, report, fits, reason, **keywords), step)
 
 
-class _Searched(NamedTuple):
-    """What a search built, in the order built, and its choice."""
-
-    candidates: list[Candidate]
-    chosen: int  # the choice's index in candidates
-    step: Any  # what build returned for it
-    num_skipped: int  # configurations not built
-
-
 def _chosen(candidates: list[Candidate], budget: int) -> int:
     """The index of the fitting candidate first in the search order; raises if none fits."""
     if all(c.report is None for c in candidates):
@@ -236,30 +228,6 @@ def _chosen(candidates: list[Candidate], budget: int) -> int:
             tuple(candidates),
         )
     return min(fitting, key=lambda i: candidates[i].num_microbatches)
-
-
-def _search(
-    build: Callable[..., Any],
-    args: tuple,
-    configs: list[_Config],
-    *,
-    budget: int,
-    every: bool,
-    strict: bool,
-) -> _Searched:
-    """Builds the configurations in order until one fits (all of them if ``every``)."""
-    candidates, step = [], None
-    for i, config in enumerate(configs):
-        if step is not None and not every:
-            return _Searched(candidates, _chosen(candidates, budget), step, len(configs) - i)
-        undivided = {c.num_microbatches for c in candidates if c.report is None}
-        if config.num_microbatches in undivided:
-            continue  # the devices do not divide k micro-batches, whatever the rest
-        built = _build_one(build, args, config, budget=budget, strict=strict)
-        if built.candidate.fits and step is None:  # the others' steps and programs are freed
-            step = built.step
-        candidates.append(built.candidate)
-    return _Searched(candidates, _chosen(candidates, budget), step, 0)
 
 
 class _Line(NamedTuple):
@@ -290,37 +258,69 @@ def _next_count(
     )
 
 
-def _predict(
-    build: Callable[..., Any], args: tuple, configs: list[_Config], *, budget: int, strict: bool
-) -> _Searched:
+def _in_order(
+    configs: list[_Config], built: Mapping[int, Candidate], *, every: bool
+) -> Iterator[int]:
+    """The ordered search: each configuration in turn until one fits (all of them if
+    ``every``), but for those of a count the devices do not divide."""
+    for i, config in enumerate(configs):
+        if not every and any(c.fits for c in built.values()):
+            return
+        undivided = {c.num_microbatches for c in built.values() if c.report is None}
+        if config.num_microbatches not in undivided:  # the devices divide k micro-batches
+            yield i
+
+
+def _predicted(
+    configs: list[_Config], built: Mapping[int, Candidate], *, budget: int
+) -> Iterator[int]:
     """The ordered search, but for the counts that a line through the peaks of the first and
     the last count puts further over the budget than a tolerance: those are not built."""
-    built: dict[int, Candidate] = {}  # by index in configs, in the order built
-    steps: dict[int, Any] = {}  # of the fewest count that fits so far
-    line, error = None, 0.0  # error: the line's largest, on the counts built since
-
-    def measure(i: int) -> Candidate:
-        result = _build_one(build, args, configs[i], budget=budget, strict=strict)
-        built[i] = result.candidate
-        if result.candidate.fits and all(i < j for j in steps):
-            steps.clear()  # the step of a count that fits is kept until a smaller one fits
-            steps[i] = result.step
-        return result.candidate
-
-    first, last = measure(0), len(configs) - 1
+    yield 0
+    first, last, line = built[0], len(configs) - 1, None
     while line is None and not first.fits and first.report is not None and last > 0:
-        if measure(last).report is not None:  # the last count the devices divide
+        yield last
+        if built[last].report is not None:  # the last count the devices divide
             line = _Line.through(first, built[last])
         last -= 1
-    limit = budget + budget * _TOLERANCE
+    limit, error = budget + budget * _TOLERANCE, 0.0  # error: the line's largest, since
     while (i := _next_count(configs, built, line, limit=limit)) is not None:
-        report = measure(i).report
+        yield i
+        report = built[i].report
         if line is not None and report is not None:
             error = max(error, abs(report.peak_bytes - line.peak(configs[i].microbatch_size)))
         limit = budget + max(budget * _TOLERANCE, 2 * error)
+
+
+def _search(
+    build: Callable[..., Any],
+    args: tuple,
+    configs: list[_Config],
+    order: Callable[..., Iterator[int]],
+    *,
+    budget: int,
+    batch_size: int,
+    strict: bool,
+) -> Plan:
+    """Builds the configurations ``order(configs, built)`` names, each as the ones built so
+    far say, and chooses; keeps the step of the first in ``configs`` that fits (the others'
+    steps and programs are freed)."""
+    built: dict[int, Candidate] = {}  # by index in configs, in the order built
+    step, fewest = None, len(configs)
+    for i in order(configs, built):
+        result = _build_one(build, args, configs[i], budget=budget, strict=strict)
+        built[i] = result.candidate
+        if result.candidate.fits and i < fewest:
+            step, fewest = result.step, i
     candidates = list(built.values())
-    best = _chosen(candidates, budget)
-    return _Searched(candidates, best, steps[list(built)[best]], len(configs) - len(built))
+    chosen = _chosen(candidates, budget)
+    candidates[chosen] = dataclasses.replace(candidates[chosen], reason="")
+    undivided = {c.num_microbatches for c in candidates if c.report is None}
+    skipped = [
+        i for i, c in enumerate(configs) if i not in built and c.num_microbatches not in undivided
+    ]  # not built, but for those of a count the devices do not divide
+    sizes = {"budget": budget, "batch_size": batch_size, "num_skipped": len(skipped)}
+    return Plan(**vars(candidates[chosen]), **sizes, candidates=tuple(candidates), step=step)
 
 
 def plan(
@@ -379,7 +379,6 @@ def plan(
     signature = "".join(f", {n}=..." for n in keywords)
     check_arity(build, "build", 2, f"build(num_microbatches, remat{signature}) -> step", keywords)
     strict = num_microbatches is not None and len(counts) == 1  # one k asked for: it builds
-    options = {"budget": budget, "strict": strict}
     every = check_bool(exhaustive, "exhaustive")
     if search not in ("ordered", "predict"):
         raise ValueError(f"`search` must be 'ordered' or 'predict'; got {search!r}.")
@@ -387,11 +386,8 @@ def plan(
         many = len(configs) // len(counts)
         raise ValueError(f"`search`='predict' needs one configuration per count; got {many}.")
     if search == "predict" and not every:
-        found = _predict(build, args, configs, **options)
+        order = functools.partial(_predicted, budget=budget)
     else:
-        found = _search(build, args, configs, every=every, **options)
-    candidates = list(found.candidates)
-    candidates[found.chosen] = dataclasses.replace(candidates[found.chosen], reason="")
-    sizes = {"budget": budget, "batch_size": batch_size, "num_skipped": found.num_skipped}
-    chosen = vars(candidates[found.chosen])
-    return Plan(**chosen, **sizes, candidates=tuple(candidates), step=found.step)
+        order = functools.partial(_in_order, every=every)
+    sizes = {"budget": budget, "batch_size": batch_size}
+    return _search(build, args, configs, order, strict=strict, **sizes)
