@@ -10,14 +10,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxga.meshes import (
-    axes,
-    devices,
-    explicit_axes,
-    is_explicit,
-    manual_axes,
-    spec_over,
-)
+from jaxga import meshes
+from jaxga.meshes import axes
 
 __all__ = ["axes", "find_route", "psum_varying", "varying", "varying_axes"]
 
@@ -94,7 +88,7 @@ class Route(NamedTuple):
 def _kind_of(axis: Any) -> str:
     mesh = jax.sharding.get_abstract_mesh()
     if axis in mesh.axis_names:
-        return "manual" if axis in manual_axes(mesh) else "opened"
+        return "manual" if axis in meshes.manual_axes(mesh) else "opened"
     try:  # bound without a mesh: jax.pmap
         jax.lax.axis_index(axis)
     except NameError:
@@ -109,10 +103,8 @@ def _kind_of(axis: Any) -> str:
 
 def _split_axes(leaf: Any) -> tuple[Any, ...]:
     """The Explicit mesh axes ``leaf``'s leading axis is split over (its type says)."""
-    sharding = getattr(jax.typeof(leaf), "sharding", None)
-    if not isinstance(sharding, NamedSharding) or not getattr(leaf, "ndim", 0):
-        return ()
-    return explicit_axes(sharding.mesh, sharding.spec[0] or ())
+    spec = meshes.type_spec(leaf)
+    return axes(spec[0] or ()) if spec else ()
 
 
 def find_route(axis_name: Any, batch: Any) -> Route:
@@ -154,7 +146,7 @@ def axis_size(route: Route) -> int:
     """The number of devices the route's axes hold (1 for a local route)."""
     if route.kind == "manual":
         return jax.lax.axis_size(route.axes)
-    return devices(route.mesh, route.axes)
+    return meshes.devices(route.mesh, route.axes)
 
 
 class Placement(NamedTuple):
@@ -180,9 +172,9 @@ def whole_over(tree: Any, over: tuple[Any, ...]) -> Any:
 
     def gather(x: Any) -> Any:
         sharding = jax.typeof(x).sharding
-        if not is_explicit(sharding):
+        if not meshes.is_explicit(sharding):
             return x
-        spec = spec_over(sharding.spec, set(sharding.mesh.axis_names) - set(over))
+        spec = meshes.spec_over(sharding.spec, set(sharding.mesh.axis_names) - set(over))
         return x if spec == sharding.spec else jax.reshard(x, NamedSharding(sharding.mesh, spec))
 
     return jax.tree.map(gather, tree)
@@ -194,14 +186,16 @@ def laid_out_as(tree: Any, like: Any) -> Any:
 
     def lay(x: Any, y: Any) -> Any:
         want = (jax.typeof(y) if isinstance(y, jax.Array) else y).sharding
-        return jax.reshard(x, want) if is_explicit(want) and jax.typeof(x).sharding != want else x
+        if meshes.is_explicit(want) and jax.typeof(x).sharding != want:
+            return jax.reshard(x, want)
+        return x
 
     return jax.tree.map(lay, tree, like)
 
 
 def split_over(microbatches: Any, route: Route) -> Any:
     """Micro-batches ``[k, B / k, ...]`` with their rows split over an opened route's axes."""
-    if not explicit_axes(route.mesh, route.axes):
+    if not meshes.explicit_axes(route.mesh, route.axes):
         return microbatches  # Auto axes: the shard_map lays them out
 
     def place(x: Any) -> Any:
@@ -263,7 +257,7 @@ def zeros_like_sums(primals: Any, dtype: Callable[[Any], Any], route: Route) -> 
 
     def zero(x):
         sharding = jax.typeof(x).sharding
-        where = getattr(x, "sharding", sharding) if is_explicit(sharding) else None
+        where = getattr(x, "sharding", sharding) if meshes.is_explicit(sharding) else None
         over = (*(route.axes if route.kind == "manual" else ()), *varying_axes(x))
         return varying(jnp.zeros(jnp.shape(x), dtype(x), out_sharding=where), over)
 
@@ -295,27 +289,24 @@ def note_stage_axis(axis: Any) -> None:
         seen.append(axis)
 
 
-def counted_once(parts: tuple[Any, Any], stage_axes: list, route: Route) -> tuple[Any, Any]:
-    """A micro-batch's ``(total, count)`` as its pipelines' last stages give them: counted
-    once over each stage axis, whatever the other stages return (a head run on every stage,
-    a loss masked to the last one, a psum over the stages). Over a stage axis of the
-    route, zeros on the other stages (the route sums them after the loop); over one
-    outside it, the last stage's on every stage."""
+def counted_once(mean: Any, stage_axes: list, route: Route) -> tuple[Any, Any]:
+    """A micro-batch's ``mean``'s ``(total, count)`` as its pipelines' last stages give them:
+    counted once over each stage axis, whatever the other stages return (a head run on every
+    stage, a loss masked to the last one, a psum over the stages). Over a stage axis of the
+    route, zeros on the other stages (the route sums them after the loop); over one outside
+    it, the last stage's on every stage. A `ValueError` if they still vary over a Manual mesh
+    axis that ``route`` does not reduce over (the loop could not sum them)."""
+    parts = (jnp.asarray(mean.total), jnp.asarray(mean.count))
+    over = set(route.axes) if route.kind == "manual" else set()
     for axis in stage_axes:
         last = jax.lax.axis_index(axis) == jax.lax.axis_size(axis) - 1
         parts = tuple(jnp.where(last, x, jnp.zeros_like(x)) for x in parts)
-        if route.kind != "manual" or axis not in route.axes:
+        if axis not in over:
             parts = tuple(jax.lax.psum(parts, axis))
-    return parts
-
-
-def check_reduced(parts: tuple[Any, Any], route: Route) -> None:
-    """A `ValueError` if a micro-batch's ``(total, count)`` varies over a Manual mesh axis
-    that ``route`` does not reduce over (the loop could not sum it)."""
-    over = set(route.axes) if route.kind == "manual" else set()
     extra = sorted(set().union(*map(varying_axes, parts)) - over, key=str)
     if extra:
         raise ValueError(_NOT_REDUCED.format(extra=extra, route=tuple(sorted(over, key=str))))
+    return parts
 
 
 _NOT_REDUCED = (

@@ -48,11 +48,11 @@ class Call(NamedTuple):
     microbatches: tuple[Any, ...]  # the batch arguments, split: leaves [k, B // k, ...]
     rows: int  # rows of one micro-batch (on this device)
     rng_argnums: tuple[int, ...]  # the PRNG key arguments, a key per micro-batch
-    device: Any  # this device's index along a manual route's axes; 0 otherwise
     route: collectives.Route  # how the sums stay partial in the loop and are reduced after
-    gather: Any  # ZeRO-3: the primals' specs over the axes they are gathered over per micro-batch
     sum_dtype: Any  # the dtype loss totals and counts are summed in
     threaded: Threaded  # before the first micro-batch
+    device: Any = 0  # this device's index along a manual route's axes
+    opened: Any = None  # where values lie in the shard_map jaxga opened (`Opened`)
 
 
 class MicroOutput(NamedTuple):
@@ -104,9 +104,7 @@ def prepare(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         microbatches=microbatches,
         rows=rows // k,
         rng_argnums=arguments.rng_positions(options, args),
-        device=0,
         route=route,
-        gather=None,
         sum_dtype=jnp.result_type(*dtypes, *jax.tree.leaves(primals)),
         threaded=Threaded(user=user_state, modules=modules.rest_of(parts)),
     )
@@ -125,9 +123,9 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
     """``fun`` on one micro-batch: ``(primals, batches, index, threaded) -> (total, micro)``."""
 
     def loss(primals, batches, index, threaded):
-        if call.gather is not None:  # ZeRO-3: gathered here, in every micro-batch (not hoisted)
+        if call.opened is not None and call.opened.gather_each:  # ZeRO-3: not hoisted
             primals, batches = jax.lax.optimization_barrier((primals, batches))
-            primals = collectives.all_gathered(primals, call.gather)
+            primals = collectives.all_gathered(primals, call.opened.gather)
         given = dict(zip(options.argnums, primals))
         given |= dict(zip(options.batch_argnums, batches))
         given |= dict(zip(options.state_argnums, threaded.user))
@@ -149,9 +147,7 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
             for i, parts in call.parts.items()
         }
         module_state = arguments.cast_like(module_state, threaded.modules, "left its modules")
-        parts = (jnp.asarray(output.mean.total), jnp.asarray(output.mean.count))
-        total, count = collectives.counted_once(parts, stage_axes, call.route)
-        collectives.check_reduced((total, count), call.route)
+        total, count = collectives.counted_once(output.mean, stage_axes, call.route)
         count = jax.lax.stop_gradient(count.astype(call.sum_dtype))
         micro = MicroOutput(count, output.aux, Threaded(user=output.state, modules=module_state))
         return total, micro
@@ -277,22 +273,14 @@ def finish(sums: Sums, options: Options, call: Call, *, aux: Any) -> Accumulated
     )
 
 
-def scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> tuple[Sums, Any]:
-    """Phases 2 and 3a: the sums over the micro-batches, reduced once; aux as the batch's."""
-    sums, aux, kinds = _scan_and_reduce(fun, options, call)
-    return sums, None if kinds is None else auxiliary.combine(aux, kinds)
-
-
-def _aux_kinds(options: Options, call: Call, aux: Any) -> Any:
-    return auxiliary.kinds(options.aux, aux, rows=call.rows)
-
-
-def _scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> tuple:
+def scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> tuple[Sums, Any, Any]:
+    """Phases 2 and 3a: the sums over the micro-batches, reduced once; aux as the scan
+    stacked it (``[k, ...]``) and its kinds (`auxiliary.kinds`; ``None`` without aux)."""
     loss = micro_loss(fun, options, call)
     with jax.named_scope("jaxga.scan"):
         sums, aux = scan(loss, options, call)
     with jax.named_scope("jaxga.reduce"):
-        kinds = _aux_kinds(options, call, aux) if options.has_aux else None
+        kinds = auxiliary.kinds(options.aux, aux, rows=call.rows) if options.has_aux else None
         return reduce(sums, options, call), aux, kinds
 
 
@@ -392,13 +380,13 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
             primals = collectives.varying_where_split(primals, lay.scatter)
         here = _with_arrays(call, taken, given.arrays)._replace(
             primals=primals,
-            gather=lay.gather if lay.gather_each else None,
+            opened=lay,
             microbatches=given.microbatches,
             threaded=given.threaded,
             rows=rows,
         )
         here = on_device(here, collectives.Route("manual", axes))
-        sums, aux, found["kinds"] = _scan_and_reduce(fun, options, here)
+        sums, aux, found["kinds"] = scan_and_reduce(fun, options, here)
         if not lay.gather_each:
             sums = sums._replace(grads=collectives.reduce_scattered(sums.grads, lay.scatter))
         return sums, auxiliary.with_device_axis(aux, found["kinds"])
@@ -432,7 +420,10 @@ def run(fun: Callable[..., Any], options: Options, args: tuple, kwargs: dict) ->
     with jax.named_scope("jaxga.prepare"):
         arguments.check_kwargs(fun, kwargs)
         call = prepare(options, args, kwargs)
-    on_axes = call.route.kind == "opened"
-    sums, aux = (scan_on_axes if on_axes else scan_and_reduce)(fun, options, call)
+    if call.route.kind == "opened":
+        sums, aux = scan_on_axes(fun, options, call)
+    else:
+        sums, aux, kinds = scan_and_reduce(fun, options, call)
+        aux = None if kinds is None else auxiliary.combine(aux, kinds)
     with jax.named_scope("jaxga.finish"):
         return finish(sums, options, call, aux=aux)
