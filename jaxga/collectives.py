@@ -21,7 +21,8 @@ def varying_axes(x: Any) -> frozenset:
     return jax.typeof(x).mat.varying
 
 
-def _invariant(x: Any, axis_name: Any) -> tuple[Any, ...]:
+def invariant_axes(x: Any, axis_name: Any) -> tuple[Any, ...]:
+    """The axes of ``axis_name`` that ``x`` does not vary over."""
     return tuple(a for a in axes(axis_name) if a not in varying_axes(x))
 
 
@@ -37,7 +38,9 @@ def varying(tree: Any, axis_name: Any) -> Any:
     """
     if axis_name is None:
         return tree
-    return jax.tree.map(lambda x: jax.lax.pcast(x, _invariant(x, axis_name), to="varying"), tree)
+    return jax.tree.map(
+        lambda x: jax.lax.pcast(x, invariant_axes(x, axis_name), to="varying"), tree
+    )
 
 
 def zeros_of(t: Any, zero: Any = 0) -> jax.Array:
@@ -50,7 +53,7 @@ def zeros_of(t: Any, zero: Any = 0) -> jax.Array:
 def psum_invariant(tree: Any, like: Any, axis_name: Any) -> Any:
     """Returns ``tree`` summed over ``axis_name``, but for the axes ``like``'s leaves vary over."""
     leaves, treedef = jax.tree.flatten(tree)
-    over = [_invariant(x, axis_name) for x in treedef.flatten_up_to(like)]
+    over = [invariant_axes(x, axis_name) for x in treedef.flatten_up_to(like)]
     for group in dict.fromkeys(over):  # one psum per group of axes
         indices = [i for i, o in enumerate(over) if o == group]
         for i, x in zip(indices, jax.lax.psum([leaves[i] for i in indices], group)):
@@ -243,23 +246,22 @@ def varying_where_split(tree: Any, specs: Any) -> Any:
     return jax.tree.map(mark, tree, specs)
 
 
-def inside_loop(primals: Any, route: Route) -> Any:
-    """``primals`` as the loop differentiates them: manual, varying (their sums stay partial)."""
-    return varying(primals, route.axes) if route.kind == "manual" else primals
+def inside_loop(tree: Any, route: Route) -> Any:
+    """``tree`` as the loop carries and differentiates it: varying over a manual route's axes
+    (its sums stay partial until `reduce_after`)."""
+    return varying(tree, route.axes) if route.kind == "manual" else tree
 
 
-def zeros_like_sums(primals: Any, dtype: Callable[[Any], Any], route: Route) -> Any:
-    """Zeros of ``dtype(primal)``, laid out as each primal, to sum its gradients in.
-
-    They vary over the manual axes each primal varies over (a pipeline's stages), and over
-    a manual route's axes, over which the sums stay partial until `reduce_after`.
-    """
+def zeros_like_sums(primals: Any, dtype: Callable[[Any], Any]) -> Any:
+    """Zeros of ``dtype(primal)``, laid out as each primal and varying over the manual axes it
+    varies over (a pipeline's stages), to sum its gradients in."""
 
     def zero(x):
         sharding = jax.typeof(x).sharding
         where = getattr(x, "sharding", sharding) if meshes.is_explicit(sharding) else None
-        over = (*(route.axes if route.kind == "manual" else ()), *varying_axes(x))
-        return varying(jnp.zeros(jnp.shape(x), dtype(x), out_sharding=where), over)
+        return varying(
+            jnp.zeros(jnp.shape(x), dtype(x), out_sharding=where), tuple(varying_axes(x))
+        )
 
     return jax.tree.map(zero, primals)
 
@@ -290,12 +292,11 @@ def note_stage_axis(axis: Any) -> None:
 
 
 def counted_once(mean: Any, stage_axes: list, route: Route) -> tuple[Any, Any]:
-    """A micro-batch's ``mean``'s ``(total, count)`` as its pipelines' last stages give them:
-    counted once over each stage axis, whatever the other stages return (a head run on every
-    stage, a loss masked to the last one, a psum over the stages). Over a stage axis of the
-    route, zeros on the other stages (the route sums them after the loop); over one outside
-    it, the last stage's on every stage. A `ValueError` if they still vary over a Manual mesh
-    axis that ``route`` does not reduce over (the loop could not sum them)."""
+    """A micro-batch's ``mean``'s ``(total, count)`` as its pipelines' last stages give them
+    (docs/pipeline.md, "A loss computed per stage"): over a stage axis of the route, zeros on
+    the other stages (the route sums them after the loop); over one outside it, the last
+    stage's on every stage. A `ValueError` if they still vary over a Manual mesh axis that
+    ``route`` does not reduce over (the loop could not sum them)."""
     parts = (jnp.asarray(mean.total), jnp.asarray(mean.count))
     over = set(route.axes) if route.kind == "manual" else set()
     for axis in stage_axes:

@@ -192,24 +192,19 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
     zero = jnp.zeros((), call.sum_dtype)
     init = Carry(
         index=jnp.zeros((), jnp.int32),
-        grads=collectives.zeros_like_sums(call.primals, grad_dtype, call.route),
+        grads=collectives.zeros_like_sums(call.primals, grad_dtype),
         total=zero,
         count=zero,
         threaded=call.threaded,
     )
-    if call.route.kind == "manual":
-        init = collectives.varying(init, call.route.axes)
+    init = collectives.inside_loop(init, call.route)  # its sums stay partial over the route
     return jax.lax.scan(
         body, init, call.microbatches, length=options.num_microbatches, unroll=options.unroll
     )
 
 
 def mean_over_devices(x: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
-    """``state_reduction="mean"``: floats averaged over ``axes``; ints and keys, their max.
-
-    BatchNorm's running statistics are averaged (as Flax's cross-replica BatchNorm does);
-    counters and keys, which every device advanced alike, are taken as they are.
-    """
+    """``state_reduction="mean"``: floats averaged over ``axes``; ints and keys, their max."""
     if jnp.issubdtype(x.dtype, jnp.floating):
         return jax.lax.pmean(x, axes)
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -223,7 +218,7 @@ def _reduce_threaded(threaded: Threaded, options: Options, call: Call) -> Thread
     given = options.state_reduction
 
     def reduce(x: jax.Array, old: jax.Array) -> jax.Array:
-        over = tuple(a for a in call.route.axes if a not in collectives.varying_axes(old))
+        over = collectives.invariant_axes(old, call.route.axes)
         if not over:
             return x
         if given == "mean" and jnp.issubdtype(x.dtype, jnp.floating):
@@ -252,7 +247,7 @@ def reduce(sums: Carry, options: Options, call: Call) -> Sums:
     grads = collectives.reduce_after(sums.grads, call.primals, call.route)
     total, count, threaded = sums.total, sums.count, sums.threaded
     if call.route.kind == "manual":  # else totals and counts are the whole batch's already
-        total, count = collectives.psum_invariant((total, count), (0.0, 0.0), call.route.axes)
+        total, count = jax.lax.psum((total, count), call.route.axes)
         threaded = _reduce_threaded(threaded, options, call)
     return Sums(grads=grads, total=total, count=count, threaded=threaded)
 
@@ -299,20 +294,17 @@ class Opened(NamedTuple):
     manual: tuple[Any, ...]  # the shard_map's axes: the batch's, and a pipeline's stages
     kept: tuple[Any, ...]  # the axes split primals stay split over (the others: gathered)
     gather_each: bool  # ZeRO-3: primals gathered in every micro-batch
-    primals: Any  # the differentiated values', over the manual axes
-    grads: Any  # the gradient sums', over the manual axes
     gather: Any  # over the batch's axes: what the primals are gathered along inside
     scatter: Any  # over the batch's axes: what the gradient sums are reduce-scattered along
-    threaded: Any  # the threaded state's, over the stage axes
+    given: Given  # the shard_map's in specs: primals over the manual axes, state over the stages
+    sums: Sums  # its out specs: the gradient sums over the manual axes, state as it came in
 
 
 def opened(options: Options, call: Call) -> Opened:
-    """Where each value of an opened ``call`` lies in its ``shard_map`` (`Opened`).
-
-    A `collectives.Placement`'s specs, else the values' own (types, NNX metadata). Split
-    over the batch's axes, primals stay split unless the mesh has other Explicit axes (then
-    JAX cannot reduce-scatter beside them: gathered on entry, all-reduced once after).
-    """
+    """Where each value of an opened ``call`` lies in its ``shard_map`` (`Opened`): as a
+    `collectives.Placement` says, else as the values' types or NNX metadata say. Primals split
+    over the batch's axes stay split there, unless the mesh has other Explicit axes (then:
+    gathered on entry, all-reduced once after)."""
     placement = options.placement or collectives.Placement()
     mesh, batch_axes, stages = call.route.mesh, call.route.axes, placement.stage_axes
     manual = (*batch_axes, *stages)
@@ -322,15 +314,15 @@ def opened(options: Options, call: Call) -> Opened:
     lies = placement.primal_specs
     lies = modules.specs_of(call.primals) if lies is None else lies
     grads = lies if placement.grad_specs is None else placement.grad_specs
+    threaded = meshes.specs_over(modules.specs_of(call.threaded), stages)
     return Opened(
         manual=manual,
         kept=kept,
         gather_each=placement.gather_each,
-        primals=meshes.specs_over(lies, kept),
-        grads=meshes.specs_over(grads, kept),
         gather=meshes.specs_over(lies, batch_axes if split_kept else ()),
         scatter=meshes.specs_over(grads, batch_axes if split_kept else ()),
-        threaded=meshes.specs_over(modules.specs_of(call.threaded), stages),
+        given=Given(meshes.specs_over(lies, kept), P(None, batch_axes), threaded, arrays=P()),
+        sums=Sums(meshes.specs_over(grads, kept), total=P(), count=P(), threaded=threaded),
     )
 
 
@@ -352,16 +344,11 @@ def _with_arrays(call: Call, taken: set[int], arrays: list[Any] | None = None) -
 
 def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple[Sums, Any]:
     """`scan_and_reduce` in the one ``shard_map`` jaxga opens over the route's axes (and a
-    train step's pipeline stages): the one loop onto a mesh.
-
-    The micro-batches go in split over the batch's axes; primals split over them go in split,
-    are gathered inside once (ZeRO-3: in every micro-batch) and their gradients are
-    reduce-scattered once, after the loop; everything else the loop reads goes in whole
-    (split over the stages as it lies). Aux comes out as the whole batch gives it: a `Mean`
-    summed over the devices, rows the batch's rows in order; a value per micro-batch, one
-    per micro-batch and device (`[devices · k, ...]`, as `out_specs=P(axes)` gives them
-    from a user's own `shard_map`).
-    """
+    train step's pipeline stages), each value laid out as `opened` says: the micro-batches
+    split, split primals gathered inside (`Opened.gather_each`: in every micro-batch) and
+    their gradients reduce-scattered once after the loop, the rest whole. Aux as the whole
+    batch gives it: a `Mean` summed, rows in order, a stacked leaf ``[devices · k, ...]``
+    (docs/architecture.md, "One loop onto a mesh" and "Across devices")."""
     axes, lay = call.route.axes, opened(options, call)
     rows = call.rows // collectives.axis_size(call.route)
     taken = {*call.parts, *options.argnums, *options.batch_argnums, *options.state_argnums}
@@ -391,9 +378,7 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
             sums = sums._replace(grads=collectives.reduce_scattered(sums.grads, lay.scatter))
         return sums, auxiliary.with_device_axis(aux, found["kinds"])
 
-    in_specs = Given(lay.primals, P(None, axes), threaded=lay.threaded, arrays=P())
-    sums_specs = Sums(grads=lay.grads, total=P(), count=P(), threaded=lay.threaded)
-    specs = {"in_specs": (in_specs,), "out_specs": (sums_specs, P(axes))}
+    specs = {"in_specs": (lay.given,), "out_specs": (lay.sums, P(axes))}
     try:
         mapped = jax.shard_map(local, mesh=call.route.mesh, axis_names=set(lay.manual), **specs)
         sums, aux = mapped(given)
