@@ -10,14 +10,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxga.meshes import (
-    axes,
-    devices,
-    explicit_axes,
-    is_explicit,
-    manual_axes,
-    spec_over,
-)
+from jaxga import meshes
+from jaxga.meshes import axes
 
 __all__ = ["axes", "find_route", "psum_varying", "varying", "varying_axes"]
 
@@ -27,7 +21,8 @@ def varying_axes(x: Any) -> frozenset:
     return jax.typeof(x).mat.varying
 
 
-def _invariant(x: Any, axis_name: Any) -> tuple[Any, ...]:
+def invariant_axes(x: Any, axis_name: Any) -> tuple[Any, ...]:
+    """The axes of ``axis_name`` that ``x`` does not vary over."""
     return tuple(a for a in axes(axis_name) if a not in varying_axes(x))
 
 
@@ -43,7 +38,9 @@ def varying(tree: Any, axis_name: Any) -> Any:
     """
     if axis_name is None:
         return tree
-    return jax.tree.map(lambda x: jax.lax.pcast(x, _invariant(x, axis_name), to="varying"), tree)
+    return jax.tree.map(
+        lambda x: jax.lax.pcast(x, invariant_axes(x, axis_name), to="varying"), tree
+    )
 
 
 def zeros_of(t: Any, zero: Any = 0) -> jax.Array:
@@ -56,7 +53,7 @@ def zeros_of(t: Any, zero: Any = 0) -> jax.Array:
 def psum_invariant(tree: Any, like: Any, axis_name: Any) -> Any:
     """Returns ``tree`` summed over ``axis_name``, but for the axes ``like``'s leaves vary over."""
     leaves, treedef = jax.tree.flatten(tree)
-    over = [_invariant(x, axis_name) for x in treedef.flatten_up_to(like)]
+    over = [invariant_axes(x, axis_name) for x in treedef.flatten_up_to(like)]
     for group in dict.fromkeys(over):  # one psum per group of axes
         indices = [i for i, o in enumerate(over) if o == group]
         for i, x in zip(indices, jax.lax.psum([leaves[i] for i in indices], group)):
@@ -94,7 +91,7 @@ class Route(NamedTuple):
 def _kind_of(axis: Any) -> str:
     mesh = jax.sharding.get_abstract_mesh()
     if axis in mesh.axis_names:
-        return "manual" if axis in manual_axes(mesh) else "opened"
+        return "manual" if axis in meshes.manual_axes(mesh) else "opened"
     try:  # bound without a mesh: jax.pmap
         jax.lax.axis_index(axis)
     except NameError:
@@ -109,10 +106,8 @@ def _kind_of(axis: Any) -> str:
 
 def _split_axes(leaf: Any) -> tuple[Any, ...]:
     """The Explicit mesh axes ``leaf``'s leading axis is split over (its type says)."""
-    sharding = getattr(jax.typeof(leaf), "sharding", None)
-    if not isinstance(sharding, NamedSharding) or not getattr(leaf, "ndim", 0):
-        return ()
-    return explicit_axes(sharding.mesh, sharding.spec[0] or ())
+    spec = meshes.type_spec(leaf)
+    return axes(spec[0] or ()) if spec else ()
 
 
 def find_route(axis_name: Any, batch: Any) -> Route:
@@ -154,7 +149,7 @@ def axis_size(route: Route) -> int:
     """The number of devices the route's axes hold (1 for a local route)."""
     if route.kind == "manual":
         return jax.lax.axis_size(route.axes)
-    return devices(route.mesh, route.axes)
+    return meshes.devices(route.mesh, route.axes)
 
 
 class Placement(NamedTuple):
@@ -180,9 +175,9 @@ def whole_over(tree: Any, over: tuple[Any, ...]) -> Any:
 
     def gather(x: Any) -> Any:
         sharding = jax.typeof(x).sharding
-        if not is_explicit(sharding):
+        if not meshes.is_explicit(sharding):
             return x
-        spec = spec_over(sharding.spec, set(sharding.mesh.axis_names) - set(over))
+        spec = meshes.spec_over(sharding.spec, set(sharding.mesh.axis_names) - set(over))
         return x if spec == sharding.spec else jax.reshard(x, NamedSharding(sharding.mesh, spec))
 
     return jax.tree.map(gather, tree)
@@ -194,14 +189,16 @@ def laid_out_as(tree: Any, like: Any) -> Any:
 
     def lay(x: Any, y: Any) -> Any:
         want = (jax.typeof(y) if isinstance(y, jax.Array) else y).sharding
-        return jax.reshard(x, want) if is_explicit(want) and jax.typeof(x).sharding != want else x
+        if meshes.is_explicit(want) and jax.typeof(x).sharding != want:
+            return jax.reshard(x, want)
+        return x
 
     return jax.tree.map(lay, tree, like)
 
 
 def split_over(microbatches: Any, route: Route) -> Any:
     """Micro-batches ``[k, B / k, ...]`` with their rows split over an opened route's axes."""
-    if not explicit_axes(route.mesh, route.axes):
+    if not meshes.explicit_axes(route.mesh, route.axes):
         return microbatches  # Auto axes: the shard_map lays them out
 
     def place(x: Any) -> Any:
@@ -249,23 +246,22 @@ def varying_where_split(tree: Any, specs: Any) -> Any:
     return jax.tree.map(mark, tree, specs)
 
 
-def inside_loop(primals: Any, route: Route) -> Any:
-    """``primals`` as the loop differentiates them: manual, varying (their sums stay partial)."""
-    return varying(primals, route.axes) if route.kind == "manual" else primals
+def inside_loop(tree: Any, route: Route) -> Any:
+    """``tree`` as the loop carries and differentiates it: varying over a manual route's axes
+    (its sums stay partial until `reduce_after`)."""
+    return varying(tree, route.axes) if route.kind == "manual" else tree
 
 
-def zeros_like_sums(primals: Any, dtype: Callable[[Any], Any], route: Route) -> Any:
-    """Zeros of ``dtype(primal)``, laid out as each primal, to sum its gradients in.
-
-    They vary over the manual axes each primal varies over (a pipeline's stages), and over
-    a manual route's axes, over which the sums stay partial until `reduce_after`.
-    """
+def zeros_like_sums(primals: Any, dtype: Callable[[Any], Any]) -> Any:
+    """Zeros of ``dtype(primal)``, laid out as each primal and varying over the manual axes it
+    varies over (a pipeline's stages), to sum its gradients in."""
 
     def zero(x):
         sharding = jax.typeof(x).sharding
-        where = getattr(x, "sharding", sharding) if is_explicit(sharding) else None
-        over = (*(route.axes if route.kind == "manual" else ()), *varying_axes(x))
-        return varying(jnp.zeros(jnp.shape(x), dtype(x), out_sharding=where), over)
+        where = getattr(x, "sharding", sharding) if meshes.is_explicit(sharding) else None
+        return varying(
+            jnp.zeros(jnp.shape(x), dtype(x), out_sharding=where), tuple(varying_axes(x))
+        )
 
     return jax.tree.map(zero, primals)
 
@@ -295,27 +291,23 @@ def note_stage_axis(axis: Any) -> None:
         seen.append(axis)
 
 
-def counted_once(parts: tuple[Any, Any], stage_axes: list, route: Route) -> tuple[Any, Any]:
-    """A micro-batch's ``(total, count)`` as its pipelines' last stages give them: counted
-    once over each stage axis, whatever the other stages return (a head run on every stage,
-    a loss masked to the last one, a psum over the stages). Over a stage axis of the
-    route, zeros on the other stages (the route sums them after the loop); over one
-    outside it, the last stage's on every stage."""
+def counted_once(mean: Any, stage_axes: list, route: Route) -> tuple[Any, Any]:
+    """A micro-batch's ``mean``'s ``(total, count)`` as its pipelines' last stages give them
+    (docs/pipeline.md, "A loss computed per stage"): over a stage axis of the route, zeros on
+    the other stages (the route sums them after the loop); over one outside it, the last
+    stage's on every stage. A `ValueError` if they still vary over a Manual mesh axis that
+    ``route`` does not reduce over (the loop could not sum them)."""
+    parts = (jnp.asarray(mean.total), jnp.asarray(mean.count))
+    over = set(route.axes) if route.kind == "manual" else set()
     for axis in stage_axes:
         last = jax.lax.axis_index(axis) == jax.lax.axis_size(axis) - 1
         parts = tuple(jnp.where(last, x, jnp.zeros_like(x)) for x in parts)
-        if route.kind != "manual" or axis not in route.axes:
+        if axis not in over:
             parts = tuple(jax.lax.psum(parts, axis))
-    return parts
-
-
-def check_reduced(parts: tuple[Any, Any], route: Route) -> None:
-    """A `ValueError` if a micro-batch's ``(total, count)`` varies over a Manual mesh axis
-    that ``route`` does not reduce over (the loop could not sum it)."""
-    over = set(route.axes) if route.kind == "manual" else set()
     extra = sorted(set().union(*map(varying_axes, parts)) - over, key=str)
     if extra:
         raise ValueError(_NOT_REDUCED.format(extra=extra, route=tuple(sorted(over, key=str))))
+    return parts
 
 
 _NOT_REDUCED = (

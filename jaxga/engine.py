@@ -48,11 +48,11 @@ class Call(NamedTuple):
     microbatches: tuple[Any, ...]  # the batch arguments, split: leaves [k, B // k, ...]
     rows: int  # rows of one micro-batch (on this device)
     rng_argnums: tuple[int, ...]  # the PRNG key arguments, a key per micro-batch
-    device: Any  # this device's index along a manual route's axes; 0 otherwise
     route: collectives.Route  # how the sums stay partial in the loop and are reduced after
-    gather: Any  # ZeRO-3: the primals' specs over the axes they are gathered over per micro-batch
     sum_dtype: Any  # the dtype loss totals and counts are summed in
     threaded: Threaded  # before the first micro-batch
+    device: Any = 0  # this device's index along a manual route's axes
+    opened: Any = None  # where values lie in the shard_map jaxga opened (`Opened`)
 
 
 class MicroOutput(NamedTuple):
@@ -104,9 +104,7 @@ def prepare(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         microbatches=microbatches,
         rows=rows // k,
         rng_argnums=arguments.rng_positions(options, args),
-        device=0,
         route=route,
-        gather=None,
         sum_dtype=jnp.result_type(*dtypes, *jax.tree.leaves(primals)),
         threaded=Threaded(user=user_state, modules=modules.rest_of(parts)),
     )
@@ -125,9 +123,9 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
     """``fun`` on one micro-batch: ``(primals, batches, index, threaded) -> (total, micro)``."""
 
     def loss(primals, batches, index, threaded):
-        if call.gather is not None:  # ZeRO-3: gathered here, in every micro-batch (not hoisted)
+        if call.opened is not None and call.opened.gather_each:  # ZeRO-3: not hoisted
             primals, batches = jax.lax.optimization_barrier((primals, batches))
-            primals = collectives.all_gathered(primals, call.gather)
+            primals = collectives.all_gathered(primals, call.opened.gather)
         given = dict(zip(options.argnums, primals))
         given |= dict(zip(options.batch_argnums, batches))
         given |= dict(zip(options.state_argnums, threaded.user))
@@ -149,9 +147,7 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
             for i, parts in call.parts.items()
         }
         module_state = arguments.cast_like(module_state, threaded.modules, "left its modules")
-        parts = (jnp.asarray(output.mean.total), jnp.asarray(output.mean.count))
-        total, count = collectives.counted_once(parts, stage_axes, call.route)
-        collectives.check_reduced((total, count), call.route)
+        total, count = collectives.counted_once(output.mean, stage_axes, call.route)
         count = jax.lax.stop_gradient(count.astype(call.sum_dtype))
         micro = MicroOutput(count, output.aux, Threaded(user=output.state, modules=module_state))
         return total, micro
@@ -196,24 +192,19 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
     zero = jnp.zeros((), call.sum_dtype)
     init = Carry(
         index=jnp.zeros((), jnp.int32),
-        grads=collectives.zeros_like_sums(call.primals, grad_dtype, call.route),
+        grads=collectives.zeros_like_sums(call.primals, grad_dtype),
         total=zero,
         count=zero,
         threaded=call.threaded,
     )
-    if call.route.kind == "manual":
-        init = collectives.varying(init, call.route.axes)
+    init = collectives.inside_loop(init, call.route)  # its sums stay partial over the route
     return jax.lax.scan(
         body, init, call.microbatches, length=options.num_microbatches, unroll=options.unroll
     )
 
 
 def mean_over_devices(x: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
-    """``state_reduction="mean"``: floats averaged over ``axes``; ints and keys, their max.
-
-    BatchNorm's running statistics are averaged (as Flax's cross-replica BatchNorm does);
-    counters and keys, which every device advanced alike, are taken as they are.
-    """
+    """``state_reduction="mean"``: floats averaged over ``axes``; ints and keys, their max."""
     if jnp.issubdtype(x.dtype, jnp.floating):
         return jax.lax.pmean(x, axes)
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -227,7 +218,7 @@ def _reduce_threaded(threaded: Threaded, options: Options, call: Call) -> Thread
     given = options.state_reduction
 
     def reduce(x: jax.Array, old: jax.Array) -> jax.Array:
-        over = tuple(a for a in call.route.axes if a not in collectives.varying_axes(old))
+        over = collectives.invariant_axes(old, call.route.axes)
         if not over:
             return x
         if given == "mean" and jnp.issubdtype(x.dtype, jnp.floating):
@@ -256,7 +247,7 @@ def reduce(sums: Carry, options: Options, call: Call) -> Sums:
     grads = collectives.reduce_after(sums.grads, call.primals, call.route)
     total, count, threaded = sums.total, sums.count, sums.threaded
     if call.route.kind == "manual":  # else totals and counts are the whole batch's already
-        total, count = collectives.psum_invariant((total, count), (0.0, 0.0), call.route.axes)
+        total, count = jax.lax.psum((total, count), call.route.axes)
         threaded = _reduce_threaded(threaded, options, call)
     return Sums(grads=grads, total=total, count=count, threaded=threaded)
 
@@ -277,22 +268,14 @@ def finish(sums: Sums, options: Options, call: Call, *, aux: Any) -> Accumulated
     )
 
 
-def scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> tuple[Sums, Any]:
-    """Phases 2 and 3a: the sums over the micro-batches, reduced once; aux as the batch's."""
-    sums, aux, kinds = _scan_and_reduce(fun, options, call)
-    return sums, None if kinds is None else auxiliary.combine(aux, kinds)
-
-
-def _aux_kinds(options: Options, call: Call, aux: Any) -> Any:
-    return auxiliary.kinds(options.aux, aux, rows=call.rows)
-
-
-def _scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> tuple:
+def scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> tuple[Sums, Any, Any]:
+    """Phases 2 and 3a: the sums over the micro-batches, reduced once; aux as the scan
+    stacked it (``[k, ...]``) and its kinds (`auxiliary.kinds`; ``None`` without aux)."""
     loss = micro_loss(fun, options, call)
     with jax.named_scope("jaxga.scan"):
         sums, aux = scan(loss, options, call)
     with jax.named_scope("jaxga.reduce"):
-        kinds = _aux_kinds(options, call, aux) if options.has_aux else None
+        kinds = auxiliary.kinds(options.aux, aux, rows=call.rows) if options.has_aux else None
         return reduce(sums, options, call), aux, kinds
 
 
@@ -311,20 +294,17 @@ class Opened(NamedTuple):
     manual: tuple[Any, ...]  # the shard_map's axes: the batch's, and a pipeline's stages
     kept: tuple[Any, ...]  # the axes split primals stay split over (the others: gathered)
     gather_each: bool  # ZeRO-3: primals gathered in every micro-batch
-    primals: Any  # the differentiated values', over the manual axes
-    grads: Any  # the gradient sums', over the manual axes
     gather: Any  # over the batch's axes: what the primals are gathered along inside
     scatter: Any  # over the batch's axes: what the gradient sums are reduce-scattered along
-    threaded: Any  # the threaded state's, over the stage axes
+    given: Given  # the shard_map's in specs: primals over the manual axes, state over the stages
+    sums: Sums  # its out specs: the gradient sums over the manual axes, state as it came in
 
 
 def opened(options: Options, call: Call) -> Opened:
-    """Where each value of an opened ``call`` lies in its ``shard_map`` (`Opened`).
-
-    A `collectives.Placement`'s specs, else the values' own (types, NNX metadata). Split
-    over the batch's axes, primals stay split unless the mesh has other Explicit axes (then
-    JAX cannot reduce-scatter beside them: gathered on entry, all-reduced once after).
-    """
+    """Where each value of an opened ``call`` lies in its ``shard_map`` (`Opened`): as a
+    `collectives.Placement` says, else as the values' types or NNX metadata say. Primals split
+    over the batch's axes stay split there, unless the mesh has other Explicit axes (then:
+    gathered on entry, all-reduced once after)."""
     placement = options.placement or collectives.Placement()
     mesh, batch_axes, stages = call.route.mesh, call.route.axes, placement.stage_axes
     manual = (*batch_axes, *stages)
@@ -334,15 +314,15 @@ def opened(options: Options, call: Call) -> Opened:
     lies = placement.primal_specs
     lies = modules.specs_of(call.primals) if lies is None else lies
     grads = lies if placement.grad_specs is None else placement.grad_specs
+    threaded = meshes.specs_over(modules.specs_of(call.threaded), stages)
     return Opened(
         manual=manual,
         kept=kept,
         gather_each=placement.gather_each,
-        primals=meshes.specs_over(lies, kept),
-        grads=meshes.specs_over(grads, kept),
         gather=meshes.specs_over(lies, batch_axes if split_kept else ()),
         scatter=meshes.specs_over(grads, batch_axes if split_kept else ()),
-        threaded=meshes.specs_over(modules.specs_of(call.threaded), stages),
+        given=Given(meshes.specs_over(lies, kept), P(None, batch_axes), threaded, arrays=P()),
+        sums=Sums(meshes.specs_over(grads, kept), total=P(), count=P(), threaded=threaded),
     )
 
 
@@ -364,16 +344,11 @@ def _with_arrays(call: Call, taken: set[int], arrays: list[Any] | None = None) -
 
 def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple[Sums, Any]:
     """`scan_and_reduce` in the one ``shard_map`` jaxga opens over the route's axes (and a
-    train step's pipeline stages): the one loop onto a mesh.
-
-    The micro-batches go in split over the batch's axes; primals split over them go in split,
-    are gathered inside once (ZeRO-3: in every micro-batch) and their gradients are
-    reduce-scattered once, after the loop; everything else the loop reads goes in whole
-    (split over the stages as it lies). Aux comes out as the whole batch gives it: a `Mean`
-    summed over the devices, rows the batch's rows in order; a value per micro-batch, one
-    per micro-batch and device (`[devices · k, ...]`, as `out_specs=P(axes)` gives them
-    from a user's own `shard_map`).
-    """
+    train step's pipeline stages), each value laid out as `opened` says: the micro-batches
+    split, split primals gathered inside (`Opened.gather_each`: in every micro-batch) and
+    their gradients reduce-scattered once after the loop, the rest whole. Aux as the whole
+    batch gives it: a `Mean` summed, rows in order, a stacked leaf ``[devices · k, ...]``
+    (docs/architecture.md, "One loop onto a mesh" and "Across devices")."""
     axes, lay = call.route.axes, opened(options, call)
     rows = call.rows // collectives.axis_size(call.route)
     taken = {*call.parts, *options.argnums, *options.batch_argnums, *options.state_argnums}
@@ -392,20 +367,18 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
             primals = collectives.varying_where_split(primals, lay.scatter)
         here = _with_arrays(call, taken, given.arrays)._replace(
             primals=primals,
-            gather=lay.gather if lay.gather_each else None,
+            opened=lay,
             microbatches=given.microbatches,
             threaded=given.threaded,
             rows=rows,
         )
         here = on_device(here, collectives.Route("manual", axes))
-        sums, aux, found["kinds"] = _scan_and_reduce(fun, options, here)
+        sums, aux, found["kinds"] = scan_and_reduce(fun, options, here)
         if not lay.gather_each:
             sums = sums._replace(grads=collectives.reduce_scattered(sums.grads, lay.scatter))
         return sums, auxiliary.with_device_axis(aux, found["kinds"])
 
-    in_specs = Given(lay.primals, P(None, axes), threaded=lay.threaded, arrays=P())
-    sums_specs = Sums(grads=lay.grads, total=P(), count=P(), threaded=lay.threaded)
-    specs = {"in_specs": (in_specs,), "out_specs": (sums_specs, P(axes))}
+    specs = {"in_specs": (lay.given,), "out_specs": (lay.sums, P(axes))}
     try:
         mapped = jax.shard_map(local, mesh=call.route.mesh, axis_names=set(lay.manual), **specs)
         sums, aux = mapped(given)
@@ -432,7 +405,10 @@ def run(fun: Callable[..., Any], options: Options, args: tuple, kwargs: dict) ->
     with jax.named_scope("jaxga.prepare"):
         arguments.check_kwargs(fun, kwargs)
         call = prepare(options, args, kwargs)
-    on_axes = call.route.kind == "opened"
-    sums, aux = (scan_on_axes if on_axes else scan_and_reduce)(fun, options, call)
+    if call.route.kind == "opened":
+        sums, aux = scan_on_axes(fun, options, call)
+    else:
+        sums, aux, kinds = scan_and_reduce(fun, options, call)
+        aux = None if kinds is None else auxiliary.combine(aux, kinds)
     with jax.named_scope("jaxga.finish"):
         return finish(sums, options, call, aux=aux)

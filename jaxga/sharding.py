@@ -384,11 +384,7 @@ def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
     def one(spec: Any, x: Any) -> Any:
         return x if spec is None else move(x, NamedSharding(mesh, spec))
 
-    return jax.tree.map(one, specs, tree, is_leaf=_spec_or_none)
-
-
-def _spec_or_none(x: Any) -> bool:
-    return x is None or is_spec(x)
+    return jax.tree.map(one, specs, tree, is_leaf=lambda x: x is None or is_spec(x))
 
 
 class MeshLayout(NamedTuple):
