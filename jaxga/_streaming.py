@@ -105,3 +105,36 @@ def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any) -> Any:
 
     run.defvjp(run_forward, functools.partial(_backward, converted))
     return run(tuple(consts), stacked, x)
+
+
+def layerwise(fn: Callable[..., Any], home: Any, *others: Any) -> Any:
+    """``fn(leaf, *other_leaves)`` over ``home``'s leaves; for a leaf in host memory, run on
+    the device a layer (leading index) at a time and each result written back to host memory.
+
+    Args:
+        fn: an elementwise function of a leaf of ``home`` and the same leaves of ``others``.
+        home: the tree whose leaves say where each result lives (host or device memory).
+        others: trees like ``home`` (leaves of the same leading size).
+
+    Returns:
+        ``fn``'s results, a tree like ``home``, each leaf in its leaf of ``home``'s memory.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jaxga._streaming import layerwise
+        >>> layerwise(jnp.add, {"w": jnp.ones(2)}, {"w": jnp.ones(2)})["w"].tolist()
+        [2.0, 2.0]
+    """
+
+    def one(leaf: Any, *rest: Any) -> Any:
+        if memory_space(leaf) != _HOST:
+            return fn(leaf, *rest)
+        if not jnp.ndim(leaf):
+            return jax.device_put(fn(*on_device((leaf, *rest))), _HOST)
+
+        def body(_: None, slices: tuple[Any, ...]) -> tuple[None, Any]:
+            return None, jax.device_put(fn(*on_device(slices)), _HOST)
+
+        return jax.lax.scan(body, None, (leaf, *rest))[1]
+
+    return jax.tree.map(one, home, *others)
