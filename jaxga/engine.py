@@ -9,6 +9,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, arguments, auxiliary, collectives, meshes, modules
+from jaxga._streaming import layerwise, placed_like
 from jaxga.arguments import Options
 from jaxga.convolution import canonical_convolutions, rewrites
 from jaxga.loss import Mean, check_value
@@ -167,7 +168,7 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
         (total, micro), grads = grad_fn(primals, batches, carry.index, carry.threaded)
         new = Carry(
             index=carry.index + 1,
-            grads=jax.tree.map(lambda a, g: a + g.astype(a.dtype), carry.grads, grads),
+            grads=layerwise(lambda a, g: a + g.astype(a.dtype), carry.grads, grads),
             total=carry.total + total.astype(call.sum_dtype),
             count=carry.count + micro.count,
             threaded=micro.threaded,
@@ -192,7 +193,9 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
     zero = jnp.zeros((), call.sum_dtype)
     init = Carry(
         index=jnp.zeros((), jnp.int32),
-        grads=collectives.zeros_like_sums(call.primals, grad_dtype),
+        grads=placed_like(  # each sum where its parameter lives (host memory: streamed)
+            collectives.zeros_like_sums(call.primals, grad_dtype), call.primals
+        ),
         total=zero,
         count=zero,
         threaded=call.threaded,
@@ -258,7 +261,7 @@ def finish(sums: Sums, options: Options, call: Call, *, aux: Any) -> Accumulated
     bad = "Mean counts summed to {} items; expected finite and >= 0."
     valid = check_value(jnp.isfinite(count) & (count >= 0), bad, count)  # the rule: traced,
     count = jnp.where(valid, count, jnp.nan)  # a NaN count
-    grads = jax.tree.map(lambda g, p: (g / count).astype(jnp.result_type(p)), grads, call.primals)
+    grads = layerwise(lambda g, p: (g / count).astype(jnp.result_type(p)), grads, call.primals)
     modules.write_back(call.parts, threaded.modules)
     return Accumulated(
         mean=Mean(total, count),

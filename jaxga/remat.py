@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jaxga import convolution
 from jaxga._checks import check_arity, check_bool, leading_size, positive_int
+from jaxga._streaming import streamed_scan
 
 Policy = str | Sequence[str] | Callable[..., Any] | None
 _STACK = "jax.tree.map(lambda *p: jnp.stack(p), *layers)"
@@ -133,6 +134,21 @@ def _apply_layer(layer_fn: Callable[..., Any], stacked: Any, x: Any, params: Any
     raise error
 
 
+def _carry_of(body: Callable[..., Any], params: Any, x: Any) -> Any:
+    """A scan body's ``(x, params) -> (x, None)`` as a layer ``(params, x) -> x``."""
+    return body(x, params)[0]
+
+
+def _check_stream(segments: Any, unroll: Any, canonical_convolutions: Any) -> None:
+    """Raises for an option ``remat_scan(stream=True)`` does not take."""
+    given = [("segments", segments, 1), ("unroll", unroll, False)]
+    given.append(("canonical_convolutions", canonical_convolutions, False))
+    for name, value, expected in given:
+        if isinstance(value, bool | str) != isinstance(expected, bool) or value != expected:
+            got = f"`{name}`={value!r} with stream=True"
+            raise ValueError(f"{got}: not supported; expected {name}={expected!r}.")
+
+
 def remat_scan(
     layer_fn: Callable[[Any, Any], Any],
     stacked_params: Any,
@@ -142,6 +158,7 @@ def remat_scan(
     segments: int | str = 1,
     unroll: bool = False,
     canonical_convolutions: bool | str = False,
+    stream: bool = False,
 ) -> Any:
     """Computes ``for p in stacked_params: x = layer_fn(p, x)``, rematerialised, in a ``lax.scan``.
 
@@ -153,6 +170,12 @@ def remat_scan(
         segments: 1 (per layer), a divisor s of L (s checkpointed segments) or ``"sqrt"``.
         unroll: run the layers (of a segment) without a loop; only with ``policy="none"``/None.
         canonical_convolutions: the backward's convolutions in NHWC/HWIO; reverse mode only.
+        stream: fetch each layer's slice of ``stacked_params`` (which may live in host memory,
+            ``pinned_host``) to the device in the forward pass and again in the backward
+            pass, and write each layer's gradient where its parameters live as the backward
+            produces it; with ``segments=1``, no ``unroll`` and no ``canonical_convolutions``.
+            Each layer's input is kept, and the layer recomputed under ``policy`` in the
+            backward. Bit for bit the resident scan's result and gradients (docs/streaming.md).
 
     Returns:
         The last layer's output, like ``x``.
@@ -162,8 +185,12 @@ def remat_scan(
         >>> w, x = jnp.full((16, 4, 4), 0.1), jnp.ones((2, 4))
         >>> jaxga.remat_scan(lambda w, x: jnp.tanh(x @ w), w, x, segments="sqrt").shape
         (2, 4)
+        >>> jaxga.remat_scan(lambda w, x: jnp.tanh(x @ w), w, x, stream=True).shape
+        (2, 4)
     """
-    if convolution.rewrites(canonical_convolutions):  # XLA:CPU, see docs/gpus.md
+    if check_bool(stream, "stream"):
+        _check_stream(segments, unroll, canonical_convolutions)
+    elif convolution.rewrites(canonical_convolutions):  # XLA:CPU, see docs/gpus.md
         options = {"policy": policy, "segments": segments, "unroll": unroll}
         plain = functools.partial(remat_scan, layer_fn, **options, canonical_convolutions=False)
         return convolution.canonical_backward(plain)(stacked_params, x)
@@ -181,6 +208,8 @@ def remat_scan(
     one_layer = functools.partial(_apply_layer, layer_fn, stacked_params)
     if save is not None:  # inside a scan the loop keeps XLA from merging recomputation
         one_layer = jax.checkpoint(one_layer, policy=save, prevent_cse=False)
+    if stream:
+        return streamed_scan(functools.partial(_carry_of, one_layer), stacked_params, x)
     layers = functools.partial(jax.lax.scan, one_layer, unroll=unroll)  # (x, params) -> (x, None)
     if num_segments == 1:
         return layers(x, stacked_params)[0]

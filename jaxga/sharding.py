@@ -407,6 +407,11 @@ def batch_specs(batch: Any, layout: MeshLayout) -> Any:
     return jax.tree.map(lambda _: P(layout.axis_name), batch)
 
 
+def _committed(x: Any) -> Any:
+    """``x`` committed where it lies (its memory kind kept: streamed parameters stay)."""
+    return jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x
+
+
 def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Callable) -> Any:
     """``state`` ``put`` where a step keeps it (concrete): on the mesh, offloaded as asked."""
     if layout is not None:  # laid out already if its step and first parameter are
@@ -421,5 +426,5 @@ def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Call
     elif offload_state:
         first = jax.tree.leaves(state)[0]
         if not getattr(first, "committed", True):
-            state = jax.device_put(state, first.sharding)  # committed, as the step returns it
+            state = jax.tree.map(_committed, state)  # as the step returns it
     return offload(state, select=offload_state) if offload_state else state

@@ -146,14 +146,23 @@ def check_end_group(end_group: Any) -> jax.Array | None:
     return _checks.scalar(end_group, "end_group", (jnp.bool_,), "a bool")
 
 
-def check_on_device(state: Any) -> None:
-    """Raises if a leaf of ``state`` is in host memory (a step without ``offload``)."""
+def check_on_device(state: Any, *, offload: Any = False, stream: bool = False) -> None:
+    """Raises if a leaf of ``state`` is in host memory where the step does not take it: under
+    ``params`` unless ``stream`` (or ``offload`` picks leaves itself); elsewhere unless
+    ``offload``."""
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
-        if kind in HOST_KINDS:
-            where = f"`state`{jax.tree_util.keystr(path)}"
-            fix = "pass offload=True, or move it back with jaxga.sharding.offload(state, 'device')"
-            raise ValueError(f"{where} is in host memory ({kind}): {fix}.")
+        param = getattr(path[0], "name", None) == "params" if path else False
+        if kind not in HOST_KINDS or callable(offload) or (stream if param else offload):
+            continue
+        where = f"`state`{jax.tree_util.keystr(path)}"
+        fix = "pass offload=True, or move it back with jaxga.sharding.offload(state, 'device')"
+        if param:
+            fix = (
+                "pass stream=True (its loss fetching it layer by layer with "
+                "jaxga.remat_scan(stream=True)), or move it to the device with jax.device_put"
+            )
+        raise ValueError(f"{where} is in host memory ({kind}): {fix}.")
 
 
 def signature(tree: Any) -> tuple[Any, ...]:
@@ -215,6 +224,7 @@ class StepOptions:
         canonical_convolutions: the loop's convolutions in XLA:CPU's fast layout.
         weight: whether `tx.update` gets `weight=`; `None`: for a `jaxga.MultiSteps`, or one in tx.
         learning_rate: the `learning_rate` metric, a function of the optimiser state.
+        stream: whether parameters in host memory stay there (the loss streams them).
 
     Examples:
         >>> import jaxga
@@ -237,6 +247,7 @@ class StepOptions:
     canonical_convolutions: bool | str = "auto"
     weight: bool | None = None
     learning_rate: Callable[[Any], Any] = injected_learning_rate
+    stream: bool = False
 
 
 def step_options(
@@ -264,6 +275,10 @@ def step_options(
     rate = options.pop("learning_rate") or injected_learning_rate
     _checks.check_callable(rate, "learning_rate", "a function of the optimiser state or None")
     has_aux = _checks.check_bool(options.pop("has_aux", False), "has_aux")
+    stream = _checks.check_bool(options.pop("stream", False), "stream")
+    if stream and layout is not None:  # the state laid out on a mesh: not streamed yet
+        got = f"mesh={dict(layout.mesh.shape)}, axis_name={layout.axis_name!r}"
+        raise ValueError(f"`stream`=True on a mesh is not supported yet; got {got}, expected None.")
     if has_aux and pipeline_axis is not None:  # its rows would leave the loop per stage
         raise ValueError("`pipeline_axis` with has_aux=True: not supported; return a Mean alone.")
     return StepOptions(
@@ -279,6 +294,7 @@ def step_options(
         weight=weight,
         learning_rate=rate,
         has_aux=has_aux,
+        stream=stream,
         aux=auxiliary.check(options.pop("aux", None)),
         **options,
     )

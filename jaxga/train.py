@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 from flax.training import train_state
 
-from jaxga import _checks, layouts, modules, sharding, steps
+from jaxga import _checks, _streaming, layouts, modules, sharding, steps
 from jaxga.arguments import StateStructureError, check_num_real
 from jaxga.state import StateFields, TrainState, check_field_names, state_fields
 from jaxga.steps import Metrics, StepOptions
@@ -41,7 +41,7 @@ class TrainStep(steps.JittedStep):
     ) -> tuple[Any, ...]:
         if steps.traced(state):  # inside a jit: inlined, compiled with the enclosing one's options
             return state, batch, num_real_microbatches, end_group
-        self._once(state, _check_state, state, self.options.offload)
+        self._once(state, _check_state, state, self.options.offload, self.options.stream)
         state = sharding.lay_out(state, self.options.layout, offload_state=self.options.offload)
         real = check_num_real(num_real_microbatches, self.options.num_microbatches)
         return state, batch, real, steps.check_end_group(end_group)
@@ -55,15 +55,16 @@ class TrainStep(steps.JittedStep):
         return self._run((state, batch, num_real_microbatches), {"end_group": end_group})
 
 
-def _check_state(state: Any, offload: Any = True) -> None:
-    """Raises unless ``state`` is a Flax TrainState, on the device unless ``offload``."""
+def _check_state(state: Any, offload: Any = None, stream: bool = False) -> None:
+    """Raises unless ``state`` is a Flax TrainState, on the device but where ``offload`` and
+    ``stream`` keep leaves in host memory (``offload`` None: not checked)."""
     if not isinstance(state, train_state.TrainState):
         nnx_model = modules.is_graph_node(state) or isinstance(state, nnx.State)
         hint = "; for a Flax NNX model use jaxga.nnx_train_step" if nnx_model else ""
         got = f"{type(state).__name__}{hint}"
         raise TypeError(f"`state` must be a flax.training.train_state.TrainState; got {got}.")
-    if not offload:
-        steps.check_on_device(state)
+    if offload is not None:
+        steps.check_on_device(state, offload=offload, stream=stream)
 
 
 def _accumulate_state(
@@ -129,11 +130,16 @@ def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[...,
         state = sharding.offload(state, "device", select=options.offload)
         fields = state_fields(state, options.model_state_fields, options.rng_field)
         looped = _accumulate_state(checked, options, fields, state, batch, num_real=num_real)
-        acc = looped.accumulated
+        acc, updated = looped.accumulated, looped.state
+        if options.stream:  # the update on the device, whole (not yet layer by layer)
+            acc = acc._replace(grads=_streaming.on_device(acc.grads))
+            updated = updated.replace(params=_streaming.on_device(updated.params))
         check = functools.partial(_apply_gradients, state)  # a subclass's takes `extra`?
         optimizer = steps.Optimizer(state.tx, _applied, operator.attrgetter("opt_state"), check)
-        new, metrics = steps.optimize(options, optimizer, acc, looped.state, end_group)
+        new, metrics = steps.optimize(options, optimizer, acc, updated, end_group)
         new = fields.write(new.replace(step=state.step + 1), acc.state)
+        if options.stream:  # back where each parameter lived
+            new = new.replace(params=_streaming.placed_like(new.params, state.params))
         if options.layout is not None:
             new = sharding.place(options.layout.mesh, new, looped.specs)
         return sharding.offload(new, select=options.offload), metrics
@@ -161,6 +167,7 @@ def make_train_step(
     weight: bool | None = None,
     learning_rate: Callable[[Any], Any] | None = None,
     pipeline_axis: str | None = None,
+    stream: bool = False,
 ) -> TrainStep:
     """Builds a jitted train step `(state, batch) -> (state, metrics)` of a Flax `TrainState`.
 
@@ -197,6 +204,12 @@ def make_train_step(
         pipeline_axis: the `mesh` axis of a pipeline's stages (`jaxga.pipeline_scan`): manual
             in the loop beside `axis_name`, so that each stage's parameters, split over it by
             `strategy`'s specs, never move (docs/pipeline.md).
+        stream: take `state.params` leaves that live in pinned host memory and keep them
+            there: the loss gets them as they lie, to fetch layer by layer with
+            [`jaxga.remat_scan(stream=True)`][jaxga.remat_scan]; their gradient sums live
+            in host memory too (added on the device a layer at a time); the optimiser's
+            update fetches the parameters and gradients whole and writes the parameters
+            back. Bit for bit the resident step; without a `mesh` (docs/streaming.md).
 
     Returns:
         A [`jaxga.TrainStep`][jaxga.TrainStep]; its `metrics`: `loss`,
@@ -226,6 +239,7 @@ def make_train_step(
         reduce_once=reduce_once,
         pipeline_axis=pipeline_axis,
         memory_budget=memory_budget,
+        stream=stream,
         accumulator_dtype=accumulator_dtype,
         donate=donate,
         offload=offload,

@@ -1,0 +1,140 @@
+"""A layer scan that streams each layer's parameters from host memory (``remat_scan(stream=True)``).
+
+The forward pass fetches each layer's slice to the device and keeps each layer's input;
+the backward pass, a reverse ``lax.scan`` of its own (a ``jax.custom_vjp``), fetches each
+layer again, recomputes it under its checkpoint policy, takes its ``jax.vjp`` and writes
+the layer's gradient where the layer's parameters live (host memory for host-resident
+leaves) as it is produced. Copies between memories change no bit: the result and both
+gradients equal the resident scan's.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+_HOST = jax.memory.Space.Host
+_DEVICE = jax.memory.Space.Device
+
+
+def memory_space(leaf: Any) -> Any:
+    """Where ``leaf`` lives: ``jax.memory.Space.Host`` or ``Device`` (its abstract value's)."""
+    return getattr(jax.typeof(leaf), "memory_space", _DEVICE)
+
+
+def on_device(tree: Any) -> Any:
+    """``tree`` with its host-memory leaves fetched to the device (the others as they are)."""
+
+    def fetch(leaf: Any) -> Any:
+        return jax.device_put(leaf, _DEVICE) if memory_space(leaf) == _HOST else leaf
+
+    return jax.tree.map(fetch, tree)
+
+
+def placed_like(tree: Any, homes: Any) -> Any:
+    """``tree`` with each leaf written to the memory its leaf of ``homes`` lives in."""
+
+    def put(leaf: Any, home: Any) -> Any:
+        return jax.device_put(leaf, _HOST) if memory_space(home) == _HOST else leaf
+
+    return jax.tree.map(put, tree, homes)
+
+
+def _forward(layer: Callable[..., Any], consts: Any, stacked: Any, x: Any) -> tuple[Any, Any]:
+    """The layers on ``x``, each fetched first: the output, and each layer's input."""
+
+    def body(carry: Any, params: Any) -> tuple[Any, Any]:
+        return layer(on_device(params), carry, *consts), carry
+
+    return jax.lax.scan(body, x, stacked)
+
+
+def _backward(layer: Callable[..., Any], saved: Any, grad_y: Any) -> tuple[Any, Any, Any]:
+    """The reverse scan: each layer fetched, its vjp taken, its gradient written home."""
+    consts, stacked, inputs = saved
+
+    def body(carry: tuple[Any, Any], slices: tuple[Any, Any]) -> tuple[Any, Any]:
+        grad_x, grad_consts = carry
+        params, x = slices
+        _, vjp = jax.vjp(layer, on_device(params), x, *consts)
+        grad_params, grad_x, *grad_c = vjp(grad_x)
+        grad_consts = tuple(s if s is None else s + g for s, g in zip(grad_consts, grad_c))
+        return (grad_x, grad_consts), placed_like(grad_params, params)
+
+    zeros = tuple(jnp.zeros_like(c) if _inexact(c) else None for c in consts)
+    slices = (stacked, inputs)
+    (grad_x, grad_consts), grads = jax.lax.scan(body, (grad_y, zeros), slices, reverse=True)
+    return grad_consts, grads, grad_x
+
+
+def _inexact(x: Any) -> bool:  # a value with a gradient (an int or a key has none)
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any) -> Any:
+    """``for p in stacked: x = layer(p, x)``, each layer's slice fetched to the device in the
+    forward and the backward pass, its gradient written where ``stacked``'s leaf lives.
+
+    Args:
+        layer: ``layer(params_of_one_layer, x) -> x``, checkpointed as the caller wants.
+        stacked: the layers' parameters, leading axis L; leaves on the device or in host memory.
+        x: the carry.
+
+    Returns:
+        The last layer's output, like ``x``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jaxga._streaming import streamed_scan
+        >>> streamed_scan(lambda w, x: x * w, jnp.full((3, 2), 2.0), jnp.ones(2)).tolist()
+        [8.0, 8.0]
+    """
+    one = jax.tree.map(lambda leaf: on_device(leaf[0]), stacked)  # a layer's slice, for tracing
+    converted, consts = jax.closure_convert(layer, one, x)  # closed-over values differentiated too
+    forward = functools.partial(_forward, converted)
+
+    @jax.custom_vjp
+    def run(consts: tuple[Any, ...], stacked: Any, x: Any) -> Any:
+        return forward(consts, stacked, x)[0]
+
+    def run_forward(consts: tuple[Any, ...], stacked: Any, x: Any) -> tuple[Any, Any]:
+        y, inputs = forward(consts, stacked, x)
+        return y, (consts, stacked, inputs)
+
+    run.defvjp(run_forward, functools.partial(_backward, converted))
+    return run(tuple(consts), stacked, x)
+
+
+def layerwise(fn: Callable[..., Any], home: Any, *others: Any) -> Any:
+    """``fn(leaf, *other_leaves)`` over ``home``'s leaves; for a leaf in host memory, run on
+    the device a layer (leading index) at a time and each result written back to host memory.
+
+    Args:
+        fn: an elementwise function of a leaf of ``home`` and the same leaves of ``others``.
+        home: the tree whose leaves say where each result lives (host or device memory).
+        others: trees like ``home`` (leaves of the same leading size).
+
+    Returns:
+        ``fn``'s results, a tree like ``home``, each leaf in its leaf of ``home``'s memory.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jaxga._streaming import layerwise
+        >>> layerwise(jnp.add, {"w": jnp.ones(2)}, {"w": jnp.ones(2)})["w"].tolist()
+        [2.0, 2.0]
+    """
+
+    def one(leaf: Any, *rest: Any) -> Any:
+        if memory_space(leaf) != _HOST:
+            return fn(leaf, *rest)
+        if not jnp.ndim(leaf):
+            return jax.device_put(fn(*on_device((leaf, *rest))), _HOST)
+
+        def body(_: None, slices: tuple[Any, ...]) -> tuple[None, Any]:
+            return None, jax.device_put(fn(*on_device(slices)), _HOST)
+
+        return jax.lax.scan(body, None, (leaf, *rest))[1]
+
+    return jax.tree.map(one, home, *others)

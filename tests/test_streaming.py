@@ -1,0 +1,335 @@
+"""Streaming a layer stack from host memory (issue 48): `remat_scan(stream=True)` and the
+train step over host-resident parameters, bit for bit the resident ones on CPU."""
+
+import functools
+import math
+import re
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+import jaxga
+
+DEVICE = jax.devices()[0]
+HOST = jax.sharding.SingleDeviceSharding(DEVICE, memory_kind="pinned_host")
+ON_DEVICE = HOST.with_memory_kind("device")
+LAYERS, DIM = 4, 8
+
+
+def assert_equal(actual, expected):
+    """Every leaf equal bit for bit (numpy copies: host and device arrays alike)."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+def kinds(tree):
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+def stacked_params(layers=LAYERS, dim=DIM):
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    return {
+        "w": jax.random.normal(k1, (layers, dim, dim)) / math.sqrt(dim),
+        "norm": {"g": 1 + 0.1 * jax.random.normal(k2, (layers, dim))},
+        "b": 0.1 * jax.random.normal(k3, (layers, dim)),
+    }
+
+
+def block(p, carry):
+    """A residual block with a pytree carry: the stream and a running sum of its outputs."""
+    h = checkpoint_name(carry["h"] @ p["w"], "proj") + p["b"]
+    h = carry["h"] + jnp.tanh(h) * p["norm"]["g"]
+    return {"h": h, "sum": carry["sum"] + h}
+
+
+def carry():
+    h = jax.random.normal(jax.random.key(1), (3, 5, DIM))
+    return {"h": h, "sum": jnp.zeros_like(h)}
+
+
+def loss(params, x, shift, *, stream, policy):
+    def layer(p, c):  # closes over `shift`, differentiated
+        return block(p, {"h": c["h"] + shift, "sum": c["sum"]})
+
+    out = jaxga.remat_scan(layer, params, x, policy=policy, stream=stream)
+    return jnp.mean(jnp.sin(out["h"])) + jnp.mean(out["sum"] ** 2)
+
+
+POLICIES = ["full", "dots", None, ["proj"], "offload_dots"]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=str)
+@pytest.mark.parametrize("where", ["device", "pinned_host"])
+def test_streamed_scan_is_the_resident_scan_bit_for_bit(policy, where):
+    params, x, shift = stacked_params(), carry(), jnp.full((DIM,), 0.01)
+    grad = functools.partial(jax.value_and_grad(loss, argnums=(0, 1, 2)), policy=policy)
+    expected = jax.jit(functools.partial(grad, stream=False))(params, x, shift)
+    placed = jax.device_put(params, HOST if where == "pinned_host" else ON_DEVICE)
+    value, (g_params, g_x, g_shift) = jax.jit(functools.partial(grad, stream=True))(
+        placed, x, shift
+    )
+    assert_equal((value, (g_params, g_x, g_shift)), expected)
+    assert kinds(g_params) == {where}  # each layer's gradient written where its layer lives
+    assert kinds((g_x, g_shift)) == {"device"}
+
+
+def test_streamed_forward_alone_and_eagerly():
+    params, x = stacked_params(), carry()
+    expected = jaxga.remat_scan(block, params, x)
+    assert_equal(jaxga.remat_scan(block, jax.device_put(params, HOST), x, stream=True), expected)
+    run = jax.jit(functools.partial(jaxga.remat_scan, block, stream=True))
+    out = run(jax.device_put(params, HOST), x)
+    assert_equal(out, expected)
+    assert kinds(out) == {"device"}
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ({"segments": 2}, r"`segments`=2 with stream=True: not supported; expected segments=1"),
+        ({"segments": "sqrt"}, r"`segments`='sqrt' with stream=True: .* expected segments=1"),
+        ({"unroll": True, "policy": None}, r"`unroll`=True with stream=True: .*unroll=False"),
+        ({"canonical_convolutions": "auto"}, r"`canonical_convolutions`='auto' with stream"),
+        ({"stream": 1}, r"`stream`"),
+    ],
+)
+def test_stream_refuses_what_it_does_not_take(option, message):
+    options = {"stream": True} | option
+    with pytest.raises((ValueError, TypeError), match=message):
+        jaxga.remat_scan(block, stacked_params(), carry(), **options)
+
+
+def _device_puts(jaxpr):
+    """Every ``device_put`` in ``jaxpr`` and its sub-jaxprs: (shape, destination)."""
+    found = [
+        (v.aval.shape, str(d))
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name == "device_put"
+        for v, d in zip(eqn.invars, eqn.params["devices"])
+    ]
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+        found += _device_puts(sub)
+    return found
+
+
+def test_the_stack_is_moved_a_layer_at_a_time_and_stays_in_host_memory():
+    """Read from the traced program (each move is a layer's slice), the lowered program
+    (the stack and its gradient are host-memory arguments and results), the compiled
+    program (host memory space ``S(5)``) and its memory report (device temporaries below
+    the stack's bytes)."""
+    layers, dim = 16, 64
+    params = jax.device_put(stacked_params(layers, dim), HOST)
+    x = {"h": jnp.ones((2, 1, dim)), "sum": jnp.zeros((2, 1, dim))}
+    grad = jax.jit(jax.grad(functools.partial(loss, stream=True, policy="full")))
+    moves = _device_puts(jax.make_jaxpr(grad)(params, x, jnp.zeros(dim)).jaxpr)
+    assert moves and {shape for shape, _ in moves} <= {(dim, dim), (dim,)}, moves
+    assert {where for _, where in moves} == {"MemorySpace.Device", "MemorySpace.Host"}
+    lowered = grad.lower(params, x, jnp.zeros(dim))
+    head = re.search(r"func\.func public @main\((.*)", lowered.as_text()).group(1)
+    assert head.count('mhlo.memory_kind = "pinned_host"') == 2 * len(jax.tree.leaves(params))
+    compiled = lowered.compile()
+    layout = compiled.as_text().splitlines()[0].split("entry_computation_layout=")[1]
+    layout = layout.split(", allow_spmd")[0]
+    assert layout.count("S(5)") == 2 * len(jax.tree.leaves(params)), layout
+    stack = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert compiled.memory_analysis().temp_size_in_bytes < stack / 4
+
+
+# The train step over a stack in host memory: a small decoder-ish model, token-weighted.
+
+VOCAB, WIDTH, SEQ, ROWS = 11, 8, 6, 8
+
+
+def model_params():
+    k1, k3 = jax.random.split(jax.random.key(2))
+    return {
+        "embed": jax.random.normal(k1, (VOCAB, WIDTH)) / 2,
+        "layers": stacked_params(LAYERS, WIDTH),
+        "head": jax.random.normal(k3, (WIDTH, VOCAB)) / math.sqrt(WIDTH),
+    }
+
+
+def batch_of(step):
+    key = jax.random.key(10 + step)
+    tokens = jax.random.randint(key, (ROWS, SEQ + 1), 0, VOCAB)
+    lengths = jnp.arange(ROWS) % SEQ + 1  # every row a different count of tokens
+    mask = jnp.arange(SEQ)[None, :] < lengths[:, None]
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
+
+
+def token_losses(params, batch, *, stream, policy):
+    h = params["embed"][batch["inputs"]]
+    x = {"h": h, "sum": jnp.zeros_like(h)}
+    out = jaxga.remat_scan(block, params["layers"], x, policy=policy, stream=stream)
+    logits = (out["h"] + 0.1 * out["sum"]) @ params["head"]
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+
+
+def step_loss(params, batch, model_state, rng, *, stream, policy):
+    losses = token_losses(params, batch, stream=stream, policy=policy)
+    return jaxga.Mean.of(losses, where=batch["mask"]), model_state
+
+
+def optimizer():
+    return optax.adamw(0.05, weight_decay=0.1)
+
+
+def streamed(state):
+    """``state`` with its stacked layers in pinned host memory."""
+    return state.replace(
+        params=state.params | {"layers": jax.device_put(state.params["layers"], HOST)}
+    )
+
+
+def train(k, policy, *, stream, offload=False, steps=2):
+    loss = functools.partial(step_loss, stream=stream, policy=policy)
+    step = jaxga.make_train_step(loss, k, stream=stream, offload=offload)
+    state = jaxga.TrainState.create(params=model_params(), tx=optimizer())
+    state = streamed(state) if stream else state
+    for i in range(steps):
+        state, metrics = step(state, batch_of(i))
+    return state, metrics
+
+
+def reference(steps=2):
+    """`jax.value_and_grad` of the whole batch's token mean, and optax."""
+
+    def loss(params, batch):
+        losses = token_losses(params, batch, stream=False, policy=None)
+        return jnp.sum(losses * batch["mask"]) / jnp.sum(batch["mask"])
+
+    params, tx = model_params(), optimizer()
+    opt_state = tx.init(params)
+    for i in range(steps):
+        grads = jax.grad(loss)(params, batch_of(i))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params, opt_state
+
+
+@pytest.mark.parametrize("k, policy", [(1, "full"), (4, "full"), (4, "dots")])
+def test_streamed_train_step_is_the_resident_step_bit_for_bit(k, policy):
+    with jax.default_matmul_precision("highest"):
+        state, metrics = train(k, policy, stream=True)
+        resident, resident_metrics = train(k, policy, stream=False)
+        params, opt_state = reference()
+    assert_equal((state.params, state.opt_state), (resident.params, resident.opt_state))
+    assert_equal(metrics, resident_metrics)
+    assert kinds(state.params["layers"]) == {"pinned_host"}
+    assert kinds((state.params["embed"], state.params["head"], state.opt_state)) == {"device"}
+    for got, want in zip(
+        jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves((params, opt_state))
+    ):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+def test_streamed_train_step_with_offload_keeps_both_on_the_host():
+    state, _ = train(4, "full", stream=True, offload=True)
+    resident, _ = train(4, "full", stream=False)
+    assert_equal((state.params, state.opt_state), (resident.params, resident.opt_state))
+    assert kinds(state.params["layers"]) == {"pinned_host"}
+    assert kinds(state.opt_state) == {"pinned_host"}
+
+
+def test_a_step_without_stream_names_host_resident_params():
+    state = streamed(jaxga.TrainState.create(params=model_params(), tx=optimizer()))
+    loss = functools.partial(step_loss, stream=True, policy="full")
+    for offload in (False, True):
+        step = jaxga.make_train_step(loss, 2, offload=offload)
+        message = (
+            r"`state`.params\['layers'\]\['b'\] is in host memory \(pinned_host\): pass stream=True"
+        )
+        with pytest.raises(ValueError, match=message):
+            step(state, batch_of(0))
+    with pytest.raises(
+        ValueError, match=r"`stream`=True on a mesh is not supported yet; got mesh="
+    ):
+        jaxga.make_train_step(loss, 2, stream=True, axis_name="data")
+    with pytest.raises(TypeError, match=r"`stream`"):
+        jaxga.make_train_step(loss, 2, stream="yes")
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.scale = nnx.Param(jnp.ones(WIDTH))
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.up(x)) * self.scale
+
+
+class Stack(nnx.Module):
+    """Blocks stacked by ``nnx.vmap`` (a leading layer axis on every ``nnx.Param``)."""
+
+    def __init__(self, rngs, stream):
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs):
+            return Block(rngs)
+
+        self.blocks = blocks(rngs)
+        self.head = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
+        self.stream = stream
+
+    def __call__(self, x):
+        graphdef, stack = nnx.split(self.blocks)
+
+        def layer(params, h):
+            return nnx.merge(graphdef, params)(h)
+
+        return self.head(jaxga.remat_scan(layer, stack, x, policy="dots", stream=self.stream))
+
+
+def nnx_loss(model, batch):
+    x = jax.nn.one_hot(batch["inputs"], WIDTH)
+    return jaxga.token_cross_entropy(model(x), batch["targets"], batch["mask"])
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_an_nnx_stack_streams_bit_for_bit(k):
+    """An NNX model's ``nnx.vmap``-stacked blocks in host memory, their gradient (and its sums
+    over k micro-batches) in host memory: equal to the resident model's."""
+    results = []
+    for stream in (False, True):
+        model = Stack(nnx.Rngs(0), stream)
+        if stream:
+            nnx.update(model.blocks, jax.device_put(nnx.state(model.blocks), HOST))
+        grad = jaxga.value_and_grad(nnx_loss, num_microbatches=k)
+        results.append(nnx.jit(grad)(model, batch_of(0)))
+    (value, grads), (resident_value, resident_grads) = results[1], results[0]
+    assert_equal(
+        (value, nnx.to_pure_dict(grads)), (resident_value, nnx.to_pure_dict(resident_grads))
+    )
+    assert kinds(nnx.to_pure_dict(grads)["blocks"]) == {"pinned_host"}
+    assert kinds(nnx.to_pure_dict(grads)["head"]) == {"device"}
+
+
+def _host_carries(jaxpr):
+    """The shapes of the host-memory carries of every ``scan`` in ``jaxpr`` (and inside)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            start = eqn.params["num_consts"]
+            carries = eqn.invars[start : start + eqn.params["num_carry"]]
+            found += [v.aval.shape for v in carries if "<host>" in str(v.aval)]
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+        found += _host_carries(sub)
+    return found
+
+
+def test_the_gradient_sums_of_streamed_params_live_in_host_memory():
+    """The micro-batch loop carries the stacked layers' gradient sums in host memory."""
+    loss = functools.partial(step_loss, stream=True, policy="full")
+    step = jaxga.make_train_step(loss, 4, stream=True)
+    state = streamed(jaxga.TrainState.create(params=model_params(), tx=optimizer()))
+    carries = _host_carries(step.trace(state, batch_of(0)).jaxpr.jaxpr)
+    stack = {x.shape for x in jax.tree.leaves(state.params["layers"])}
+    assert stack <= set(carries), (stack, carries)
