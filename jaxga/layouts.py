@@ -11,7 +11,6 @@ from jaxga.engine import Accumulated
 from jaxga.microbatch import IndivisibleBatchError
 from jaxga.sharding import (
     MeshLayout,
-    axes_size,
     batch_specs,
     check_mesh,
     check_strategy,
@@ -53,7 +52,7 @@ def accumulate_on_mesh(
     view instead, the parameters gathered once, JAX reducing in every micro-batch.
     """
     mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
-    k, devices = accumulated.options.num_microbatches, axes_size(mesh, axis_name)
+    k, devices = accumulated.options.num_microbatches, meshes.devices(mesh, axis_name)
     size = _checks.leading_size(batch, "batch", "batch") or 0  # 0: no leaves, as accumulate says
     if size % (devices * k):
         raise IndivisibleBatchError.of(size, k, devices, axis_name)

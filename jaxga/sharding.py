@@ -49,9 +49,6 @@ _SPACES = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Devi
 _MOVED: dict[Any, list[bool]] = {}  # offload's leaves to move, by tree structure
 
 
-is_spec = meshes.is_spec  # a leaf of a tree of specs
-
-
 def _is_laid_out(x: Any, sharding: NamedSharding) -> bool:
     now = getattr(x, "sharding", None)  # None: a host array or a bare shape struct
     on_mesh = isinstance(now, NamedSharding) and now.mesh == sharding.mesh
@@ -102,17 +99,6 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
         return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
     return jax.tree_util.tree_map_with_path(rows, batch)
-
-
-def axes_size(mesh: Any, axis_name: Any) -> int:
-    """How many devices ``mesh``'s axis (or axes) ``axis_name`` holds.
-
-    Examples:
-        >>> import jax, jaxga
-        >>> jaxga.sharding.axes_size(jax.make_mesh((1, 1), ("data", "model")), ("data", "model"))
-        1
-    """
-    return meshes.devices(mesh, axis_name)
 
 
 def onto(tree: Any, mesh: Mesh) -> Any:
@@ -243,14 +229,14 @@ def fsdp_specs(tree: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
 
 
 def _check_param_specs(specs: Any, params: Any, mesh: Mesh) -> None:
-    got, want = jax.tree.structure(specs, is_leaf=is_spec), jax.tree.structure(params)
+    got, want = jax.tree.structure(specs, is_leaf=meshes.is_spec), jax.tree.structure(params)
     if got != want:
         raise ValueError(f"`strategy`'s specs must have the params' tree {want}; got {got}.")
     leaves = jax.tree_util.tree_leaves_with_path(params)
-    for (path, x), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=is_spec)):
+    for (path, x), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=meshes.is_spec)):
         where, shape = f"The spec for params{jax.tree_util.keystr(path)}", jnp.shape(x)
         named = [a for entry in spec if entry is not None for a in collectives.axes(entry)]
-        if not is_spec(spec) or len(spec) > len(shape) or set(named) - set(mesh.axis_names):
+        if not meshes.is_spec(spec) or len(spec) > len(shape) or set(named) - set(mesh.axis_names):
             raise ValueError(
                 f"{where} must be a PartitionSpec of at most {len(shape)} entries (its shape is "
                 f"{shape}), each None or axes of the mesh {mesh.axis_names}; got {spec!r}."
@@ -304,7 +290,12 @@ def state_specs(
         return spec
 
     opt_state = optax.tree_map_params(
-        state.tx, follow, state.opt_state, strategy, transform_non_params=shard, is_leaf=is_spec
+        state.tx,
+        follow,
+        state.opt_state,
+        strategy,
+        transform_non_params=shard,
+        is_leaf=meshes.is_spec,
     )
     return specs.replace(params=strategy, opt_state=opt_state)
 
@@ -373,7 +364,7 @@ def state_shardings(
 ) -> Any:
     """[`state_specs`][jaxga.sharding.state_specs] as `NamedSharding`s on `mesh`."""
     specs = state_specs(state, mesh, strategy, axis_name=axis_name)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=is_spec)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=meshes.is_spec)
 
 
 def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
@@ -384,7 +375,7 @@ def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
     def one(spec: Any, x: Any) -> Any:
         return x if spec is None else move(x, NamedSharding(mesh, spec))
 
-    return jax.tree.map(one, specs, tree, is_leaf=lambda x: x is None or is_spec(x))
+    return jax.tree.map(one, specs, tree, is_leaf=lambda x: x is None or meshes.is_spec(x))
 
 
 class MeshLayout(NamedTuple):
@@ -412,7 +403,7 @@ def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Call
     if layout is not None:  # laid out already if its step and first parameter are
         mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
         first = jax.tree.leaves(state.params)[:1]
-        specs = jax.tree.leaves(strategy, is_leaf=is_spec)[:1]  # a tree of specs
+        specs = jax.tree.leaves(strategy, is_leaf=meshes.is_spec)[:1]  # a tree of specs
         if isinstance(strategy, str):
             specs = fsdp_specs(first, mesh, axis_name) if split_of(strategy).params else [P()]
         wanted = [NamedSharding(mesh, spec) for spec in [P(), *specs]]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxga import _checks, auxiliary, collectives, convolution, layouts, planner, sharding
+from jaxga import _checks, auxiliary, collectives, convolution, layouts, meshes, planner, sharding
 from jaxga.accumulation import Accumulate, accumulate
 from jaxga.arguments import check_unroll
 from jaxga.compiler import compiler_options
@@ -363,7 +363,7 @@ class JittedStep:
         self.plan: planner.Plan | None = None
         self.max_plans = 8
         layout = options.layout
-        self._devices = 1 if layout is None else sharding.axes_size(layout.mesh, layout.axis_name)
+        self._devices = 1 if layout is None else meshes.devices(layout.mesh, layout.axis_name)
         self._build, self._loss = build, loss
         self._plans: dict[Any, planner.Plan] = {}
         self._checked: set[Any] = set()  # the signatures `_once` checked
