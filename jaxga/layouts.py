@@ -14,7 +14,6 @@ from jaxga.sharding import (
     batch_specs,
     check_mesh,
     check_strategy,
-    fsdp_specs,
     place,
     split_of,
     state_specs,
@@ -59,8 +58,13 @@ def accumulate_on_mesh(
     specs = state_specs(state, mesh, strategy, axis_name=axis_name)
     state = place(mesh, state, specs)
     batch = place(mesh, batch, batch_specs(batch, layout))
-    split = split_of(strategy)
-    grad_specs = fsdp_specs(state.params, mesh, axis_name) if split.opt_state else specs.params
+    row = split_of(strategy)
+
+    def grad_spec(x: Any, spec: Any) -> Any:  # as the optimiser state, where the row splits it
+        split = row.spec("grads", jax.numpy.shape(x), devices, axis_name)
+        return spec if split is None else split
+
+    grad_specs = jax.tree.map(grad_spec, state.params, specs.params)
     check_layout(layout, specs.params, "give `strategy` specs with P('{}') on the stacked layers")
     if layout.reduce_once:  # the engine's one loop onto the mesh
         on_mesh = placed(accumulated, layout, (specs.params,), (grad_specs,))

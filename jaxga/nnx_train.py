@@ -165,9 +165,6 @@ def _check_wrt(model: Any, optimizer: Any) -> None:
 
 
 def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[..., Any]:
-    returns = "aux" if options.has_aux else None
-    checked = steps.loss_alone(loss, "`loss(model, batch)`", returns=returns)
-
     def train_step(graphdef: Any, state: Any, batch: Any, call: _Call) -> tuple[Any, steps.Metrics]:
         state = sharding.offload(state, "device", select=options.offload)
         layout, specs = options.layout, None
@@ -179,10 +176,11 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
         model, optimizer, *streams = nnx.merge(graphdef, state)  # streams: [an nnx.Rngs] or []
         rngs = streams or ([] if call.key is None else [call.key])
         accumulated = steps.accumulator(  # the gradient of what the optimizer updates alone
-            checked,
+            loss,
             options,
             nnx.DiffState(0, optimizer.wrt),
             num_real=call.num_real,
+            called_as="`loss(model, batch)`",
             rng_argnums=None if call.key is None else 2,  # a key, typed or raw: folded
         )
         if layout is None:

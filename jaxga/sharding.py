@@ -23,6 +23,21 @@ class Split(NamedTuple):
     opt_state: bool  # the optimiser state, and the gradients, reduce-scattered to it
     gather_each: bool  # ZeRO-3: the parameters gathered in every micro-batch
 
+    def spec(self, role: str, shape: tuple[int, ...], size: int, axis_name: Any) -> P | None:
+        """The spec of a leaf of ``shape`` in ``role`` (``"params"``, ``"opt_state"``, or
+        ``"grads"``: split as the optimiser state) over ``size`` devices of ``axis_name``.
+
+        Returns:
+            `fsdp_spec` of ``shape`` where this row splits ``role``, else ``None``.
+
+        Examples:
+            >>> import jaxga
+            >>> jaxga.sharding.split_of("zero1").spec("grads", (8, 4), 2, "data")
+            P('data',)
+        """
+        split = self.params if role == "params" else self.opt_state
+        return fsdp_spec(shape, size, axis_name) if split else None
+
 
 _SPLITS = {
     "data_parallel": Split(params=False, opt_state=False, gather_each=False),
@@ -280,9 +295,14 @@ def state_specs(
     if strategy is None:  # as placed: the parameters' own layout, the optimiser's after it
         strategy = jax.tree.map(functools.partial(_spec_of, mesh=mesh), state.params)
     elif isinstance(strategy, str):
-        split = split_of(strategy)
-        params = shard(state.params) if split.params else specs.params
-        opt_state = shard(state.opt_state) if split.opt_state else specs.opt_state
+        row, size = split_of(strategy), meshes.devices(mesh, axis_name)
+
+        def by_row(role: str, tree: Any) -> Any:  # P(): what the row does not split
+            return jax.tree.map(
+                lambda x: row.spec(role, jnp.shape(x), size, axis_name) or P(), tree
+            )
+
+        params, opt_state = by_row("params", state.params), by_row("opt_state", state.opt_state)
         return specs.replace(params=params, opt_state=opt_state)
     _check_param_specs(strategy, state.params, mesh)
 
@@ -335,17 +355,18 @@ def nnx_state_specs(
     """
     check_mesh(mesh, axis_name)
     check_nnx_strategy(strategy)
-    split, size = split_of(strategy), meshes.devices(mesh, axis_name)
+    row, size = split_of(strategy), meshes.devices(mesh, axis_name)
 
     def one(variable: Any, spec: Any) -> Any:
         given = meshes.spec_over(spec.get_value(), mesh.axis_names)
-        opt = grads or isinstance(variable, nnx.optimizer.OptState)
-        wanted = split.opt_state if opt else split.params and isinstance(variable, nnx.Param)
         if any(given) or strategy is None:
             return spec.replace(given if any(given) else None)
-        if not wanted:
+        opt = grads or isinstance(variable, nnx.optimizer.OptState)
+        if not (opt or isinstance(variable, nnx.Param)):
             return spec.replace(given)
-        return spec.replace(fsdp_spec(jnp.shape(variable.get_value()), size, axis_name))
+        role = "grads" if grads else "opt_state" if opt else "params"
+        split = row.spec(role, jnp.shape(variable.get_value()), size, axis_name)
+        return spec.replace(given if split is None else split)
 
     specs = nnx.get_partition_spec(state)
     return jax.tree.map(one, state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -405,7 +426,8 @@ def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Call
         first = jax.tree.leaves(state.params)[:1]
         specs = jax.tree.leaves(strategy, is_leaf=meshes.is_spec)[:1]  # a tree of specs
         if isinstance(strategy, str):
-            specs = fsdp_specs(first, mesh, axis_name) if split_of(strategy).params else [P()]
+            row, size = split_of(strategy), meshes.devices(mesh, axis_name)
+            specs = [row.spec("params", jnp.shape(x), size, axis_name) or P() for x in first]
         wanted = [NamedSharding(mesh, spec) for spec in [P(), *specs]]
         if not all(map(_is_laid_out, [state.step, *first], wanted)):
             state = put(state, state_shardings(state, mesh, strategy, axis_name=axis_name))

@@ -163,34 +163,6 @@ def signature(tree: Any) -> tuple[Any, ...]:
     return treedef, tuple(kinds)
 
 
-def loss_alone(
-    loss: Callable[..., Any], called_as: str, *, returns: str | None = None
-) -> Callable[..., Any]:
-    """``loss``, checked on each call: it gives the loss alone, or with ``returns`` (one of
-    `_PAIRS`) the pair ``(loss, returns)``; the engine checks what the pair's second holds."""
-
-    @functools.wraps(loss)
-    def checked(*args):
-        out = loss(*args)
-        if returns is not None and not (isinstance(out, tuple) and len(out) == 2):
-            got = f"an array of shape {out.shape}" if hasattr(out, "shape") else type(out).__name__
-            raise TypeError(_PAIRS[returns].format(called_as=called_as, got=got))
-        value = out if returns is None else out[0]
-        if isinstance(value, tuple | list):
-            got = f"{type(value).__name__} of length {len(value)}"
-            hint = "; or build the step with has_aux=True" if returns is None else ""
-            raise TypeError(f"{called_as} must give the loss alone, no aux; got a {got}{hint}.")
-        return out
-
-    return checked
-
-
-_PAIRS = {  # what a loss returns beside the loss: the error when it does not
-    "new_model_state": "{called_as} must return a pair (loss, new_model_state); got {got}.",
-    "aux": "With has_aux=True, {called_as} must return (loss, aux); got {got}.",
-}
-
-
 def traced(tree: Any) -> bool:
     return isinstance(next(iter(jax.tree.leaves(tree)), None), jax.core.Tracer)
 
@@ -297,12 +269,19 @@ def _count(num_microbatches: Any, budget: Any) -> tuple[int | str, int | None]:
 
 
 def accumulator(
-    loss: Callable[..., Any], options: StepOptions, argnums: Any, *, num_real: Any, **roles: Any
+    loss: Callable[..., Any],
+    options: StepOptions,
+    argnums: Any,
+    *,
+    num_real: Any,
+    called_as: str,
+    **roles: Any,
 ) -> Accumulate:
     """``loss`` accumulated as a train step's ``options`` say (micro-batches, loop, dtypes);
-    ``roles``: its batch, state and key arguments, as [`jaxga.accumulate`][jaxga.accumulate]'s."""
+    ``roles``: its batch, state and key arguments, as [`jaxga.accumulate`][jaxga.accumulate]'s;
+    ``called_as``: how the errors of its output name it."""
     layout = options.layout
-    return accumulate(
+    accumulated = accumulate(
         loss,
         argnums,
         options.has_aux,
@@ -315,6 +294,7 @@ def accumulator(
         canonical_convolutions=options.canonical_convolutions,
         **roles,
     )
+    return Accumulate(accumulated.fun, accumulated.options._replace(called_as=called_as))
 
 
 class Optimizer(NamedTuple):

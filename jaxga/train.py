@@ -77,7 +77,10 @@ def _accumulate_state(
 ) -> layouts.OnMesh:
     layout = options.layout
     roles = {"batch_argnums": 1, "state_argnums": 2, "rng_argnums": 3}
-    accumulated = steps.accumulator(loss, options, 0, num_real=num_real, **roles)
+    called_as = "`loss(params, batch, model_state, rng)`"
+    accumulated = steps.accumulator(
+        loss, options, 0, num_real=num_real, called_as=called_as, **roles
+    )
     model_state, rng = fields.read(state), fields.step_key(state)
     try:  # the errors a train state's fields explain get a note
         if layout is not None:
@@ -121,14 +124,11 @@ def _applied(state: Any, grads: Any, **extra: Any) -> Any:
 
 
 def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[..., Any]:
-    called_as = "`loss(params, batch, model_state, rng)`"
-    checked = steps.loss_alone(loss, called_as, returns="new_model_state")
-
     def train_step(state: Any, batch: Any, num_real: Any = None, end_group: Any = None) -> tuple:
         _check_state(state)
         state = sharding.offload(state, "device", select=options.offload)
         fields = state_fields(state, options.model_state_fields, options.rng_field)
-        looped = _accumulate_state(checked, options, fields, state, batch, num_real=num_real)
+        looped = _accumulate_state(loss, options, fields, state, batch, num_real=num_real)
         acc = looped.accumulated
         check = functools.partial(_apply_gradients, state)  # a subclass's takes `extra`?
         optimizer = steps.Optimizer(state.tx, _applied, operator.attrgetter("opt_state"), check)
