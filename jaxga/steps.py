@@ -11,9 +11,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxga import _checks, auxiliary, collectives, convolution, layouts, meshes, planner, sharding
-from jaxga.accumulation import Accumulate, accumulate
-from jaxga.arguments import check_unroll
+from jaxga import _checks, collectives, layouts, meshes, planner, sharding
+from jaxga.accumulation import Accumulate, accumulate, check_options
 from jaxga.compiler import compiler_options
 from jaxga.engine import Accumulated
 from jaxga.memory import HOST_KINDS, format_bytes
@@ -235,23 +234,26 @@ def step_options(
         raise TypeError(f"`weight` must be None, True or False; got {weight!r}.")
     rate = options.pop("learning_rate") or injected_learning_rate
     _checks.check_callable(rate, "learning_rate", "a function of the optimiser state or None")
-    has_aux = _checks.check_bool(options.pop("has_aux", False), "has_aux")
+    has_aux = check_options(has_aux=options.pop("has_aux", False))["has_aux"]
     if has_aux and pipeline_axis is not None:  # its rows would leave the loop per stage
         raise ValueError("`pipeline_axis` with has_aux=True: not supported; return a Mean alone.")
+    accumulator_dtype = check_options(accumulator_dtype=options.pop("accumulator_dtype"))
+    donate = _checks.check_bool(options.pop("donate"), "donate")
+    offload = sharding.check_select(options.pop("offload"), "offload")
+    names = ("unroll", "canonical_convolutions")
+    checked = check_options(**{n: options.pop(n) for n in names}, aux=options.pop("aux", None))
     return StepOptions(
         num_microbatches=num_microbatches,
         memory_budget=budget,
-        accumulator_dtype=_checks.float_dtype(options.pop("accumulator_dtype")),
-        donate=_checks.check_bool(options.pop("donate"), "donate"),
-        offload=sharding.check_select(options.pop("offload"), "offload"),
-        unroll=check_unroll(options.pop("unroll")),
-        canonical_convolutions=convolution.check_option(options.pop("canonical_convolutions")),
+        donate=donate,
+        offload=offload,
         compiler_options=dict(xla),
         layout=layout,
         weight=weight,
         learning_rate=rate,
         has_aux=has_aux,
-        aux=auxiliary.check(options.pop("aux", None)),
+        **accumulator_dtype,
+        **checked,
         **options,
     )
 
