@@ -67,7 +67,7 @@ def accumulate_on_mesh(
     grad_specs = jax.tree.map(grad_spec, state.params, specs.params)
     check_layout(layout, specs.params, "give `strategy` specs with P('{}') on the stacked layers")
     if layout.reduce_once:  # the engine's one loop onto the mesh
-        on_mesh = placed(accumulated, layout, (specs.params,), (grad_specs,))
+        on_mesh = with_placement(accumulated, layout, (specs.params,), (grad_specs,))
         acc = on_mesh(state.params, batch, model_state, rng)
     else:  # jit's global view: the parameters gathered once, JAX reducing in every micro-batch
         gathered = meshes.specs_over(specs.params, others(layout))
@@ -80,7 +80,7 @@ def accumulate_on_mesh(
     )
 
 
-def placed(
+def with_placement(
     accumulated: Accumulate, layout: MeshLayout, primal_specs: Any, grad_specs: Any
 ) -> Accumulate:
     """``accumulated`` told where a train step on ``layout`` lays out the values it

@@ -78,7 +78,7 @@ def injected_learning_rate(opt_state: Any) -> jax.Array:
 
 
 def metrics(
-    acc: Accumulated, tx: Any, opt_state: Any, options: "StepOptions", always: bool
+    acc: Accumulated, tx: Any, opt_state: Any, options: "StepOptions", *, always: bool
 ) -> Metrics:
     """The step's metrics; ``applied``: whether the update ran (``always``, or items counted)
     and applied: ``tx.has_updated(opt_state)`` if ``tx`` has one, else whether every
@@ -162,7 +162,8 @@ def signature(tree: Any) -> tuple[Any, ...]:
     return treedef, tuple(kinds)
 
 
-def traced(tree: Any) -> bool:
+def is_traced(tree: Any) -> bool:
+    """Whether ``tree``'s first leaf is traced (a call inside an enclosing jit)."""
     return isinstance(next(iter(jax.tree.leaves(tree)), None), jax.core.Tracer)
 
 
@@ -299,7 +300,7 @@ def accumulator(
     return Accumulate(accumulated.fun, accumulated.options._replace(called_as=called_as))
 
 
-class Optimizer(NamedTuple):
+class OptimizerAccess(NamedTuple):
     """How a train step runs its optimiser: what `optimize` needs of the model's kind."""
 
     tx: Any  # the optax transformation (`state.tx`, `optimizer.tx`)
@@ -309,7 +310,7 @@ class Optimizer(NamedTuple):
 
 
 def optimize(
-    options: StepOptions, optimizer: Optimizer, acc: Accumulated, state: Any, end_group: Any
+    options: StepOptions, optimizer: OptimizerAccess, acc: Accumulated, state: Any, end_group: Any
 ) -> tuple[Any, Metrics]:
     """The tail both train steps share: ``optimizer.update`` of ``state`` by ``acc.grads``
     (with `weight` and `end_group` as `tx_args` says), and the step's metrics."""
@@ -319,7 +320,7 @@ def optimize(
     update = functools.partial(optimizer.update, **extra)
     new = apply_update(acc, update, state, always="weight" in extra)
     opt_state = optimizer.opt_state(new)
-    return new, metrics(acc, optimizer.tx, opt_state, options, "weight" in extra)
+    return new, metrics(acc, optimizer.tx, opt_state, options, always="weight" in extra)
 
 
 class JittedStep:
@@ -366,7 +367,7 @@ class JittedStep:
             return planned._run(args, kwargs)
         arguments = list(self._arguments(*args, **kwargs))
         i = len(self._static_argnums)  # the state
-        run = self._update if traced(arguments[i]) else self._jitted
+        run = self._update if is_traced(arguments[i]) else self._jitted
         if self.options.donate:
             arguments[i] = unaliased(arguments[i])
         return run(*arguments)
@@ -378,7 +379,7 @@ class JittedStep:
         args, num_real = args[: self._arity], args[self._arity :]
         if any(n is not None for n in num_real):
             raise ValueError('`num_real_microbatches` needs a fixed k; "auto" plans one per shape.')
-        if traced(args):
+        if is_traced(args):
             message = 'num_microbatches="auto" cannot plan (compile) inside an enclosing jax.jit.'
             raise ValueError(message)
         key = signature(args)

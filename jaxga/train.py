@@ -39,7 +39,9 @@ class TrainStep(steps.JittedStep):
     def _arguments(
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
     ) -> tuple[Any, ...]:
-        if steps.traced(state):  # inside a jit: inlined, compiled with the enclosing one's options
+        if steps.is_traced(
+            state
+        ):  # inside a jit: inlined, compiled with the enclosing one's options
             return state, batch, num_real_microbatches, end_group
         self._once(state, _check_state, state, self.options.offload)
         state = sharding.lay_out(state, self.options.layout, offload_state=self.options.offload)
@@ -50,7 +52,7 @@ class TrainStep(steps.JittedStep):
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
     ) -> tuple[Any, Metrics]:
         leaf = getattr(state, "step", None)
-        if isinstance(leaf, jax.Array) and not steps.traced(leaf) and leaf.is_deleted():
+        if isinstance(leaf, jax.Array) and not steps.is_traced(leaf) and leaf.is_deleted():
             raise ValueError("`state` holds arrays an earlier call deleted: it donates them.")
         return self._run((state, batch, num_real_microbatches), {"end_group": end_group})
 
@@ -101,26 +103,32 @@ def _accumulate_state(
         raise
 
 
-def _apply_gradients(state: Any, extra: dict[str, Any]) -> Callable[..., Any]:
-    """``state``'s own ``apply_gradients`` (a subclass's override kept), checked for ``extra``.
+def _apply_gradients(state: Any) -> Callable[..., Any]:
+    """``state``'s own ``apply_gradients``, unbound (a subclass's override kept).
 
     Flax's own method sends keywords to ``replace`` and reads fp8's key in dict params:
     for it, `jaxga.TrainState.apply_gradients`, which runs Flax's for dict params and
     hands ``weight`` and ``end_group`` to ``tx``.
     """
     if type(state).apply_gradients is train_state.TrainState.apply_gradients:
-        return functools.partial(TrainState.apply_gradients, state)
+        return TrainState.apply_gradients
+    return type(state).apply_gradients
+
+
+def _check_takes(state: Any, extra: dict[str, Any]) -> None:
+    """Raises unless ``state``'s own ``apply_gradients`` (a Flax subclass's) takes ``extra``."""
+    if _apply_gradients(state) is TrainState.apply_gradients or isinstance(state, TrainState):
+        return
     takes = inspect.signature(state.apply_gradients).parameters  # a subclass of ours: **kwargs
-    if missing := [] if isinstance(state, TrainState) else [n for n in extra if n not in takes]:
+    if missing := [n for n in extra if n not in takes]:
         got = f"{type(state).__name__}.apply_gradients takes no `{missing[0]}`"
         fix = "or build the step with weight=False" if missing[0] == "weight" else "or a subclass"
         raise TypeError(f"The step passes {got}: expected a jaxga.TrainState, {fix}.")
-    return state.apply_gradients
 
 
-def _applied(state: Any, grads: Any, **extra: Any) -> Any:
-    """``state``'s own ``apply_gradients`` (Flax's update, or a subclass's) with ``extra``."""
-    return _apply_gradients(state, extra)(grads=grads, **extra)
+def _applied(method: Callable[..., Any], state: Any, grads: Any, **extra: Any) -> Any:
+    """``method``, a state's own ``apply_gradients`` (`_apply_gradients`), with ``extra``."""
+    return method(state, grads=grads, **extra)
 
 
 def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[..., Any]:
@@ -130,9 +138,10 @@ def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[...,
         fields = state_fields(state, options.model_state_fields, options.rng_field)
         looped = _accumulate_state(loss, options, fields, state, batch, num_real=num_real)
         acc = looped.accumulated
-        check = functools.partial(_apply_gradients, state)  # a subclass's takes `extra`?
-        optimizer = steps.Optimizer(state.tx, _applied, operator.attrgetter("opt_state"), check)
-        new, metrics = steps.optimize(options, optimizer, acc, looped.state, end_group)
+        update = functools.partial(_applied, _apply_gradients(state))
+        check = functools.partial(_check_takes, state)  # outside apply_update's try
+        access = steps.OptimizerAccess(state.tx, update, operator.attrgetter("opt_state"), check)
+        new, metrics = steps.optimize(options, access, acc, looped.state, end_group)
         new = fields.write(new.replace(step=state.step + 1), acc.state)
         if options.layout is not None:
             new = sharding.place(options.layout.mesh, new, looped.specs)
