@@ -8,6 +8,25 @@ from flax import nnx
 
 from jaxga import _checks, arguments, auxiliary, convolution, engine
 
+OPTION_CHECKS: dict[str, Callable[[Any], Any]] = {  # the options both entry points check
+    "has_aux": functools.partial(_checks.check_bool, name="has_aux"),
+    "accumulator_dtype": _checks.float_dtype,
+    "unroll": arguments.check_unroll,
+    "aux": auxiliary.check,
+    "canonical_convolutions": convolution.check_option,
+}
+
+
+def check_options(**given: Any) -> dict[str, Any]:
+    """Each of ``given`` checked by `OPTION_CHECKS` (an error names the first bad one).
+
+    Examples:
+        >>> import jaxga
+        >>> jaxga.accumulation.check_options(unroll=2, has_aux=False)
+        {'unroll': 2, 'has_aux': False}
+    """
+    return {name: OPTION_CHECKS[name](value) for name, value in given.items()}
+
 
 class Accumulate:
     """``fun`` accumulated over micro-batches: what [`jaxga.accumulate`][jaxga.accumulate] returns.
@@ -87,20 +106,24 @@ def accumulate(
     """
     _checks.check_callable(fun, "fun")
     k = _checks.positive_int(num_microbatches, "num_microbatches")
+    num_real = arguments.check_num_real(num_real_microbatches, k)
+    checked = check_options(
+        has_aux=has_aux,
+        accumulator_dtype=accumulator_dtype,
+        unroll=unroll,
+        aux=aux,
+        canonical_convolutions=canonical_convolutions,
+    )
     options = arguments.make_options(
         argnums,
         batch_argnums=batch_argnums,
         rng_argnums=rng_argnums,
         state_argnums=state_argnums,
         num_microbatches=k,
-        num_real_microbatches=arguments.check_num_real(num_real_microbatches, k),
-        has_aux=_checks.check_bool(has_aux, "has_aux"),
+        num_real_microbatches=num_real,
         axis_name=axis_name,
-        accumulator_dtype=_checks.float_dtype(accumulator_dtype),
-        unroll=arguments.check_unroll(unroll),
-        aux=auxiliary.check(aux),
-        canonical_convolutions=convolution.check_option(canonical_convolutions),
         state_reduction=arguments.check_state_reduction(state_reduction),
+        **checked,
     )
     return Accumulate(fun, options)
 

@@ -16,6 +16,8 @@ from jaxga import _checks, collectives, modules
 from jaxga.loss import Mean, check_value
 from jaxga.microbatch import IndivisibleBatchError
 
+FUN = "`fun`"  # how errors name the accumulated function, unless a train step words it
+
 
 class Options(NamedTuple):
     """How [`jaxga.accumulate`][jaxga.accumulate] was built: its arguments, checked."""
@@ -37,6 +39,7 @@ class Options(NamedTuple):
     canonical_convolutions: bool | str = "auto"  # True, False or "auto": on CPU backends only
     state_reduction: Any = "mean"  # "mean" (engine.mean_over_devices) or (x, axes) -> x
     placement: Any = None  # a train step's collectives.Placement; None: as the values lie
+    called_as: str = FUN  # how errors name the function: a train step's loss is worded so
 
 
 def _items(value: Any) -> tuple[Any, ...]:
@@ -125,7 +128,7 @@ def is_inexact(x: Any) -> bool:
     return isinstance(x, float | complex) or jnp.issubdtype(getattr(x, "dtype", "O"), jnp.inexact)
 
 
-def describe(x: Any) -> str:
+def shape_and_dtype(x: Any) -> str:
     if hasattr(x, "dtype") and hasattr(x, "shape"):
         return f"shape {tuple(x.shape)} and dtype {x.dtype}"
     return f"{x!r} of type {type(x).__name__}"
@@ -139,7 +142,7 @@ def _check_leaves(tree: Any, ok: Callable[[Any], bool], *, said: str, expected: 
     """Raises for the first leaf not ``ok`` of ``{"args": {i: arg}}`` or ``{"aux": aux}``."""
     for path, leaf in tree_flatten_with_path(tree)[0]:
         if not ok(leaf):
-            got = f"{path[0].key}{keystr(path[1:])}, {describe(leaf)}"
+            got = f"{path[0].key}{keystr(path[1:])}, {shape_and_dtype(leaf)}"
             raise TypeError(f"{said} {got}; expected {expected}.")
 
 
@@ -169,7 +172,13 @@ def check_call(
     options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[int, collectives.Route]:
     """The batch's rows (this device's, under a manual route) and the call's `Route`."""
-    k = options.num_microbatches
+    _check_positions(options, args, kwargs)
+    return _rows_and_route(options, args)
+
+
+def _check_positions(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raises unless every position ``options`` names is among ``args``, holding no NNX
+    graph node where arrays go (nor in ``kwargs``)."""
     for name in ("argnums", "batch_argnums", "rng_argnums", "state_argnums"):
         positions = getattr(options, name) or ()
         if positions and max(positions) >= len(args):
@@ -184,6 +193,11 @@ def check_call(
     for key, value in kwargs.items():
         if modules.holds_graph_node(value):
             raise TypeError(f"kwargs[{key!r}] holds a Flax NNX graph node; pass it by position.")
+
+
+def _rows_and_route(options: Options, args: tuple[Any, ...]) -> tuple[int, collectives.Route]:
+    """The batch's rows and the call's `Route`, checked: the batch divides over the devices."""
+    k = options.num_microbatches
     rows = [_checks.leading_size(args[i], f"args[{i}]", "batch") for i in options.batch_argnums]
     for i, size in zip(options.batch_argnums, rows):
         if not size:  # None: no leaves
@@ -265,33 +279,67 @@ class Output(NamedTuple):
     state: tuple[Any, ...]  # the new values of the state_argnums, in order
 
 
-def _pair(out: Any, option: str, pair: str, hint: str = "") -> tuple[Any, Any]:
-    if not (isinstance(out, tuple) and len(out) == 2):
-        got = f"an array of {describe(out)}" if hasattr(out, "shape") else f"a {type(out).__name__}"
-        raise TypeError(f"With {option}, `fun` must return {pair}; got {got}{hint}.")
-    return out
+_FUN_PAIRS = {  # what `fun` returns as a pair: the option asking for it, the pair
+    "state": ("`state_argnums`", "(output, new_state)"),
+    "aux_state": ("has_aux=True and `state_argnums`", "((value, aux), new_state)"),
+    "aux": ("has_aux=True", "(value, aux)"),
+}
+_STEP_PAIRS = {  # a train step's loss: the error when it does not return its pair
+    "state": "{called_as} must return a pair (loss, new_model_state); got {got}.",
+    "aux": "With has_aux=True, {called_as} must return (loss, aux); got {got}.",
+}
+
+
+def _pair(out: Any, options: Options, kind: str, hint: str = "") -> tuple[Any, Any]:
+    """``out`` as the pair ``kind`` of `_FUN_PAIRS` says, or an error worded by ``options``."""
+    if isinstance(out, tuple) and len(out) == 2:
+        return out
+    if options.called_as != FUN:
+        got = f"an array of shape {out.shape}" if hasattr(out, "shape") else type(out).__name__
+        raise TypeError(_STEP_PAIRS[kind].format(called_as=options.called_as, got=got))
+    got = (
+        f"an array of {shape_and_dtype(out)}"
+        if hasattr(out, "shape")
+        else f"a {type(out).__name__}"
+    )
+    option, pair = _FUN_PAIRS[kind]
+    raise TypeError(f"With {option}, `fun` must return {pair}; got {got}{hint}.")
+
+
+def _check_alone(out: Any, options: Options) -> None:
+    """Raises if the loss ``out`` is a tuple or list: aux not asked for (a train step's loss:
+    never, beside its pair)."""
+    if not isinstance(out, tuple | list):
+        return
+    got = f"a {type(out).__name__} of length {len(out)}"
+    if options.called_as == FUN and not options.has_aux:
+        raise TypeError(f"`fun` returned {got}, but has_aux=False.")
+    if options.called_as != FUN:
+        plain = not (options.has_aux or options.state_argnums)
+        hint = "; or build the step with has_aux=True" if plain else ""
+        raise TypeError(f"{options.called_as} must give the loss alone, no aux; got {got}{hint}.")
 
 
 def parse_output(out: Any, options: Options, old_state: tuple[Any, ...], *, rows: int) -> Output:
     aux, state = None, ()
     if options.state_argnums:
-        out, state = _pair(out, "`state_argnums`", "(output, new_state)")
+        out, state = _pair(out, options, "state")
     if options.has_aux and options.state_argnums:
         hint = " as its first item (a loss with no aux besides its state: has_aux=False)"
-        out, aux = _pair(out, "has_aux=True and `state_argnums`", "((value, aux), new_state)", hint)
+        out, aux = _pair(out, options, "aux_state", hint)
     elif options.has_aux:
-        out, aux = _pair(out, "has_aux=True", "(value, aux)")
-    elif isinstance(out, tuple | list):
-        got = f"a {type(out).__name__} of length {len(out)}"
-        raise TypeError(f"`fun` returned {got}, but has_aux=False.")
+        out, aux = _pair(out, options, "aux")
+    _check_alone(out, options)
     if modules.holds_graph_node((out, aux)):
         raise TypeError("`fun` returned an NNX graph node in its value or aux; expected arrays.")
     total, count = (out.total, out.count) if isinstance(out, Mean) else (out, 1)
     if not (is_inexact(total) and jnp.shape(total) == ()):
         what = "Mean.total has" if isinstance(out, Mean) else "it returned"
-        raise TypeError(f"`fun` must return a float scalar or a Mean; {what} {describe(total)}.")
+        raise TypeError(
+            f"`fun` must return a float scalar or a Mean; {what} {shape_and_dtype(total)}."
+        )
     if jnp.shape(count) != () or not jnp.issubdtype(jnp.result_type(count), jnp.number):
-        got = describe(jnp.asarray(count))
+        got = shape_and_dtype(jnp.asarray(count))
         raise TypeError(f"`fun` returned a jaxga.Mean whose count has {got}; expected a scalar.")
     expected = "arrays or numbers"
     _check_leaves({"aux": aux}, _is_value, said="`fun` returned", expected=expected)
@@ -329,8 +377,8 @@ def cast_like(new: Any, old: Any, what: str) -> Any:
         same_kind = n.dtype == dtype or (numeric and jnp.can_cast(n.dtype, dtype, "same_kind"))
         if n.shape != jnp.shape(o) or not same_kind:
             raise StateStructureError(
-                f"`fun` {what} whose leaf {keystr(path)} has {describe(n)}; it was "
-                f"given {describe(jnp.asarray(o))}: state keeps its shape and dtype kind."
+                f"`fun` {what} whose leaf {keystr(path)} has {shape_and_dtype(n)}; it was "
+                f"given {shape_and_dtype(jnp.asarray(o))}: state keeps its shape and dtype kind."
             )
         return n.astype(dtype)
 

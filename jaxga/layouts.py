@@ -11,11 +11,9 @@ from jaxga.engine import Accumulated
 from jaxga.microbatch import IndivisibleBatchError
 from jaxga.sharding import (
     MeshLayout,
-    axes_size,
     batch_specs,
     check_mesh,
     check_strategy,
-    fsdp_specs,
     place,
     split_of,
     state_specs,
@@ -53,18 +51,23 @@ def accumulate_on_mesh(
     view instead, the parameters gathered once, JAX reducing in every micro-batch.
     """
     mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
-    k, devices = accumulated.options.num_microbatches, axes_size(mesh, axis_name)
+    k, devices = accumulated.options.num_microbatches, meshes.devices(mesh, axis_name)
     size = _checks.leading_size(batch, "batch", "batch") or 0  # 0: no leaves, as accumulate says
     if size % (devices * k):
         raise IndivisibleBatchError.of(size, k, devices, axis_name)
     specs = state_specs(state, mesh, strategy, axis_name=axis_name)
     state = place(mesh, state, specs)
     batch = place(mesh, batch, batch_specs(batch, layout))
-    split = split_of(strategy)
-    grad_specs = fsdp_specs(state.params, mesh, axis_name) if split.opt_state else specs.params
+    row = split_of(strategy)
+
+    def grad_spec(x: Any, spec: Any) -> Any:  # as the optimiser state, where the row splits it
+        split = row.spec("grads", jax.numpy.shape(x), devices, axis_name)
+        return spec if split is None else split
+
+    grad_specs = jax.tree.map(grad_spec, state.params, specs.params)
     check_layout(layout, specs.params, "give `strategy` specs with P('{}') on the stacked layers")
     if layout.reduce_once:  # the engine's one loop onto the mesh
-        on_mesh = placed(accumulated, layout, (specs.params,), (grad_specs,))
+        on_mesh = with_placement(accumulated, layout, (specs.params,), (grad_specs,))
         acc = on_mesh(state.params, batch, model_state, rng)
     else:  # jit's global view: the parameters gathered once, JAX reducing in every micro-batch
         gathered = meshes.specs_over(specs.params, others(layout))
@@ -77,7 +80,7 @@ def accumulate_on_mesh(
     )
 
 
-def placed(
+def with_placement(
     accumulated: Accumulate, layout: MeshLayout, primal_specs: Any, grad_specs: Any
 ) -> Accumulate:
     """``accumulated`` told where a train step on ``layout`` lays out the values it

@@ -91,7 +91,7 @@ class NNXTrainStep(steps.JittedStep):
         if layout is not None:  # where the model put it; on the mesh, replicated, if nowhere
             state = sharding.onto(state, layout.mesh)
         state = sharding.lay_out(state, None, offload_state=self.options.offload)
-        call = _Call(
+        call = _StepArgs(
             num_real=check_num_real(num_real_microbatches, self.options.num_microbatches),
             key=None if isinstance(rngs, nnx.Rngs) else rngs,
             end_group=steps.check_end_group(end_group),
@@ -121,7 +121,7 @@ def _streams(rngs: Any) -> list[Any]:
     return [rngs] if isinstance(rngs, nnx.Rngs) else []
 
 
-class _Call(NamedTuple):
+class _StepArgs(NamedTuple):
     """What a call hands the jitted step besides the model's state and the batch."""
 
     num_real: Any  # `num_real_microbatches`, checked
@@ -165,10 +165,9 @@ def _check_wrt(model: Any, optimizer: Any) -> None:
 
 
 def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[..., Any]:
-    returns = "aux" if options.has_aux else None
-    checked = steps.loss_alone(loss, "`loss(model, batch)`", returns=returns)
-
-    def train_step(graphdef: Any, state: Any, batch: Any, call: _Call) -> tuple[Any, steps.Metrics]:
+    def train_step(
+        graphdef: Any, state: Any, batch: Any, call: _StepArgs
+    ) -> tuple[Any, steps.Metrics]:
         state = sharding.offload(state, "device", select=options.offload)
         layout, specs = options.layout, None
         if layout is not None:  # as the metadata, or the strategy, says; the rest as it is
@@ -179,10 +178,11 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
         model, optimizer, *streams = nnx.merge(graphdef, state)  # streams: [an nnx.Rngs] or []
         rngs = streams or ([] if call.key is None else [call.key])
         accumulated = steps.accumulator(  # the gradient of what the optimizer updates alone
-            checked,
+            loss,
             options,
             nnx.DiffState(0, optimizer.wrt),
             num_real=call.num_real,
+            called_as="`loss(model, batch)`",
             rng_argnums=None if call.key is None else 2,  # a key, typed or raw: folded
         )
         if layout is None:
@@ -192,8 +192,8 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
                 batch = sharding.place(layout.mesh, batch, sharding.batch_specs(batch, layout))
                 acc = _placed(accumulated, layout, model, optimizer.wrt)(model, batch, *rngs)
         before = nnx.state((model, optimizer, *streams))
-        pure = _Optimizer(graphdef)
-        optimizer = steps.Optimizer(optimizer.tx, pure.update, pure.opt_state)
+        pure = _PureOptimizer(graphdef)
+        optimizer = steps.OptimizerAccess(optimizer.tx, pure.update, pure.opt_state)
         state, metrics = steps.optimize(options, optimizer, acc, before, call.end_group)
         if specs is not None:
             state = sharding.place(layout.mesh, state, specs)
@@ -204,7 +204,7 @@ def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[
     return train_step
 
 
-class _Optimizer(NamedTuple):
+class _PureOptimizer(NamedTuple):
     """``nnx.Optimizer`` on a step's pure state: the model and optimizer put together."""
 
     graphdef: Any
@@ -229,11 +229,11 @@ def _placed(accumulated: Accumulate, layout: sharding.MeshLayout, model: Any, wr
     every = sharding.nnx_state_specs(nnx.state(model), mesh, axis_name=axis_name)
     layouts.check_layout(layout, every, _STAGES_FIX)
     if strategy is None:
-        return layouts.placed(accumulated, layout, None, None)
+        return layouts.with_placement(accumulated, layout, None, None)
     params = nnx.state(model, wrt)
     specs = sharding.nnx_state_specs(params, mesh, strategy, axis_name=axis_name)
     grads = sharding.nnx_state_specs(params, mesh, strategy, axis_name=axis_name, grads=True)
-    return layouts.placed(accumulated, layout, (specs,), (grads,))
+    return layouts.with_placement(accumulated, layout, (specs,), (grads,))
 
 
 _STAGES_FIX = (

@@ -23,6 +23,21 @@ class Split(NamedTuple):
     opt_state: bool  # the optimiser state, and the gradients, reduce-scattered to it
     gather_each: bool  # ZeRO-3: the parameters gathered in every micro-batch
 
+    def spec(self, role: str, shape: tuple[int, ...], size: int, axis_name: Any) -> P | None:
+        """The spec of a leaf of ``shape`` in ``role`` (``"params"``, ``"opt_state"``, or
+        ``"grads"``: split as the optimiser state) over ``size`` devices of ``axis_name``.
+
+        Returns:
+            `fsdp_spec` of ``shape`` where this row splits ``role``, else ``None``.
+
+        Examples:
+            >>> import jaxga
+            >>> jaxga.sharding.split_of("zero1").spec("grads", (8, 4), 2, "data")
+            P('data',)
+        """
+        split = self.params if role == "params" else self.opt_state
+        return fsdp_spec(shape, size, axis_name) if split else None
+
 
 _SPLITS = {
     "data_parallel": Split(params=False, opt_state=False, gather_each=False),
@@ -47,9 +62,6 @@ def split_of(strategy: Any) -> Split:
 
 _SPACES = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Device}
 _MOVED: dict[Any, list[bool]] = {}  # offload's leaves to move, by tree structure
-
-
-is_spec = meshes.is_spec  # a leaf of a tree of specs
 
 
 def _is_laid_out(x: Any, sharding: NamedSharding) -> bool:
@@ -102,17 +114,6 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
         return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
     return jax.tree_util.tree_map_with_path(rows, batch)
-
-
-def axes_size(mesh: Any, axis_name: Any) -> int:
-    """How many devices ``mesh``'s axis (or axes) ``axis_name`` holds.
-
-    Examples:
-        >>> import jax, jaxga
-        >>> jaxga.sharding.axes_size(jax.make_mesh((1, 1), ("data", "model")), ("data", "model"))
-        1
-    """
-    return meshes.devices(mesh, axis_name)
 
 
 def onto(tree: Any, mesh: Mesh) -> Any:
@@ -243,14 +244,14 @@ def fsdp_specs(tree: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
 
 
 def _check_param_specs(specs: Any, params: Any, mesh: Mesh) -> None:
-    got, want = jax.tree.structure(specs, is_leaf=is_spec), jax.tree.structure(params)
+    got, want = jax.tree.structure(specs, is_leaf=meshes.is_spec), jax.tree.structure(params)
     if got != want:
         raise ValueError(f"`strategy`'s specs must have the params' tree {want}; got {got}.")
     leaves = jax.tree_util.tree_leaves_with_path(params)
-    for (path, x), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=is_spec)):
+    for (path, x), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=meshes.is_spec)):
         where, shape = f"The spec for params{jax.tree_util.keystr(path)}", jnp.shape(x)
         named = [a for entry in spec if entry is not None for a in collectives.axes(entry)]
-        if not is_spec(spec) or len(spec) > len(shape) or set(named) - set(mesh.axis_names):
+        if not meshes.is_spec(spec) or len(spec) > len(shape) or set(named) - set(mesh.axis_names):
             raise ValueError(
                 f"{where} must be a PartitionSpec of at most {len(shape)} entries (its shape is "
                 f"{shape}), each None or axes of the mesh {mesh.axis_names}; got {spec!r}."
@@ -294,9 +295,14 @@ def state_specs(
     if strategy is None:  # as placed: the parameters' own layout, the optimiser's after it
         strategy = jax.tree.map(functools.partial(_spec_of, mesh=mesh), state.params)
     elif isinstance(strategy, str):
-        split = split_of(strategy)
-        params = shard(state.params) if split.params else specs.params
-        opt_state = shard(state.opt_state) if split.opt_state else specs.opt_state
+        row, size = split_of(strategy), meshes.devices(mesh, axis_name)
+
+        def by_row(role: str, tree: Any) -> Any:  # P(): what the row does not split
+            return jax.tree.map(
+                lambda x: row.spec(role, jnp.shape(x), size, axis_name) or P(), tree
+            )
+
+        params, opt_state = by_row("params", state.params), by_row("opt_state", state.opt_state)
         return specs.replace(params=params, opt_state=opt_state)
     _check_param_specs(strategy, state.params, mesh)
 
@@ -304,7 +310,12 @@ def state_specs(
         return spec
 
     opt_state = optax.tree_map_params(
-        state.tx, follow, state.opt_state, strategy, transform_non_params=shard, is_leaf=is_spec
+        state.tx,
+        follow,
+        state.opt_state,
+        strategy,
+        transform_non_params=shard,
+        is_leaf=meshes.is_spec,
     )
     return specs.replace(params=strategy, opt_state=opt_state)
 
@@ -344,17 +355,18 @@ def nnx_state_specs(
     """
     check_mesh(mesh, axis_name)
     check_nnx_strategy(strategy)
-    split, size = split_of(strategy), meshes.devices(mesh, axis_name)
+    row, size = split_of(strategy), meshes.devices(mesh, axis_name)
 
     def one(variable: Any, spec: Any) -> Any:
         given = meshes.spec_over(spec.get_value(), mesh.axis_names)
-        opt = grads or isinstance(variable, nnx.optimizer.OptState)
-        wanted = split.opt_state if opt else split.params and isinstance(variable, nnx.Param)
         if any(given) or strategy is None:
             return spec.replace(given if any(given) else None)
-        if not wanted:
+        opt = grads or isinstance(variable, nnx.optimizer.OptState)
+        if not (opt or isinstance(variable, nnx.Param)):
             return spec.replace(given)
-        return spec.replace(fsdp_spec(jnp.shape(variable.get_value()), size, axis_name))
+        role = "grads" if grads else "opt_state" if opt else "params"
+        split = row.spec(role, jnp.shape(variable.get_value()), size, axis_name)
+        return spec.replace(given if split is None else split)
 
     specs = nnx.get_partition_spec(state)
     return jax.tree.map(one, state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -373,7 +385,7 @@ def state_shardings(
 ) -> Any:
     """[`state_specs`][jaxga.sharding.state_specs] as `NamedSharding`s on `mesh`."""
     specs = state_specs(state, mesh, strategy, axis_name=axis_name)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=is_spec)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=meshes.is_spec)
 
 
 def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
@@ -384,7 +396,7 @@ def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
     def one(spec: Any, x: Any) -> Any:
         return x if spec is None else move(x, NamedSharding(mesh, spec))
 
-    return jax.tree.map(one, specs, tree, is_leaf=lambda x: x is None or is_spec(x))
+    return jax.tree.map(one, specs, tree, is_leaf=lambda x: x is None or meshes.is_spec(x))
 
 
 class MeshLayout(NamedTuple):
@@ -417,9 +429,10 @@ def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Call
     if layout is not None:  # laid out already if its step and first parameter are
         mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
         first = jax.tree.leaves(state.params)[:1]
-        specs = jax.tree.leaves(strategy, is_leaf=is_spec)[:1]  # a tree of specs
+        specs = jax.tree.leaves(strategy, is_leaf=meshes.is_spec)[:1]  # a tree of specs
         if isinstance(strategy, str):
-            specs = fsdp_specs(first, mesh, axis_name) if split_of(strategy).params else [P()]
+            row, size = split_of(strategy), meshes.devices(mesh, axis_name)
+            specs = [row.spec("params", jnp.shape(x), size, axis_name) or P() for x in first]
         wanted = [NamedSharding(mesh, spec) for spec in [P(), *specs]]
         if not all(map(_is_laid_out, [state.step, *first], wanted)):
             state = put(state, state_shardings(state, mesh, strategy, axis_name=axis_name))

@@ -11,9 +11,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxga import _checks, auxiliary, collectives, convolution, layouts, planner, sharding
-from jaxga.accumulation import Accumulate, accumulate
-from jaxga.arguments import check_unroll
+from jaxga import _checks, collectives, layouts, meshes, planner, sharding
+from jaxga.accumulation import OPTION_CHECKS, Accumulate, accumulate, check_options
 from jaxga.compiler import compiler_options
 from jaxga.engine import Accumulated
 from jaxga.memory import HOST_KINDS, format_bytes
@@ -79,7 +78,7 @@ def injected_learning_rate(opt_state: Any) -> jax.Array:
 
 
 def metrics(
-    acc: Accumulated, tx: Any, opt_state: Any, options: "StepOptions", always: bool
+    acc: Accumulated, tx: Any, opt_state: Any, options: "StepOptions", *, always: bool
 ) -> Metrics:
     """The step's metrics; ``applied``: whether the update ran (``always``, or items counted)
     and applied: ``tx.has_updated(opt_state)`` if ``tx`` has one, else whether every
@@ -172,35 +171,8 @@ def signature(tree: Any) -> tuple[Any, ...]:
     return treedef, tuple(kinds)
 
 
-def loss_alone(
-    loss: Callable[..., Any], called_as: str, *, returns: str | None = None
-) -> Callable[..., Any]:
-    """``loss``, checked on each call: it gives the loss alone, or with ``returns`` (one of
-    `_PAIRS`) the pair ``(loss, returns)``; the engine checks what the pair's second holds."""
-
-    @functools.wraps(loss)
-    def checked(*args):
-        out = loss(*args)
-        if returns is not None and not (isinstance(out, tuple) and len(out) == 2):
-            got = f"an array of shape {out.shape}" if hasattr(out, "shape") else type(out).__name__
-            raise TypeError(_PAIRS[returns].format(called_as=called_as, got=got))
-        value = out if returns is None else out[0]
-        if isinstance(value, tuple | list):
-            got = f"{type(value).__name__} of length {len(value)}"
-            hint = "; or build the step with has_aux=True" if returns is None else ""
-            raise TypeError(f"{called_as} must give the loss alone, no aux; got a {got}{hint}.")
-        return out
-
-    return checked
-
-
-_PAIRS = {  # what a loss returns beside the loss: the error when it does not
-    "new_model_state": "{called_as} must return a pair (loss, new_model_state); got {got}.",
-    "aux": "With has_aux=True, {called_as} must return (loss, aux); got {got}.",
-}
-
-
-def traced(tree: Any) -> bool:
+def is_traced(tree: Any) -> bool:
+    """Whether ``tree``'s first leaf is traced (a call inside an enclosing jit)."""
     return isinstance(next(iter(jax.tree.leaves(tree)), None), jax.core.Tracer)
 
 
@@ -274,28 +246,28 @@ def step_options(
         raise TypeError(f"`weight` must be None, True or False; got {weight!r}.")
     rate = options.pop("learning_rate") or injected_learning_rate
     _checks.check_callable(rate, "learning_rate", "a function of the optimiser state or None")
-    has_aux = _checks.check_bool(options.pop("has_aux", False), "has_aux")
+    options.setdefault("has_aux", False)
+    options.setdefault("aux", None)
+    checked = check_options(**{name: options.pop(name) for name in OPTION_CHECKS})
     stream = _checks.check_bool(options.pop("stream", False), "stream")
     if stream and layout is not None:  # the state laid out on a mesh: not streamed yet
         got = f"mesh={dict(layout.mesh.shape)}, axis_name={layout.axis_name!r}"
         raise ValueError(f"`stream`=True on a mesh is not supported yet; got {got}, expected None.")
-    if has_aux and pipeline_axis is not None:  # its rows would leave the loop per stage
+    if checked["has_aux"] and pipeline_axis is not None:  # its rows would leave the loop per stage
         raise ValueError("`pipeline_axis` with has_aux=True: not supported; return a Mean alone.")
+    donate = _checks.check_bool(options.pop("donate"), "donate")
+    offload = sharding.check_select(options.pop("offload"), "offload")
     return StepOptions(
         num_microbatches=num_microbatches,
         memory_budget=budget,
-        accumulator_dtype=_checks.float_dtype(options.pop("accumulator_dtype")),
-        donate=_checks.check_bool(options.pop("donate"), "donate"),
-        offload=sharding.check_select(options.pop("offload"), "offload"),
-        unroll=check_unroll(options.pop("unroll")),
-        canonical_convolutions=convolution.check_option(options.pop("canonical_convolutions")),
+        donate=donate,
+        offload=offload,
         compiler_options=dict(xla),
         layout=layout,
         weight=weight,
         learning_rate=rate,
-        has_aux=has_aux,
         stream=stream,
-        aux=auxiliary.check(options.pop("aux", None)),
+        **checked,
         **options,
     )
 
@@ -313,12 +285,19 @@ def _count(num_microbatches: Any, budget: Any) -> tuple[int | str, int | None]:
 
 
 def accumulator(
-    loss: Callable[..., Any], options: StepOptions, argnums: Any, *, num_real: Any, **roles: Any
+    loss: Callable[..., Any],
+    options: StepOptions,
+    argnums: Any,
+    *,
+    num_real: Any,
+    called_as: str,
+    **roles: Any,
 ) -> Accumulate:
     """``loss`` accumulated as a train step's ``options`` say (micro-batches, loop, dtypes);
-    ``roles``: its batch, state and key arguments, as [`jaxga.accumulate`][jaxga.accumulate]'s."""
+    ``roles``: its batch, state and key arguments, as [`jaxga.accumulate`][jaxga.accumulate]'s;
+    ``called_as``: how the errors of its output name it."""
     layout = options.layout
-    return accumulate(
+    accumulated = accumulate(
         loss,
         argnums,
         options.has_aux,
@@ -331,9 +310,10 @@ def accumulator(
         canonical_convolutions=options.canonical_convolutions,
         **roles,
     )
+    return Accumulate(accumulated.fun, accumulated.options._replace(called_as=called_as))
 
 
-class Optimizer(NamedTuple):
+class OptimizerAccess(NamedTuple):
     """How a train step runs its optimiser: what `optimize` needs of the model's kind."""
 
     tx: Any  # the optax transformation (`state.tx`, `optimizer.tx`)
@@ -343,7 +323,7 @@ class Optimizer(NamedTuple):
 
 
 def optimize(
-    options: StepOptions, optimizer: Optimizer, acc: Accumulated, state: Any, end_group: Any
+    options: StepOptions, optimizer: OptimizerAccess, acc: Accumulated, state: Any, end_group: Any
 ) -> tuple[Any, Metrics]:
     """The tail both train steps share: ``optimizer.update`` of ``state`` by ``acc.grads``
     (with `weight` and `end_group` as `tx_args` says), and the step's metrics."""
@@ -353,7 +333,7 @@ def optimize(
     update = functools.partial(optimizer.update, **extra)
     new = apply_update(acc, update, state, always="weight" in extra)
     opt_state = optimizer.opt_state(new)
-    return new, metrics(acc, optimizer.tx, opt_state, options, "weight" in extra)
+    return new, metrics(acc, optimizer.tx, opt_state, options, always="weight" in extra)
 
 
 class JittedStep:
@@ -379,7 +359,7 @@ class JittedStep:
         self.plan: planner.Plan | None = None
         self.max_plans = 8
         layout = options.layout
-        self._devices = 1 if layout is None else sharding.axes_size(layout.mesh, layout.axis_name)
+        self._devices = 1 if layout is None else meshes.devices(layout.mesh, layout.axis_name)
         self._build, self._loss = build, loss
         self._plans: dict[Any, planner.Plan] = {}
         self._checked: set[Any] = set()  # the signatures `_once` checked
@@ -400,7 +380,7 @@ class JittedStep:
             return planned._run(args, kwargs)
         arguments = list(self._arguments(*args, **kwargs))
         i = len(self._static_argnums)  # the state
-        run = self._update if traced(arguments[i]) else self._jitted
+        run = self._update if is_traced(arguments[i]) else self._jitted
         if self.options.donate:
             arguments[i] = unaliased(arguments[i])
         return run(*arguments)
@@ -412,7 +392,7 @@ class JittedStep:
         args, num_real = args[: self._arity], args[self._arity :]
         if any(n is not None for n in num_real):
             raise ValueError('`num_real_microbatches` needs a fixed k; "auto" plans one per shape.')
-        if traced(args):
+        if is_traced(args):
             message = 'num_microbatches="auto" cannot plan (compile) inside an enclosing jax.jit.'
             raise ValueError(message)
         key = signature(args)

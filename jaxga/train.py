@@ -39,7 +39,7 @@ class TrainStep(steps.JittedStep):
     def _arguments(
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
     ) -> tuple[Any, ...]:
-        if steps.traced(state):  # inside a jit: inlined, compiled with the enclosing one's options
+        if steps.is_traced(state):  # inside a jit: inlined, with the enclosing jit's options
             return state, batch, num_real_microbatches, end_group
         self._once(state, _check_state, state, self.options.offload, self.options.stream)
         state = sharding.lay_out(state, self.options.layout, offload_state=self.options.offload)
@@ -50,7 +50,7 @@ class TrainStep(steps.JittedStep):
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
     ) -> tuple[Any, Metrics]:
         leaf = getattr(state, "step", None)
-        if isinstance(leaf, jax.Array) and not steps.traced(leaf) and leaf.is_deleted():
+        if isinstance(leaf, jax.Array) and not steps.is_traced(leaf) and leaf.is_deleted():
             raise ValueError("`state` holds arrays an earlier call deleted: it donates them.")
         return self._run((state, batch, num_real_microbatches), {"end_group": end_group})
 
@@ -78,7 +78,10 @@ def _accumulate_state(
 ) -> layouts.OnMesh:
     layout = options.layout
     roles = {"batch_argnums": 1, "state_argnums": 2, "rng_argnums": 3}
-    accumulated = steps.accumulator(loss, options, 0, num_real=num_real, **roles)
+    called_as = "`loss(params, batch, model_state, rng)`"
+    accumulated = steps.accumulator(
+        loss, options, 0, num_real=num_real, called_as=called_as, **roles
+    )
     model_state, rng = fields.read(state), fields.step_key(state)
     try:  # the errors a train state's fields explain get a note
         if layout is not None:
@@ -99,44 +102,48 @@ def _accumulate_state(
         raise
 
 
-def _apply_gradients(state: Any, extra: dict[str, Any]) -> Callable[..., Any]:
-    """``state``'s own ``apply_gradients`` (a subclass's override kept), checked for ``extra``.
+def _apply_gradients(state: Any) -> Callable[..., Any]:
+    """``state``'s own ``apply_gradients``, unbound (a subclass's override kept).
 
     Flax's own method sends keywords to ``replace`` and reads fp8's key in dict params:
     for it, `jaxga.TrainState.apply_gradients`, which runs Flax's for dict params and
     hands ``weight`` and ``end_group`` to ``tx``.
     """
     if type(state).apply_gradients is train_state.TrainState.apply_gradients:
-        return functools.partial(TrainState.apply_gradients, state)
+        return TrainState.apply_gradients
+    return type(state).apply_gradients
+
+
+def _check_takes(state: Any, extra: dict[str, Any]) -> None:
+    """Raises unless ``state``'s own ``apply_gradients`` (a Flax subclass's) takes ``extra``."""
+    if _apply_gradients(state) is TrainState.apply_gradients or isinstance(state, TrainState):
+        return
     takes = inspect.signature(state.apply_gradients).parameters  # a subclass of ours: **kwargs
-    if missing := [] if isinstance(state, TrainState) else [n for n in extra if n not in takes]:
+    if missing := [n for n in extra if n not in takes]:
         got = f"{type(state).__name__}.apply_gradients takes no `{missing[0]}`"
         fix = "or build the step with weight=False" if missing[0] == "weight" else "or a subclass"
         raise TypeError(f"The step passes {got}: expected a jaxga.TrainState, {fix}.")
-    return state.apply_gradients
 
 
-def _applied(state: Any, grads: Any, **extra: Any) -> Any:
-    """``state``'s own ``apply_gradients`` (Flax's update, or a subclass's) with ``extra``."""
-    return _apply_gradients(state, extra)(grads=grads, **extra)
+def _applied(method: Callable[..., Any], state: Any, grads: Any, **extra: Any) -> Any:
+    """``method``, a state's own ``apply_gradients`` (`_apply_gradients`), with ``extra``."""
+    return method(state, grads=grads, **extra)
 
 
 def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[..., Any]:
-    called_as = "`loss(params, batch, model_state, rng)`"
-    checked = steps.loss_alone(loss, called_as, returns="new_model_state")
-
     def train_step(state: Any, batch: Any, num_real: Any = None, end_group: Any = None) -> tuple:
         _check_state(state)
         state = sharding.offload(state, "device", select=options.offload)
         fields = state_fields(state, options.model_state_fields, options.rng_field)
-        looped = _accumulate_state(checked, options, fields, state, batch, num_real=num_real)
+        looped = _accumulate_state(loss, options, fields, state, batch, num_real=num_real)
         acc, updated = looped.accumulated, looped.state
         if options.stream:  # the update on the device, whole (not yet layer by layer)
             acc = acc._replace(grads=_streaming.on_device(acc.grads))
             updated = updated.replace(params=_streaming.on_device(updated.params))
-        check = functools.partial(_apply_gradients, state)  # a subclass's takes `extra`?
-        optimizer = steps.Optimizer(state.tx, _applied, operator.attrgetter("opt_state"), check)
-        new, metrics = steps.optimize(options, optimizer, acc, updated, end_group)
+        update = functools.partial(_applied, _apply_gradients(state))
+        check = functools.partial(_check_takes, state)  # outside apply_update's try
+        access = steps.OptimizerAccess(state.tx, update, operator.attrgetter("opt_state"), check)
+        new, metrics = steps.optimize(options, access, acc, updated, end_group)
         new = fields.write(new.replace(step=state.step + 1), acc.state)
         if options.stream:  # back where each parameter lived
             new = new.replace(params=_streaming.placed_like(new.params, state.params))
