@@ -191,25 +191,45 @@ def canonical_convolutions(fun: Callable[..., Any]) -> Callable[..., Any]:
     return rewritten
 
 
+def with_vjp(forward: Callable[..., Any], backward: Callable[..., Any]) -> Callable[..., Any]:
+    """A function of positional pytrees whose reverse-mode derivative is given: a
+    ``jax.custom_vjp`` (reverse mode only).
+
+    Args:
+        forward: ``(*args) -> (output, residuals)``.
+        backward: ``(residuals, cotangent) -> cotangents``: a tuple, one per argument.
+
+    Returns:
+        ``(*args) -> output``, differentiated by ``backward``.
+
+    Examples:
+        >>> import jax, jaxga.convolution as c
+        >>> def forward(x):
+        ...     return x * x, x
+        >>> def backward(x, dy):
+        ...     return (2 * x * dy,)
+        >>> float(jax.grad(c.with_vjp(forward, backward))(3.0))
+        6.0
+    """
+
+    @jax.custom_vjp
+    def run(*args: Any) -> Any:
+        return forward(*args)[0]
+
+    run.defvjp(forward, backward)
+    return run
+
+
 def _call(fun: Callable[..., Any], consts: tuple, args: tuple) -> Any:
     return fun(*args, *consts)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _backward_rewritten(fun: Callable[..., Any], consts: tuple, args: tuple) -> Any:
-    return _call(fun, consts, args)
 
 
 def _forward(fun: Callable[..., Any], consts: tuple, args: tuple) -> tuple[Any, Any]:
     return jax.vjp(functools.partial(_call, fun), consts, args)  # the vjp keeps the residuals
 
 
-def _backward(fun: Callable[..., Any], vjp: Callable[..., Any], cotangent: Any) -> Any:
-    del fun
+def _backward(vjp: Callable[..., Any], cotangent: Any) -> Any:
     return canonical_convolutions(vjp)(cotangent)
-
-
-_backward_rewritten.defvjp(_forward, _backward)
 
 
 def canonical_backward(fun: Callable[..., Any]) -> Callable[..., Any]:
@@ -238,7 +258,8 @@ def canonical_backward(fun: Callable[..., Any]) -> Callable[..., Any]:
 
     def rewritten(*args: Any) -> Any:
         converted, consts = jax.closure_convert(canonical_convolutions(fun), *args)
-        return _backward_rewritten(converted, tuple(consts), args)
+        forward = functools.partial(_forward, converted)
+        return with_vjp(forward, _backward)(tuple(consts), args)
 
     rewritten.__wrapped__ = fun
     return rewritten

@@ -120,6 +120,23 @@ def on_device(call: Call, route: collectives.Route) -> Call:
     return call._replace(device=device, route=route, threaded=threaded)
 
 
+def _arguments_of(
+    options: Options, call: Call, primals: Any, batches: Any, threaded: Threaded, *, index: Any
+) -> list[Any]:
+    """``fun``'s arguments on micro-batch ``index``: ``call``'s, with ``primals``, ``batches``
+    and ``threaded``'s state in their places, keys folded, modules put together."""
+    given = dict(zip(options.argnums, primals))
+    given |= dict(zip(options.batch_argnums, batches))
+    given |= dict(zip(options.state_argnums, threaded.user))
+    args = [given.get(i, arg) for i, arg in enumerate(call.args)]
+    for i in call.rng_argnums:
+        args[i] = fold_keys(call.args[i], call.device * options.num_microbatches + index)
+    for i, parts in call.parts.items():
+        diff = given[i] if i in options.argnums else None
+        args[i] = modules.put_together(parts, diff, threaded.modules[i])
+    return args
+
+
 def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callable[..., Any]:
     """``fun`` on one micro-batch: ``(primals, batches, index, threaded) -> (total, micro)``."""
 
@@ -127,15 +144,7 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
         if call.opened is not None and call.opened.gather_each:  # ZeRO-3: not hoisted
             primals, batches = jax.lax.optimization_barrier((primals, batches))
             primals = collectives.all_gathered(primals, call.opened.gather)
-        given = dict(zip(options.argnums, primals))
-        given |= dict(zip(options.batch_argnums, batches))
-        given |= dict(zip(options.state_argnums, threaded.user))
-        args = [given.get(i, arg) for i, arg in enumerate(call.args)]
-        for i in call.rng_argnums:
-            args[i] = fold_keys(call.args[i], call.device * options.num_microbatches + index)
-        for i, parts in call.parts.items():
-            diff = given[i] if i in options.argnums else None
-            args[i] = modules.put_together(parts, diff, threaded.modules[i])
+        args = _arguments_of(options, call, primals, batches, threaded, index=index)
         try:
             with collectives.stage_axes_seen() as stage_axes:  # pipelines: counted once
                 out = fun(*args, **call.kwargs)
@@ -159,7 +168,6 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
 def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry, Any]:
     """Phase 2: this device's sums over its micro-batches (a `Carry`), and aux `[k, ...]`."""
     grad_fn = jax.value_and_grad(loss, has_aux=True)
-    traced = {}  # the aux types of the one trace of `fun`
     if rewrites(options.canonical_convolutions):  # XLA:CPU, see docs/gpus.md
         grad_fn = canonical_convolutions(grad_fn)
 
@@ -173,19 +181,16 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
             count=carry.count + micro.count,
             threaded=micro.threaded,
         )
-        traced["aux"] = jax.tree.map(jax.typeof, micro.aux)
         return new, micro.aux
 
-    def skip(carry: Carry, batches: tuple) -> tuple[Carry, Any]:  # no work, nothing counted
-        # cond traces `step` first: its aux types are known here without tracing `fun` again
-        types = traced["aux"] if "aux" in traced else jax.eval_shape(step, carry, batches)[1]
-        return carry._replace(index=carry.index + 1), jax.tree.map(collectives.zeros_of, types)
+    def skip(types: Any, carry: Carry, batches: tuple) -> tuple[Carry, Any]:  # nothing counted
+        return carry._replace(index=carry.index + 1), jax.tree.map(collectives.zeros_of, types[1])
 
     def body(carry: Carry, batches: tuple) -> tuple[Carry, Any]:
         if options.num_real_microbatches is None:
             return step(carry, batches)
         real = carry.index < options.num_real_microbatches
-        return jax.lax.cond(real, step, skip, carry, batches)
+        return collectives.when(real, step, carry, batches, otherwise=skip)
 
     def grad_dtype(x):
         return _checks.sum_dtype_for(options.accumulator_dtype, jnp.result_type(x))
@@ -311,8 +316,8 @@ def opened(options: Options, call: Call) -> Opened:
     placement = options.placement or collectives.Placement()
     mesh, batch_axes, stages = call.route.mesh, call.route.axes, placement.stage_axes
     manual = (*batch_axes, *stages)
-    others = [a for a in mesh.axis_names if a not in manual]
-    split_kept = not meshes.explicit_axes(mesh, others)  # JAX reduce-scatters beside Auto
+    # JAX reduce-scatters beside Auto axes: split primals stay split, unless others are Explicit
+    split_kept = not meshes.explicit_axes(mesh, meshes.global_axes(mesh, manual))
     kept = manual if split_kept else stages
     lies = placement.primal_specs
     lies = modules.specs_of(call.primals) if lies is None else lies
@@ -329,18 +334,26 @@ def opened(options: Options, call: Call) -> Opened:
     )
 
 
-def _with_arrays(call: Call, taken: set[int], arrays: list[Any] | None = None) -> Any:
-    """The array leaves of ``call``'s arguments but ``taken`` and its keywords (``arrays``
-    ``None``); else ``call`` with those leaves replaced by ``arrays``, in order."""
+def _other_leaves(call: Call, taken: set[int]) -> tuple[list[Any], Any]:
+    """The leaves of ``call``'s arguments but ``taken`` and of its keywords, and their treedef."""
     others = (tuple(None if i in taken else a for i, a in enumerate(call.args)), call.kwargs)
-    leaves, treedef = jax.tree.flatten(others)
-    dynamic = [isinstance(x, jax.Array | np.ndarray) for x in leaves]
-    if arrays is None:
-        return [x for x, d in zip(leaves, dynamic) if d]
+    return jax.tree.flatten(others)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray)
+
+
+def _array_leaves(call: Call, taken: set[int]) -> list[Any]:
+    """The array leaves of ``call``'s arguments but ``taken``, and of its keywords."""
+    return [x for x in _other_leaves(call, taken)[0] if _is_array(x)]
+
+
+def _with_array_leaves(call: Call, taken: set[int], arrays: list[Any]) -> Call:
+    """``call`` with the leaves `_array_leaves` gives replaced by ``arrays``, in order."""
+    leaves, treedef = _other_leaves(call, taken)
     given = iter(arrays)
-    args, kwargs = jax.tree.unflatten(
-        treedef, [next(given) if d else x for x, d in zip(leaves, dynamic)]
-    )
+    args, kwargs = jax.tree.unflatten(treedef, [next(given) if _is_array(x) else x for x in leaves])
     args = tuple(call.args[i] if i in taken else a for i, a in enumerate(args))
     return call._replace(args=args, kwargs=kwargs)
 
@@ -359,7 +372,7 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
         primals=collectives.whole_over(call.primals, [a for a in axes if a not in lay.kept]),
         microbatches=collectives.split_over(call.microbatches, call.route),
         threaded=collectives.whole_over(call.threaded, axes),
-        arrays=collectives.whole_over(_with_arrays(call, taken), axes),
+        arrays=collectives.whole_over(_array_leaves(call, taken), axes),
     )
     found = {}  # the aux kinds, known once the loss is traced inside
 
@@ -368,7 +381,7 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
         if not lay.gather_each:  # gathered once; summed in place where scattered after the loop
             primals = collectives.all_gathered(primals, lay.gather)
             primals = collectives.varying_where_split(primals, lay.scatter)
-        here = _with_arrays(call, taken, given.arrays)._replace(
+        here = _with_array_leaves(call, taken, given.arrays)._replace(
             primals=primals,
             opened=lay,
             microbatches=given.microbatches,

@@ -30,6 +30,46 @@ def manual_axes(mesh: Any) -> frozenset:
     return frozenset(a for a, t in axis_types(mesh).items() if t == AxisType.Manual)
 
 
+def axis_kind(axis: Any, mesh: Any = None) -> str | None:
+    """Whether ``axis`` is Manual on ``mesh`` (a ``shard_map`` here has it) or to be opened.
+
+    Args:
+        axis: a mesh axis name.
+        mesh: an abstract mesh; default: the one here (``jax.sharding.get_abstract_mesh()``).
+
+    Returns:
+        ``"manual"`` or ``"opened"``; ``None`` where ``mesh`` has no such axis.
+
+    Examples:
+        >>> import jax, jaxga.meshes as m
+        >>> mesh = jax.make_mesh((1,), ["data"]).abstract_mesh
+        >>> m.axis_kind("data", mesh), m.axis_kind("stage", mesh)
+        ('opened', None)
+    """
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if axis not in mesh.axis_names:
+        return None
+    return "manual" if axis in manual_axes(mesh) else "opened"
+
+
+def global_axes(mesh: Any, manual: Any) -> tuple[Any, ...]:
+    """The axes of ``mesh`` a loop in a ``shard_map`` over ``manual`` leaves in jit's global view.
+
+    Args:
+        mesh: a mesh or an abstract mesh.
+        manual: the axes the loop's ``shard_map`` makes Manual: a name or names.
+
+    Returns:
+        ``mesh``'s other axes, in its order.
+
+    Examples:
+        >>> import jax, jaxga.meshes as m
+        >>> m.global_axes(jax.make_mesh((1, 1), ["data", "model"]), "data")
+        ('model',)
+    """
+    return tuple(a for a in mesh.axis_names if a not in axes(manual))
+
+
 def is_explicit(sharding: Any) -> bool:
     """Whether ``sharding`` is a `NamedSharding` on a mesh with Explicit axes (its type says)."""
     return isinstance(sharding, NamedSharding) and bool(explicit_axes(sharding.mesh))

@@ -177,23 +177,22 @@ def update(
     apply = done & (group.weight_sum > 0)  # a group without weight holds no items
     inner = optax.with_extra_args_support(inner)
     grad_types = jax.tree.map(jax.typeof, grads)  # not `grads` themselves: no cond operand
-    traced = {}  # the updates' types, from the one trace of `inner`
 
     def run(acc_grads, inner_state):
         mean = optax.tree.cast_like(acc_grads, grad_types)
         updates, new_state = inner.update(mean, inner_state, params, **extra_args)
-        traced["updates"] = jax.tree.map(jax.typeof, updates)
         return updates, optax.tree.cast_like(new_state, inner_state)
 
     # a zero XLA cannot see is constant: never merged into zero buffers that stay live
     zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))
 
-    def hold(acc_grads, inner_state):  # cond traces `run` first: `inner` is traced once
-        types = traced.get("updates") or jax.eval_shape(run, acc_grads, inner_state)[0]
-        return jax.tree.map(lambda t: collectives.zeros_of(t, zero), types), inner_state
+    def hold(types, acc_grads, inner_state):  # `inner` is traced once, in `run`
+        zeros = functools.partial(collectives.zeros_of, zero=zero)
+        return jax.tree.map(zeros, types[0]), inner_state
 
     with jax.named_scope("inner_update"):
-        updates, opt_state = jax.lax.cond(apply, run, hold, group.acc_grads, group.inner_opt_state)
+        operands = (group.acc_grads, group.inner_opt_state)
+        updates, opt_state = collectives.when(apply, run, *operands, otherwise=hold)
     return updates, group._replace(
         mini_step=jnp.where(done, 0, group.mini_step),
         gradient_step=state.gradient_step + apply.astype(jnp.int32),

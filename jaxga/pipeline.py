@@ -63,10 +63,9 @@ def _stage_mesh(axis_name: str, stacked_params: Any, mesh: Any) -> tuple[str, An
     inside = tuple(sorted(meshes.manual_axes(context), key=str))  # a shard_map's axes
     if inside and axis_name not in inside and meshes.devices(context, inside) == 1:
         raise ValueError(_NESTED_ON_ONE.format(axis=axis_name, inside=inside))
-    if axis_name in context.axis_names:
-        manual = axis_name in inside
-        if manual or mesh is None:
-            return ("manual" if manual else "opened"), context
+    kind = meshes.axis_kind(axis_name, context)
+    if kind == "manual" or (kind and mesh is None):
+        return kind, context
     if mesh is not None:
         if axis_name not in mesh.axis_names:
             got = f"{axis_name!r} is not an axis of `mesh` {mesh.axis_names}"
@@ -93,7 +92,7 @@ _NESTED_ON_ONE = (
 )
 
 
-def plan_stages(
+def stages_of(
     layer_fn: Callable[..., Any],
     stacked_params: Any,
     *,
@@ -218,7 +217,7 @@ def pipeline_scan(
     """
     options = {"num_microbatches": num_microbatches, "axis_name": axis_name, "policy": policy}
     options |= {"schedule": schedule, "repeats": repeats, "rng": rng, "mesh": mesh}
-    stages, kind, mesh = plan_stages(layer_fn, stacked_params, **options)
+    stages, kind, mesh = stages_of(layer_fn, stacked_params, **options)
     return pipelined(stages, kind, mesh, Inputs(stacked_params, None, x, None, rng))
 
 
@@ -296,7 +295,7 @@ def pipeline_loss(
         y = pipeline_scan(layer_fn, stacked_params, x, **options)
         return checked_mean(head_fn, head_params, y, targets)
     heads = {"head_fn": head_fn, "embed_fn": embed_fn}
-    stages, kind, mesh = plan_stages(layer_fn, stacked_params, **heads, **options)
+    stages, kind, mesh = stages_of(layer_fn, stacked_params, **heads, **options)
     inputs = Inputs(stacked_params, head_params, x, targets, rng, embed=embed_params)
     return pipelined(stages, kind, mesh, inputs)
 

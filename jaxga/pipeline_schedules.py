@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxga import collectives, meshes
+from jaxga.convolution import with_vjp
 from jaxga.loss import Mean
 from jaxga.microbatch import IndivisibleBatchError, merge_microbatches, split_microbatches
 from jaxga.remat import Policy, remat_scan
@@ -158,13 +159,18 @@ class Inputs(NamedTuple):
     embed: Any = None  # the embedding's, with `Stages.embed_fn`; else None
 
 
+def _on_stages(stages: Stages, tree: Any) -> Any:
+    """``tree`` varying over the stage axis: its gradient there needs no ``psum`` in a branch."""
+    return collectives.varying(tree, (stages.axis,))
+
+
 def run_stage(stages: Stages, params: Any, x: Any, work: Work, key: Any) -> Any:
     """A stage's chunk ``work.chunk`` of layers (``params``: all its ``[L / S, ...]``) on
     ``x``, micro-batch ``work.microbatch``: layer ``l`` gets ``fold_in(fold_in(key, i), l)``."""
-    plan = stages.schedule
-    chunks = jax.tree.map(lambda p: jnp.reshape(p, (plan.repeats, -1, *p.shape[1:])), params)
+    schedule = stages.schedule
+    chunks = jax.tree.map(lambda p: jnp.reshape(p, (schedule.repeats, -1, *p.shape[1:])), params)
     size = jax.tree.leaves(chunks)[0].shape[1]  # layers a chunk
-    first = (work.chunk * plan.stages + jax.lax.axis_index(stages.axis)) * size  # in the stack
+    first = (work.chunk * schedule.stages + jax.lax.axis_index(stages.axis)) * size  # in stack
     key = None if key is None else jax.random.fold_in(key, work.microbatch)
 
     def layer(params_and_id: tuple, x: Any) -> Any:
@@ -177,6 +183,14 @@ def run_stage(stages: Stages, params: Any, x: Any, work: Work, key: Any) -> Any:
     return remat_scan(layer, (take(chunks, work.chunk), ids), x, policy=stages.policy)
 
 
+class _AutodiffCarry(NamedTuple):
+    """What `autodiff_ticks`' loop carries from tick to tick."""
+
+    held: Any  # from the stage before: this stage's input at the next tick
+    stored: Any  # stage 0's: what came round, ``[m, ...]``, kept for its next chunk
+    outputs: Any  # the last stage's outputs so far, ``[m, ...]``
+
+
 def autodiff_ticks(stages: Stages, inputs: Inputs, *, everywhere: bool = True) -> Any:
     """One stage's part of a schedule JAX differentiates: the last stage's outputs, on
     every stage (``everywhere``: a ``psum``), else on the last stage alone (the others
@@ -184,29 +198,29 @@ def autodiff_ticks(stages: Stages, inputs: Inputs, *, everywhere: bool = True) -
     A bubble tick runs the layers on a real micro-batch, never on what the stage holds
     (zeros, NaN, garbage), and drops the result; not in a ``cond``, which would keep the
     weights at every tick of the backward. Stage 0 keeps what comes round."""
-    plan, axis = stages.schedule, stages.axis
-    stage, last = jax.lax.axis_index(axis), plan.stages - 1
-    xs = split_rows(inputs.x, plan.microbatches, "x")
-    zeros = collectives.varying(jax.tree.map(jnp.zeros_like, xs), (axis,))
+    schedule, axis = stages.schedule, stages.axis
+    stage, last = jax.lax.axis_index(axis), schedule.stages - 1
+    xs = split_rows(inputs.x, schedule.microbatches, "x")
+    zeros = _on_stages(stages, jax.tree.map(jnp.zeros_like, xs))
     run = jax.checkpoint(  # sliced inside: no weights saved a tick
         functools.partial(run_stage, stages), policy=jax.checkpoint_policies.nothing_saveable
     )
 
-    def tick(carry: tuple, t: jax.Array) -> tuple:
-        held, stored, outputs = carry  # from the stage before; stage 0's to go round; results
-        work = plan.forward(t, stage)
+    def tick(carry: _AutodiffCarry, t: jax.Array) -> tuple[_AutodiffCarry, None]:
+        held, stored, outputs = carry
+        work = schedule.forward(t, stage)
         first = select(work.chunk == 0, take(xs, work.microbatch), take(stored, work.microbatch))
         given = select(work.valid, select(stage == 0, first, held), take(xs, work.microbatch))
         out = run(inputs.params, given, work, inputs.key)
-        done = work.valid & (stage == last) & (work.chunk == plan.repeats - 1)
+        done = work.valid & (stage == last) & (work.chunk == schedule.repeats - 1)
         outputs = written(outputs, work.microbatch, out, done)
-        passed = jax.lax.ppermute(out, axis, plan.sends)  # stage S - 1's goes round to 0
-        back = plan.forward(t, last)  # what stage 0 got: kept for its next chunk
+        passed = jax.lax.ppermute(out, axis, schedule.sends)  # stage S - 1's goes round to 0
+        back = schedule.forward(t, last)  # what stage 0 got: kept for its next chunk
         stored = written(stored, back.microbatch, passed, (stage == 0) & back.valid)
-        return (passed, stored, outputs), None
+        return _AutodiffCarry(passed, stored, outputs), None
 
-    carry = (take(zeros, 0), zeros, zeros if everywhere else collectives.varying(xs, (axis,)))
-    (_, _, outputs), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
+    carry = _AutodiffCarry(take(zeros, 0), zeros, zeros if everywhere else _on_stages(stages, xs))
+    outputs = jax.lax.scan(tick, carry, jnp.arange(schedule.ticks))[0].outputs
     if everywhere:
         outputs = jax.lax.psum(select(stage == last, outputs, zeros), axis)
     return merge_microbatches(outputs)
@@ -229,24 +243,6 @@ def _zeros_varying(tree: Any, axis: str) -> Any:
     return collectives.varying(jax.tree.map(jnp.zeros_like, tree), tuple(manual))
 
 
-def _when(where: jax.Array, fun: Callable[..., Any], *args: Any) -> Any:
-    """``fun(*args)`` where ``where``, else zeros typed as its result: a ``cond``, so that a
-    bubble computes nothing."""
-    types = []
-
-    def run(*args: Any) -> Any:
-        out = fun(*args)
-        types.append(jax.tree.map(jax.typeof, out))
-        return out
-
-    def skip(*args: Any) -> Any:  # traced first, perhaps
-        if not types:
-            jax.eval_shape(run, *args)
-        return jax.tree.map(collectives.zeros_of, types[0])
-
-    return jax.lax.cond(where, run, skip, *args)
-
-
 def _head_step(stages: Stages, split: Inputs, y: Any, j: jax.Array) -> tuple:
     """Micro-batch ``j``'s loss (a `Mean`) and its gradients (the head's, ``y``'s)."""
 
@@ -254,9 +250,9 @@ def _head_step(stages: Stages, split: Inputs, y: Any, j: jax.Array) -> tuple:
         mean = checked_mean(stages.head_fn, head_params, y, take(split.targets, j))
         return jnp.asarray(mean.total, jnp.float32), jax.lax.stop_gradient(mean.count)
 
-    here = collectives.varying(split.head, (stages.axis,))  # its gradient: no psum in a branch
+    here = _on_stages(stages, split.head)
     (total, count), grads = jax.value_and_grad(total, (0, 1), has_aux=True)(here, y)
-    return collectives.varying((Mean(total, count), *grads), (stages.axis,))
+    return _on_stages(stages, (Mean(total, count), *grads))
 
 
 def _backward(stages: Stages, primals: tuple, dy: Any, work: Work, key: Any) -> tuple:
@@ -270,8 +266,8 @@ def _stack_input(stages: Stages, split: Inputs, work: Work, where: jax.Array) ->
     x = take(split.x, work.microbatch)
     if stages.embed_fn is None:
         return x
-    here = collectives.varying(split.embed, (stages.axis,))  # its gradient: no psum in a branch
-    return _when(where & work.valid, stages.embed_fn, here, x)
+    here = _on_stages(stages, split.embed)
+    return collectives.when(where & work.valid, stages.embed_fn, here, x)
 
 
 def _embed_backward(stages: Stages, split: Inputs, work: Work, dh: Any) -> Any:
@@ -281,7 +277,7 @@ def _embed_backward(stages: Stages, split: Inputs, work: Work, dh: Any) -> Any:
     def embedded(params: Any) -> Any:
         return stages.embed_fn(params, x)
 
-    here = collectives.varying(split.embed, (stages.axis,))
+    here = _on_stages(stages, split.embed)
     return jax.vjp(embedded, here)[1](dh)[0]
 
 
@@ -292,45 +288,56 @@ def _input_grads(stages: Stages, split: Inputs, grads: Inputs, dh: Any, work: Wo
     if stages.embed_fn is None:
         return grads._replace(x=written(grads.x, work.microbatch, dh, where))
     backward = functools.partial(_embed_backward, stages, split)
-    d_embed = _when(where, backward, work, dh)
+    d_embed = collectives.when(where, backward, work, dh)
     return grads._replace(embed=jax.tree.map(jnp.add, grads.embed, d_embed))
 
 
-def _tick(stages: Stages, split: Inputs, carry: tuple, t: jax.Array) -> tuple:
+class _TickCarry(NamedTuple):
+    """What `manual_ticks`' loop carries from tick to tick (`_tick`)."""
+
+    arrived: Any  # the activation stage s - 1 passed on
+    returned: Any  # the cotangent stage s + 1 passed back
+    saved: Any  # the ring of inputs kept for the backward passes, ``[ring, ...]``
+    mean: Mean  # the loss sums so far
+    grads: Inputs  # the gradient sums so far
+
+
+def _tick(stages: Stages, split: Inputs, carry: _TickCarry, t: jax.Array) -> tuple:
     """Tick ``t`` of `manual_ticks` (``split``: its inputs, in micro-batches): the forward
     and the backward the `Schedule` gives the stage, the loss head between them on the last
     stage; activations and cotangents passed on."""
-    arrived, returned, saved, mean, grads = carry  # from stage s - 1, from s + 1; sums
-    plan, s, key = stages.schedule, jax.lax.axis_index(stages.axis), split.key
-    last, final = plan.stages - 1, plan.repeats - 1
-    f, b = plan.forward(t, s), plan.backward(t, s)
+    arrived, returned, saved, mean, grads = carry
+    schedule, s, key = stages.schedule, jax.lax.axis_index(stages.axis), split.key
+    last, final = schedule.stages - 1, schedule.repeats - 1
+    f, b = schedule.forward(t, s), schedule.backward(t, s)
     first = (s == 0) & (f.chunk == 0)
     h = select(first, _stack_input(stages, split, f, first), arrived)
-    y = _when(f.valid, functools.partial(run_stage, stages), split.params, h, f, key)
+    y = collectives.when(f.valid, functools.partial(run_stage, stages), split.params, h, f, key)
     saved = written(saved, f.slot, h, f.valid)
     at_head = f.valid & (s == last) & (f.chunk == final)
     head = functools.partial(_head_step, stages, split)
-    micro_mean, d_head, dy = _when(at_head, head, y, f.microbatch)
+    micro_mean, d_head, dy = collectives.when(at_head, head, y, f.microbatch)
     dy = select((s == last) & (b.chunk == final), dy, returned)
     primals, backward = (split.params, take(saved, b.slot)), functools.partial(_backward, stages)
-    d_params, dh = _when(b.valid, backward, primals, dy, b, key)
+    d_params, dh = collectives.when(b.valid, backward, primals, dy, b, key)
     grads = grads._replace(
         params=jax.tree.map(jnp.add, grads.params, d_params),
         head=jax.tree.map(jnp.add, grads.head, d_head),
     )
     grads = _input_grads(stages, split, grads, dh, b)
-    arrived = jax.lax.ppermute(y, stages.axis, plan.sends)
-    returned = jax.lax.ppermute(dh, stages.axis, [(j, i) for i, j in plan.sends])
-    return (arrived, returned, saved, mean + micro_mean, grads), None
+    arrived = jax.lax.ppermute(y, stages.axis, schedule.sends)
+    returned = jax.lax.ppermute(dh, stages.axis, [(j, i) for i, j in schedule.sends])
+    return _TickCarry(arrived, returned, saved, mean + micro_mean, grads), None
 
 
 def manual_ticks(stages: Stages, inputs: Inputs) -> tuple[Mean, Inputs]:
     """One stage's part of a schedule whose backward passes run in its ticks (`_tick`): a
     stage keeps its inputs from forward to backward in a ring of `Schedule.ring`, whatever
     m is. Returns the loss, and its gradients (the custom VJP's residuals)."""
-    plan, axis = stages.schedule, stages.axis
-    xs = split_rows(inputs.x, plan.microbatches, "x")
-    split = inputs._replace(x=xs, targets=split_rows(inputs.targets, plan.microbatches, "targets"))
+    schedule, axis = stages.schedule, stages.axis
+    xs = split_rows(inputs.x, schedule.microbatches, "x")
+    targets = split_rows(inputs.targets, schedule.microbatches, "targets")
+    split = inputs._replace(x=xs, targets=targets)
     zero = _zeros_varying(jnp.zeros((), jnp.float32), axis)
     embedded = stages.embed_fn is not None  # then x's rows go in; no gradient for them
     grads = Inputs(
@@ -340,12 +347,12 @@ def manual_ticks(stages: Stages, inputs: Inputs) -> tuple[Mean, Inputs]:
         key=None,
         embed=_zeros_varying(inputs.embed, axis),
     )
-    stack_input = functools.partial(_stack_input, stages, split, plan.forward(0, 0), True)
+    stack_input = functools.partial(_stack_input, stages, split, schedule.forward(0, 0), True)
     one = _zeros_varying(jax.eval_shape(stack_input), axis)  # one micro-batch's input
-    saved = jax.tree.map(lambda a: jnp.broadcast_to(a, (plan.ring, *a.shape)), one)
-    carry = (one, one, saved, Mean(zero, zero), grads)
+    saved = jax.tree.map(lambda a: jnp.broadcast_to(a, (schedule.ring, *a.shape)), one)
+    carry = _TickCarry(one, one, saved, Mean(zero, zero), grads)
     tick = functools.partial(_tick, stages, split)
-    (_, _, _, mean, grads), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
+    _, _, _, mean, grads = jax.lax.scan(tick, carry, jnp.arange(schedule.ticks))[0]
     x_grads = None if embedded else merge_microbatches(grads.x)
     mean = jax.lax.psum(mean, axis)  # from the last stage
     summed = (grads.head, x_grads, grads.embed)  # from the last stage, or stage 0; kept
@@ -354,36 +361,21 @@ def manual_ticks(stages: Stages, inputs: Inputs) -> tuple[Mean, Inputs]:
     return mean, grads._replace(head=head_grads, x=x_grads, embed=embed_grads)
 
 
-def _with_vjp(forward: Callable[..., Any], backward: Callable[..., Any]) -> Callable[..., Any]:
-    """A function of the pipeline's `Inputs`: ``forward(inputs)`` gives its output and the
-    residuals, ``backward(residuals, cotangent)`` the inputs' cotangents."""
-
-    @jax.custom_vjp
-    def run(inputs: Inputs) -> Any:
-        return forward(inputs)[0]
-
-    def cotangents(residuals: Any, cotangent: Any) -> tuple[Inputs]:
-        return (backward(residuals, cotangent),)
-
-    run.defvjp(forward, cotangents)
-    return run
-
-
-def _scaled(grads: Inputs, cotangent: Mean) -> Inputs:
+def _scaled(grads: Inputs, cotangent: Mean) -> tuple[Inputs]:
     scale = cotangent.total  # the loss total is linear in each micro-batch's: grads scale
-    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+    return (jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads),)
 
 
 def _keeping_inputs(run: Callable[..., Any], inputs: Inputs) -> tuple[Any, Inputs]:
     return run(inputs), inputs
 
 
-def _recomputed(run: Callable[..., Any], inputs: Inputs, dy: Any) -> Inputs:
+def _recomputed(run: Callable[..., Any], inputs: Inputs, dy: Any) -> tuple[Inputs]:
     def of(params: Any, x: Any) -> Any:
         return run(inputs._replace(params=params, x=x))
 
     d_params, d_x = jax.vjp(of, inputs.params, inputs.x)[1](dy)
-    return Inputs(d_params, None, d_x, None, None)
+    return (Inputs(d_params, None, d_x, None, None),)
 
 
 def pipelined(stages: Stages, kind: str, mesh: Any, inputs: Inputs) -> Any:
@@ -407,7 +399,7 @@ def pipelined(stages: Stages, kind: str, mesh: Any, inputs: Inputs) -> Any:
         return jax.shard_map(fun, mesh=mesh, **names)
 
     if manual:
-        return _with_vjp(shard(run, (specs,), (P(), specs)), _scaled)(inputs)
+        return with_vjp(shard(run, (specs,), (P(), specs)), _scaled)(inputs)
     forward = functools.partial(_keeping_inputs, shard(run, (specs,), P()))
-    backward = shard(functools.partial(_recomputed, run), (specs, P()), specs)
-    return _with_vjp(forward, backward)(inputs)
+    backward = shard(functools.partial(_recomputed, run), (specs, P()), (specs,))
+    return with_vjp(forward, backward)(inputs)

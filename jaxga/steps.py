@@ -33,10 +33,9 @@ def apply_update(
     unless ``always`` (then with zero gradients: a transformation given ``weight`` weighs
     the call 0 itself)."""
     counted = acc.mean.count > 0
-    traced = {}  # the update's tree and types, from its one trace
 
-    def updated(state: Any, grads: Any) -> list[Any]:  # leaf by leaf: nnx.Optimizer may
-        paths = jax.tree_util.tree_flatten_with_path(state)[0]  # rebuild subtrees, in place
+    def updated(state: Any, grads: Any) -> Any:  # nnx.Optimizer may rebuild subtrees, in
+        paths = jax.tree_util.tree_flatten_with_path(state)[0]  # place, with other node types
         shapes = [jnp.shape(x) for _, x in paths]
         try:
             new = update(state, grads)
@@ -48,22 +47,17 @@ def apply_update(
             if before != jnp.shape(after):
                 change = f"{jax.tree_util.keystr(path)} from {before} to {jnp.shape(after)}"
                 raise ValueError(f"The optimiser's update changes the shape of {change}: {_HINT}")
-        traced["tree"] = jax.tree.structure(new)
-        traced["types"] = [jax.typeof(x) for x in jax.tree.leaves(new)]
-        return jax.tree.leaves(new)
+        return new
 
-    def kept(state: Any, grads: Any) -> list[Any]:  # cond traces `updated` first
-        if "types" not in traced:
-            jax.eval_shape(updated, state, grads)
-        kept = [x.astype(t.dtype) for x, t in zip(jax.tree.leaves(state), traced["types"])]
-        return collectives.laid_out_as(kept, traced["types"])  # Explicit axes: as updated
+    def kept(types: Any, state: Any, grads: Any) -> Any:  # ``state`` in the updated tree
+        leaves = [x.astype(t.dtype) for x, t in zip(jax.tree.leaves(state), jax.tree.leaves(types))]
+        kept = jax.tree.unflatten(jax.tree.structure(types), leaves)
+        return collectives.laid_out_as(kept, types)  # Explicit axes: as updated
 
     if always:
         zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))  # not a constant
-        leaves = updated(state, jax.tree.map(lambda g: jnp.where(counted, g, zero), acc.grads))
-    else:
-        leaves = jax.lax.cond(counted, updated, kept, state, acc.grads)
-    return jax.tree.unflatten(traced["tree"], leaves)
+        return updated(state, jax.tree.map(lambda g: jnp.where(counted, g, zero), acc.grads))
+    return collectives.when(counted, updated, state, acc.grads, otherwise=kept)
 
 
 def injected_learning_rate(opt_state: Any) -> jax.Array:
