@@ -63,8 +63,10 @@ def _check_state(state: Any, offload: Any = None, stream: bool = False) -> None:
         hint = "; for a Flax NNX model use jaxga.nnx_train_step" if nnx_model else ""
         got = f"{type(state).__name__}{hint}"
         raise TypeError(f"`state` must be a flax.training.train_state.TrainState; got {got}.")
-    if offload is not None:
+    if offload or stream:  # some leaves may live in host memory
         steps.check_on_device(state, offload=offload, stream=stream)
+    elif offload is not None:
+        steps.check_on_device(state)
 
 
 def _accumulate_state(
