@@ -1,7 +1,7 @@
-"""A train step's state on a mesh: laid out by its strategy, and the engine's one loop onto
-the mesh told where the parameters lie (`collectives.Placement`)."""
+"""A train step on a mesh: its `MeshLayout`, checked, and the one wiring of both steps' loss
+onto the mesh (`on_mesh`: the batch placed, the engine told where the parameters lie)."""
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
@@ -16,83 +16,49 @@ from jaxga.sharding import (
     check_strategy,
     place,
     split_of,
-    state_specs,
 )
 
 
-class OnMesh(NamedTuple):
-    """What the loop on a mesh gives the train step."""
-
-    accumulated: Accumulated  # gradients laid out as the optimiser state (ZeRO-1: sharded)
-    state: Any  # the train state as the optimiser sees it: its parameters laid out as those
-    specs: Any  # the train state's PartitionSpecs
-
-
-def accumulate_on_mesh(
+def on_mesh(
     accumulated: Accumulate,
     layout: MeshLayout,
-    state: Any,
+    primal: Any,
     batch: Any,
-    *,
-    model_state: Any,
-    rng: Any,
-) -> OnMesh:
-    """``accumulated`` (a loss, accumulated) over ``layout.mesh``: the batch split over
-    ``layout.axis_name``, the state laid out by ``layout.strategy``.
+    *args: Any,
+    param_specs: Any,
+    primal_specs: Any,
+    grad_specs: Any,
+    fix: str,
+) -> Accumulated:
+    """``accumulated(primal, batch, *args)`` on ``layout.mesh``, in jit's global view of it:
+    the batch split over ``layout.axis_name`` (its rows divisible), the engine told where
+    the differentiated values lie (`with_placement` of ``specs`` and ``grad_specs``, after
+    `check_layout` of the parameters' ``specs.params``; ``fix`` says how to split them).
 
     With ``layout.pipeline_axis``, that axis is manual in the loop too: each stage's
-    parameters (split over it by ``strategy``'s specs) stay on it, and `jaxga.pipeline_scan`
-    runs there directly.
-
-    In a ``shard_map`` over the batch's axes alone (the mesh's other axes stay in jit's
-    global view): ``"fsdp"`` gathers the parameters once before the loop and reduce-scatters
-    the gradients once after it, ``"zero1"`` reduce-scatters them as the optimiser state,
-    ``"zero3"`` gathers in every micro-batch. ``reduce_once=False``: the loop in jit's global
-    view instead, the parameters gathered once, JAX reducing in every micro-batch.
+    parameters (split over it) stay on it, and a pipeline runs there directly. With
+    ``layout.reduce_once``, the loop runs in a ``shard_map`` over the batch's axes alone:
+    ``"fsdp"`` gathers the parameters once before it and reduce-scatters the gradients once
+    after it, ``"zero1"`` reduce-scatters them as the optimiser state, ``"zero3"`` gathers in
+    every micro-batch. ``reduce_once=False``: the loop in jit's global view, JAX reducing in
+    every micro-batch.
     """
-    mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
+    mesh, axis_name = layout.mesh, layout.axis_name
     k, devices = accumulated.options.num_microbatches, meshes.devices(mesh, axis_name)
     size = _checks.leading_size(batch, "batch", "batch") or 0  # 0: no leaves, as accumulate says
     if size % (devices * k):
         raise IndivisibleBatchError.of(size, k, devices, axis_name)
-    specs = state_specs(state, mesh, strategy, axis_name=axis_name)
-    state = place(mesh, state, specs)
-    batch = place(mesh, batch, batch_specs(batch, layout))
-    row = split_of(strategy)
-
-    def grad_spec(x: Any, spec: Any) -> Any:  # as the optimiser state, where the row splits it
-        split = row.spec("grads", jax.numpy.shape(x), devices, axis_name)
-        return spec if split is None else split
-
-    grad_specs = jax.tree.map(grad_spec, state.params, specs.params)
-    check_layout(layout, specs.params, "give `strategy` specs with P('{}') on the stacked layers")
-    if layout.reduce_once:  # the engine's one loop onto the mesh
-        on_mesh = with_placement(accumulated, layout, (specs.params,), (grad_specs,))
-        acc = on_mesh(state.params, batch, model_state, rng)
-    else:  # jit's global view: the parameters gathered once, JAX reducing in every micro-batch
-        gathered = meshes.specs_over(specs.params, others(layout))
-        acc = accumulated(place(mesh, state.params, gathered), batch, model_state, rng)
-    grads = place(mesh, acc.grads, grad_specs)
-    return OnMesh(
-        accumulated=acc._replace(grads=grads),
-        state=state.replace(params=place(mesh, state.params, grad_specs)),
-        specs=specs,
-    )
-
-
-def with_placement(
-    accumulated: Accumulate, layout: MeshLayout, primal_specs: Any, grad_specs: Any
-) -> Accumulate:
-    """``accumulated`` told where a train step on ``layout`` lays out the values it
-    differentiates: its `collectives.Placement` (the stage axes, ZeRO-3's gathers, and the
-    specs: a tuple, one tree per differentiated argument; ``None``: as they lie)."""
-    placement = collectives.Placement(
-        stage_axes=stage_axes(layout),
-        primal_specs=primal_specs,
-        grad_specs=grad_specs,
-        gather_each=split_of(layout.strategy).gather_each,
-    )
-    return Accumulate(accumulated.fun, accumulated.options._replace(placement=placement))
+    check_layout(layout, param_specs, fix)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        batch = place(mesh, batch, batch_specs(batch, layout))
+        placement = collectives.Placement(
+            stage_axes=stage_axes(layout),
+            primal_specs=primal_specs,  # a tuple, a tree per differentiated argument; None: as
+            grad_specs=grad_specs,  # they lie
+            gather_each=split_of(layout.strategy).gather_each,
+        )
+        options = accumulated.options._replace(placement=placement)
+        return Accumulate(accumulated.fun, options)(primal, batch, *args)
 
 
 def mesh_layout(

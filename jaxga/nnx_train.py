@@ -8,9 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxga import _checks, arguments, layouts, modules, sharding, steps
+from jaxga import _checks, arguments, layouts, modules, sharding, skeleton, steps
 from jaxga.accumulation import Accumulate
-from jaxga.arguments import check_num_real
 
 
 def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
@@ -90,13 +89,10 @@ class NNXTrainStep(steps.JittedStep):
         layout = self.options.layout
         if layout is not None:  # where the model put it; on the mesh, replicated, if nowhere
             state = sharding.onto(state, layout.mesh)
-        state = sharding.lay_out(state, None, offload_state=self.options.offload)
-        call = _StepArgs(
-            num_real=check_num_real(num_real_microbatches, self.options.num_microbatches),
-            key=None if isinstance(rngs, nnx.Rngs) else rngs,
-            end_group=steps.check_end_group(end_group),
+        keys = () if rngs is None or isinstance(rngs, nnx.Rngs) else (rngs,)  # Rngs: in state
+        return self._laid_out(
+            (graphdef,), state, batch, num_real_microbatches, end_group=end_group, extra=keys
         )
-        return graphdef, state, batch, call
 
     def __call__(
         self,
@@ -119,14 +115,6 @@ class NNXTrainStep(steps.JittedStep):
 def _streams(rngs: Any) -> list[Any]:
     """The graph nodes ``rngs`` adds to the step's state: an `nnx.Rngs`, else none."""
     return [rngs] if isinstance(rngs, nnx.Rngs) else []
-
-
-class _StepArgs(NamedTuple):
-    """What a call hands the jitted step besides the model's state and the batch."""
-
-    num_real: Any  # `num_real_microbatches`, checked
-    key: Any  # `rngs` given as a PRNG key, or None
-    end_group: Any  # a bool scalar, or None
 
 
 def _check_model(model: Any, optimizer: Any) -> None:
@@ -166,50 +154,52 @@ def _check_wrt(model: Any, optimizer: Any) -> None:
 
 def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[..., Any]:
     def train_step(
-        graphdef: Any, state: Any, batch: Any, call: _StepArgs
-    ) -> tuple[Any, steps.Metrics]:
-        state = sharding.offload(state, "device", select=options.offload)
-        layout, specs = options.layout, None
-        if layout is not None:  # as the metadata, or the strategy, says; the rest as it is
-            specs = sharding.nnx_state_specs(
-                state, layout.mesh, layout.strategy, axis_name=layout.axis_name
-            )
-            state = sharding.place(layout.mesh, state, specs)
-        model, optimizer, *streams = nnx.merge(graphdef, state)  # streams: [an nnx.Rngs] or []
-        rngs = streams or ([] if call.key is None else [call.key])
-        accumulated = steps.accumulator(  # the gradient of what the optimizer updates alone
-            loss,
-            options,
-            nnx.DiffState(0, optimizer.wrt),
-            num_real=call.num_real,
-            called_as="`loss(model, batch)`",
-            rng_argnums=None if call.key is None else 2,  # a key, typed or raw: folded
-        )
-        if layout is None:
-            acc = accumulated(model, batch, *rngs)
-        else:  # jit's global view of the mesh: the batch over its axis, the model as laid out
-            with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
-                batch = sharding.place(layout.mesh, batch, sharding.batch_specs(batch, layout))
-                acc = _placed(accumulated, layout, model, optimizer.wrt)(model, batch, *rngs)
-        before = nnx.state((model, optimizer, *streams))
-        pure = _PureOptimizer(graphdef)
-        optimizer = steps.OptimizerAccess(optimizer.tx, pure.update, pure.opt_state)
-        state, metrics = steps.optimize(options, optimizer, acc, before, call.end_group)
-        if specs is not None:
-            state = sharding.place(layout.mesh, state, specs)
-        if options.has_aux:
-            metrics["aux"] = acc.aux
-        return sharding.offload(state, select=options.offload), metrics
+        graphdef: Any, state: Any, batch: Any, num_real: Any, end_group: Any, *keys: Any
+    ) -> tuple[Any, steps.Metrics]:  # keys: `rngs` given as a PRNG key, or none
+        kind = _NNX(loss, options, graphdef, num_real, keys[0] if keys else None)
+        return skeleton.train_step(kind, options, state, batch, end_group)
 
     return train_step
 
 
-class _PureOptimizer(NamedTuple):
-    """``nnx.Optimizer`` on a step's pure state: the model and optimizer put together."""
+class _NNX(NamedTuple):
+    """How `skeleton.train_step` takes a Flax NNX model, optimizer (and `nnx.Rngs`) apart and
+    puts them back: their state, split outside the trace, merged in it."""
 
+    loss: Callable[..., Any]
+    options: steps.StepOptions
     graphdef: Any
+    num_real: Any
+    key: Any  # `rngs` given as a PRNG key, or None
 
-    def update(self, state: Any, grads: Any, **extra: Any) -> Any:
+    def specs(self, state: Any, layout: sharding.MeshLayout) -> Any:
+        """As the metadata, or the strategy, says; the rest as it is."""
+        mesh, axis_name = layout.mesh, layout.axis_name
+        return sharding.nnx_state_specs(state, mesh, layout.strategy, axis_name=axis_name)
+
+    def accumulate(self, state: Any, batch: Any, specs: Any) -> tuple[Any, Any]:
+        model, optimizer, *streams = nnx.merge(self.graphdef, state)  # streams: an nnx.Rngs
+        rngs = streams or ([] if self.key is None else [self.key])
+        accumulated = steps.accumulator(  # the gradient of what the optimizer updates alone
+            self.loss,
+            self.options,
+            nnx.DiffState(0, optimizer.wrt),
+            num_real=self.num_real,
+            called_as="`loss(model, batch)`",
+            rng_argnums=None if self.key is None else 2,  # a key, typed or raw: folded
+        )
+        if (layout := self.options.layout) is None:
+            acc = accumulated(model, batch, *rngs)
+        else:  # the model as laid out; the engine told where the optimizer's part lies
+            acc = _on_mesh(accumulated, layout, model, optimizer.wrt, batch, *rngs)
+        return acc, nnx.state((model, optimizer, *streams))
+
+    def optimizer(self, state: Any) -> skeleton.OptimizerAccess:
+        tx = nnx.merge(self.graphdef, state)[1].tx
+        return skeleton.OptimizerAccess(tx, self.updated, self.opt_state)
+
+    def updated(self, state: Any, grads: Any, **extra: Any) -> Any:
+        """``nnx.Optimizer.update`` on ``state``: the model and optimizer put together."""
         model, optimizer, *streams = nnx.merge(self.graphdef, state)
         held = isinstance(optimizer, nnx.ModelAndOptimizer)
         optimizer.update(*(() if held else (model,)), grads, **extra)
@@ -220,20 +210,31 @@ class _PureOptimizer(NamedTuple):
         _, optimizer, *_ = nnx.merge(self.graphdef, state)
         return nnx.as_pure(optimizer.opt_state)
 
+    def put_back(self, given: Any, new: Any, acc: Any) -> Any:
+        return new  # the step's state: the model, optimizer (and streams), updated
 
-def _placed(accumulated: Accumulate, layout: sharding.MeshLayout, model: Any, wrt: Any):
-    """``accumulated`` told where the parameters it differentiates (``wrt`` of ``model``)
-    lie on the mesh: as the strategy says, the gradients as the optimiser state; without
-    one, where they are (their types, their metadata: the engine reads them)."""
+
+def _on_mesh(accumulated: Accumulate, layout: sharding.MeshLayout, model: Any, wrt: Any, *args):
+    """``accumulated(model, *args)`` (`layouts.on_mesh`), told where the parameters it
+    differentiates (``wrt`` of ``model``) lie: as the strategy says, the gradients as the
+    optimiser state; without one, where they are (their types, their metadata)."""
     mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
     every = sharding.nnx_state_specs(nnx.state(model), mesh, axis_name=axis_name)
-    layouts.check_layout(layout, every, _STAGES_FIX)
-    if strategy is None:
-        return layouts.with_placement(accumulated, layout, None, None)
-    params = nnx.state(model, wrt)
-    specs = sharding.nnx_state_specs(params, mesh, strategy, axis_name=axis_name)
-    grads = sharding.nnx_state_specs(params, mesh, strategy, axis_name=axis_name, grads=True)
-    return layouts.with_placement(accumulated, layout, (specs,), (grads,))
+    specs = grads = None
+    if strategy is not None:
+        params = nnx.state(model, wrt)
+        specs = (sharding.nnx_state_specs(params, mesh, strategy, axis_name=axis_name),)
+        grads = (sharding.nnx_state_specs(params, mesh, strategy, axis_name=axis_name, grads=True),)
+    return layouts.on_mesh(
+        accumulated,
+        layout,
+        model,
+        *args,
+        param_specs=every,
+        primal_specs=specs,
+        grad_specs=grads,
+        fix=_STAGES_FIX,
+    )
 
 
 _STAGES_FIX = (

@@ -1,11 +1,10 @@
 """What both train steps share: their options, the jitted step, and the optimiser's update."""
 
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ import optax
 
 from jaxga import _checks, collectives, layouts, meshes, planner, sharding
 from jaxga.accumulation import OPTION_CHECKS, Accumulate, accumulate, check_options
+from jaxga.arguments import check_num_real
 from jaxga.compiler import compiler_options
 from jaxga.engine import Accumulated
 from jaxga.memory import HOST_KINDS, format_bytes
@@ -307,29 +307,6 @@ def accumulator(
     return Accumulate(accumulated.fun, accumulated.options._replace(called_as=called_as))
 
 
-class OptimizerAccess(NamedTuple):
-    """How a train step runs its optimiser: what `optimize` needs of the model's kind."""
-
-    tx: Any  # the optax transformation (`state.tx`, `optimizer.tx`)
-    update: Callable[..., Any]  # (state, grads, **extra) -> state: Flax's apply_gradients, NNX's
-    opt_state: Callable[[Any], Any]  # the optimiser state in a state
-    check: Callable[[dict[str, Any]], Any] | None = None  # raises unless `update` takes extra
-
-
-def optimize(
-    options: StepOptions, optimizer: OptimizerAccess, acc: Accumulated, state: Any, end_group: Any
-) -> tuple[Any, Metrics]:
-    """The tail both train steps share: ``optimizer.update`` of ``state`` by ``acc.grads``
-    (with `weight` and `end_group` as `tx_args` says), and the step's metrics."""
-    extra = tx_args(options, optimizer.tx, acc, end_group, optimizer.opt_state(state))
-    if optimizer.check is not None:
-        optimizer.check(extra)
-    update = functools.partial(optimizer.update, **extra)
-    new = apply_update(acc, update, state, always="weight" in extra)
-    opt_state = optimizer.opt_state(new)
-    return new, metrics(acc, optimizer.tx, opt_state, options, always="weight" in extra)
-
-
 class JittedStep:
     """A jitted train step; with `num_microbatches="auto"`, the one planned for each call.
 
@@ -378,6 +355,24 @@ class JittedStep:
         if self.options.donate:
             arguments[i] = unaliased(arguments[i])
         return run(*arguments)
+
+    def _laid_out(
+        self,
+        static: tuple[Any, ...],
+        state: Any,
+        batch: Any,
+        num_real: Any,
+        *,
+        end_group: Any,
+        layout: sharding.MeshLayout | None = None,
+        extra: tuple[Any, ...] = (),
+    ) -> tuple[Any, ...]:
+        """What a subclass's ``_arguments`` ends with, the jitted function's arguments:
+        ``static``, ``state`` laid out (`sharding.lay_out` on ``layout``, offloaded as the
+        step says), ``batch``, ``num_real`` and ``end_group`` checked, then ``extra``."""
+        state = sharding.lay_out(state, layout, offload_state=self.options.offload)
+        real = check_num_real(num_real, self.options.num_microbatches)
+        return (*static, state, batch, real, check_end_group(end_group), *extra)
 
     def _planned(self, args: tuple[Any, ...]) -> "JittedStep":
         """This step, or with `"auto"` the step planned for these arguments' shapes."""

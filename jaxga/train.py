@@ -4,15 +4,19 @@ import functools
 import inspect
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.training import train_state
 
-from jaxga import _checks, _streaming, layouts, modules, sharding, steps
-from jaxga.arguments import StateStructureError, check_num_real
-from jaxga.state import StateFields, TrainState, check_field_names, state_fields
+from jaxga import _checks, _streaming, layouts, meshes, modules, sharding, skeleton, steps
+from jaxga.accumulation import Accumulate
+from jaxga.arguments import StateStructureError
+from jaxga.engine import Accumulated
+from jaxga.sharding import MeshLayout
+from jaxga.state import TrainState, check_field_names, state_fields
 from jaxga.steps import Metrics, StepOptions
 
 
@@ -42,9 +46,10 @@ class TrainStep(steps.JittedStep):
         if steps.is_traced(state):  # inside a jit: inlined, with the enclosing jit's options
             return state, batch, num_real_microbatches, end_group
         self._once(state, _check_state, state, self.options.offload, self.options.stream)
-        state = sharding.lay_out(state, self.options.layout, offload_state=self.options.offload)
-        real = check_num_real(num_real_microbatches, self.options.num_microbatches)
-        return state, batch, real, steps.check_end_group(end_group)
+        layout = self.options.layout
+        return self._laid_out(
+            (), state, batch, num_real_microbatches, end_group=end_group, layout=layout
+        )
 
     def __call__(
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
@@ -69,39 +74,87 @@ def _check_state(state: Any, offload: Any = None, stream: bool = False) -> None:
         steps.check_on_device(state)
 
 
-def _accumulate_state(
-    loss: Callable[..., Any],
-    options: StepOptions,
-    fields: StateFields,
-    state: Any,
-    batch: Any,
-    *,
-    num_real: Any,
-) -> layouts.OnMesh:
-    layout = options.layout
-    roles = {"batch_argnums": 1, "state_argnums": 2, "rng_argnums": 3}
-    called_as = "`loss(params, batch, model_state, rng)`"
-    accumulated = steps.accumulator(
-        loss, options, 0, num_real=num_real, called_as=called_as, **roles
+class _Flax(NamedTuple):
+    """How `skeleton.train_step` takes a Flax TrainState apart and puts it back."""
+
+    loss: Callable[..., Any]
+    options: StepOptions
+    num_real: Any
+
+    def specs(self, state: Any, layout: MeshLayout) -> Any:
+        return sharding.state_specs(state, layout.mesh, layout.strategy, axis_name=layout.axis_name)
+
+    def accumulate(self, state: Any, batch: Any, specs: Any) -> tuple[Accumulated, Any]:
+        """The loss accumulated over ``batch``, and ``state`` as the optimiser sees it."""
+        options = self.options
+        fields = state_fields(state, options.model_state_fields, options.rng_field)
+        roles = {"batch_argnums": 1, "state_argnums": 2, "rng_argnums": 3}
+        called_as = "`loss(params, batch, model_state, rng)`"
+        accumulated = steps.accumulator(
+            self.loss, options, 0, num_real=self.num_real, called_as=called_as, **roles
+        )
+        rng = fields.step_key(state)
+        try:  # the errors a train state's fields explain get a note
+            if options.layout is None:
+                acc, updated = accumulated(state.params, batch, fields.read(state), rng), state
+            else:
+                args = (batch, fields.read(state), rng)
+                acc, updated = _on_mesh(accumulated, options.layout, state, specs, *args)
+        except TypeError as e:
+            if isinstance(e, StateStructureError):
+                e.add_note(f"jaxga: {fields.describe(state)}.")
+            elif rng is None:
+                e.add_note(f"jaxga: the loss was given rng=None, as {fields.describe(state)}.")
+            raise
+        except NameError as e:  # JAX's error for a collective over an axis no map binds
+            fix = "pass make_train_step(..., axis_name=NAME)"
+            e.add_note(f"jaxga: a named axis needs a mesh: {fix}.")
+            raise
+        if options.stream:  # the update on the device, whole (not yet layer by layer)
+            acc = acc._replace(grads=_streaming.on_device(acc.grads))
+            updated = updated.replace(params=_streaming.on_device(updated.params))
+        return acc, updated
+
+    def optimizer(self, state: Any) -> skeleton.OptimizerAccess:
+        update = functools.partial(_applied, _apply_gradients(state))
+        check = functools.partial(_check_takes, state)  # outside apply_update's try
+        return skeleton.OptimizerAccess(state.tx, update, operator.attrgetter("opt_state"), check)
+
+    def put_back(self, given: Any, new: Any, acc: Accumulated) -> Any:
+        fields = state_fields(given, self.options.model_state_fields, self.options.rng_field)
+        new = fields.write(new.replace(step=given.step + 1), acc.state)
+        if self.options.stream:  # back where each parameter lived
+            new = new.replace(params=_streaming.placed_like(new.params, given.params))
+        return new
+
+
+def _on_mesh(accumulated: Accumulate, layout: MeshLayout, state: Any, specs: Any, *args: Any):
+    """``accumulated(state.params, *args)`` (`layouts.on_mesh`), the parameters laid out by
+    ``specs`` (``state``'s); the gradients, and the parameters the optimiser sees, as the
+    optimiser state (ZeRO-1: split)."""
+    mesh, axis_name, params = layout.mesh, layout.axis_name, state.params
+    row, size = sharding.split_of(layout.strategy), meshes.devices(mesh, axis_name)
+
+    def grad_spec(x: Any, spec: Any) -> Any:  # as the optimiser state, where the row splits it
+        split = row.spec("grads", jnp.shape(x), size, axis_name)
+        return spec if split is None else split
+
+    grads = jax.tree.map(grad_spec, params, specs.params)
+    if not layout.reduce_once:  # jit's global view: the parameters gathered once
+        gathered = meshes.specs_over(specs.params, layouts.others(layout))
+        params = sharding.place(mesh, params, gathered)
+    acc = layouts.on_mesh(
+        accumulated,
+        layout,
+        params,
+        *args,
+        param_specs=specs.params,
+        primal_specs=(specs.params,),
+        grad_specs=(grads,),
+        fix="give `strategy` specs with P('{}') on the stacked layers",
     )
-    model_state, rng = fields.read(state), fields.step_key(state)
-    try:  # the errors a train state's fields explain get a note
-        if layout is not None:
-            with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
-                return layouts.accumulate_on_mesh(
-                    accumulated, layout, state, batch, model_state=model_state, rng=rng
-                )
-        acc = accumulated(state.params, batch, model_state, rng)
-        return layouts.OnMesh(accumulated=acc, state=state, specs=None)
-    except TypeError as e:
-        if isinstance(e, StateStructureError):
-            e.add_note(f"jaxga: {fields.describe(state)}.")
-        elif rng is None:
-            e.add_note(f"jaxga: the loss was given rng=None, as {fields.describe(state)}.")
-        raise
-    except NameError as e:  # JAX's error for a collective over an axis no map binds
-        e.add_note("jaxga: a named axis needs a mesh: pass make_train_step(..., axis_name=NAME).")
-        raise
+    acc = acc._replace(grads=sharding.place(mesh, acc.grads, grads))
+    return acc, state.replace(params=sharding.place(mesh, state.params, grads))
 
 
 def _apply_gradients(state: Any) -> Callable[..., Any]:
@@ -135,23 +188,7 @@ def _applied(method: Callable[..., Any], state: Any, grads: Any, **extra: Any) -
 def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[..., Any]:
     def train_step(state: Any, batch: Any, num_real: Any = None, end_group: Any = None) -> tuple:
         _check_state(state)
-        state = sharding.offload(state, "device", select=options.offload)
-        fields = state_fields(state, options.model_state_fields, options.rng_field)
-        looped = _accumulate_state(loss, options, fields, state, batch, num_real=num_real)
-        acc, updated = looped.accumulated, looped.state
-        if options.stream:  # the update on the device, whole (not yet layer by layer)
-            acc = acc._replace(grads=_streaming.on_device(acc.grads))
-            updated = updated.replace(params=_streaming.on_device(updated.params))
-        update = functools.partial(_applied, _apply_gradients(state))
-        check = functools.partial(_check_takes, state)  # outside apply_update's try
-        access = steps.OptimizerAccess(state.tx, update, operator.attrgetter("opt_state"), check)
-        new, metrics = steps.optimize(options, access, acc, updated, end_group)
-        new = fields.write(new.replace(step=state.step + 1), acc.state)
-        if options.stream:  # back where each parameter lived
-            new = new.replace(params=_streaming.placed_like(new.params, state.params))
-        if options.layout is not None:
-            new = sharding.place(options.layout.mesh, new, looped.specs)
-        return sharding.offload(new, select=options.offload), metrics
+        return skeleton.train_step(_Flax(loss, options, num_real), options, state, batch, end_group)
 
     return train_step
 

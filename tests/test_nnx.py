@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxga
+from jaxga.microbatch import IndivisibleBatchError
 
 RTOL = 2e-5
 assert_close = functools.partial(chex.assert_trees_all_close, rtol=RTOL, atol=1e-6)
@@ -290,3 +291,14 @@ def test_a_module_shared_inside_one_container_is_taken_apart_once(k):
     expected = nnx.value_and_grad(twice)(nnx.List([reference, reference]), batch)
     assert_close(actual, expected)
     assert int(model.calls[...]) == 2 * k
+
+
+def test_indivisible_batch_on_a_mesh_in_the_global_view_names_all_numbers():
+    # the one wiring onto a mesh (layouts.on_mesh) checks the rows for both steps, and for
+    # NNX with reduce_once=False too
+    mesh = jax.make_mesh((1,), ("data",))
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = jaxga.nnx_train_step(lambda m, x: jnp.mean(m(x) ** 2), 4, mesh=mesh, reduce_once=False)
+    with pytest.raises(IndivisibleBatchError, match=r"num_microbatches=4 × 1 devices = 4"):
+        step(model, optimizer, jnp.ones((6, 3)))
