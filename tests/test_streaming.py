@@ -312,14 +312,20 @@ def test_an_nnx_stack_streams_bit_for_bit(k):
     assert kinds(nnx.to_pure_dict(grads)["head"]) == {"device"}
 
 
+def _scan_carries(eqn):
+    """A ``scan`` equation's carried inputs (jax <= 0.10: counted; newer: a flat tree)."""
+    if "num_carry" in eqn.params:
+        start = eqn.params["num_consts"]
+        return eqn.invars[start : start + eqn.params["num_carry"]]
+    return list(eqn.params["ft_in"].update(eqn.invars).unpack()[1])
+
+
 def _host_carries(jaxpr):
     """The shapes of the host-memory carries of every ``scan`` in ``jaxpr`` (and inside)."""
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
-            start = eqn.params["num_consts"]
-            carries = eqn.invars[start : start + eqn.params["num_carry"]]
-            found += [v.aval.shape for v in carries if "<host>" in str(v.aval)]
+            found += [v.aval.shape for v in _scan_carries(eqn) if "<host>" in str(v.aval)]
     for sub in jax.extend.core.subjaxprs(jaxpr):
         found += _host_carries(sub)
     return found
