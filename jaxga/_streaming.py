@@ -42,7 +42,31 @@ def placed_like(tree: Any, homes: Any) -> Any:
     """``tree`` with each leaf written to the memory its leaf of ``homes`` lives in."""
 
     def put(leaf: Any, home: Any) -> Any:
-        return jax.device_put(leaf, _HOST) if memory_space(home) == _HOST else leaf
+        moved = memory_space(home) == _HOST and memory_space(leaf) != _HOST
+        return jax.device_put(leaf, _HOST) if moved else leaf
+
+    return jax.tree.map(put, tree, homes)
+
+
+def zeros_placed_like(tree: Any, homes: Any) -> Any:
+    """`placed_like` for a tree of zeros: a host-memory stack's zeros written a layer at a
+    time (never a stack of zeros on the device).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jaxga._streaming import zeros_placed_like
+        >>> zeros_placed_like(jnp.zeros(2), jnp.ones(2)).tolist()
+        [0.0, 0.0]
+    """
+
+    def put(leaf: Any, home: Any) -> Any:
+        if not is_streamed(home):
+            return placed_like(leaf, home)
+
+        def body(_: None, __: None) -> tuple[None, jax.Array]:
+            return None, jax.device_put(jnp.zeros(leaf.shape[1:], leaf.dtype), _HOST)
+
+        return jax.lax.scan(body, None, length=leaf.shape[0])[1]
 
     return jax.tree.map(put, tree, homes)
 
