@@ -269,7 +269,8 @@ def split_update(
         >>> from jaxga._streaming import leaf_kinds, split_update
         >>> state = jaxga.TrainState.create(params=jnp.ones((2, 3)), tx=optax.sgd(1.0))
         >>> kinds = ([2], [])  # as if the (2, 3) stack lived in host memory
-        >>> update = jaxga.TrainState.apply_gradients
+        >>> def update(state, grads, **extra):
+        ...     return state.apply_gradients(grads=grads, **extra)
         >>> split_update(update, state, jnp.ones((2, 3)), kinds=kinds).params.tolist()
         [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
     """
@@ -347,7 +348,9 @@ def check_elementwise(update: Callable[..., Any], state: Any, kinds: Any, **extr
         >>> import jax.numpy as jnp, optax, jaxga
         >>> from jaxga._streaming import check_elementwise
         >>> state = jaxga.TrainState.create(params=jnp.ones((2, 3)), tx=optax.adam(0.1))
-        >>> check_elementwise(jaxga.TrainState.apply_gradients, state, ([2], [0, 2, 2]))
+        >>> def update(state, grads, **extra):
+        ...     return state.apply_gradients(grads=grads, **extra)
+        >>> check_elementwise(update, state, ([2], [0, 2, 2]))  # adam: exact by layer
     """
     with jax.ensure_compile_time_eval(), jax.disable_jit():  # op by op, scans as loops
         params = _probe(state.params, 0)
@@ -413,9 +416,11 @@ def updated_by_layer(
         >>> state = jaxga.TrainState.create(params=jnp.ones((2, 3)), tx=optax.adam(0.1))
         >>> run = jax.jit(updated_by_layer, static_argnums=0, static_argnames="tx")
         >>> state = state.replace(params=jax.device_put(state.params, host))
-        >>> new = run(jaxga.TrainState.apply_gradients, state, jnp.ones((2, 3)), tx=state.tx)
-        >>> new.params.tolist()[0], str(jax.typeof(new.params).memory_space)
-        ([0.9, 0.9, 0.9], 'MemorySpace.Host')
+        >>> def update(state, grads, **extra):
+        ...     return state.apply_gradients(grads=grads, **extra)
+        >>> new = run(update, state, jnp.ones((2, 3)), tx=state.tx)
+        >>> round(float(new.params[0, 0]), 4), str(jax.typeof(new.params).memory_space)
+        (0.9, 'MemorySpace.Host')
     """
     kinds = leaf_kinds(tx, state.params, state.opt_state)
     check_elementwise(update, state, kinds, **extra)
