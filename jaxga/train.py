@@ -135,14 +135,18 @@ def _applied(method: Callable[..., Any], state: Any, grads: Any, **extra: Any) -
 def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[..., Any]:
     def train_step(state: Any, batch: Any, num_real: Any = None, end_group: Any = None) -> tuple:
         _check_state(state)
-        state = sharding.offload(state, "device", select=options.offload)
+        layers = options.stream == "layers"  # the stacks' optimiser state stays where it lies
+        keep = _streaming.streamed_leaves(state) if layers else None
+        state = sharding.offload(state, "device", select=options.offload, keep=keep)
         fields = state_fields(state, options.model_state_fields, options.rng_field)
         looped = _accumulate_state(loss, options, fields, state, batch, num_real=num_real)
         acc, updated = looped.accumulated, looped.state
-        if options.stream:  # the update on the device, whole (not yet layer by layer)
+        if options.stream is True:  # the update on the device, whole
             acc = acc._replace(grads=_streaming.on_device(acc.grads))
             updated = updated.replace(params=_streaming.on_device(updated.params))
         update = functools.partial(_applied, _apply_gradients(state))
+        if layers:  # the update a layer at a time
+            update = functools.partial(_streaming.updated_by_layer, update, tx=state.tx)
         check = functools.partial(_check_takes, state)  # outside apply_update's try
         access = steps.OptimizerAccess(state.tx, update, operator.attrgetter("opt_state"), check)
         new, metrics = steps.optimize(options, access, acc, updated, end_group)
@@ -151,7 +155,7 @@ def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[...,
             new = new.replace(params=_streaming.placed_like(new.params, state.params))
         if options.layout is not None:
             new = sharding.place(options.layout.mesh, new, looped.specs)
-        return sharding.offload(new, select=options.offload), metrics
+        return sharding.offload(new, select=options.offload, keep=keep), metrics
 
     return train_step
 
@@ -176,7 +180,7 @@ def make_train_step(
     weight: bool | None = None,
     learning_rate: Callable[[Any], Any] | None = None,
     pipeline_axis: str | None = None,
-    stream: bool = False,
+    stream: bool | str = False,
 ) -> TrainStep:
     """Builds a jitted train step `(state, batch) -> (state, metrics)` of a Flax `TrainState`.
 
@@ -218,7 +222,13 @@ def make_train_step(
             [`jaxga.remat_scan(stream=True)`][jaxga.remat_scan]; their gradient sums live
             in host memory too (added on the device a layer at a time); the optimiser's
             update fetches the parameters and gradients whole and writes the parameters
-            back. Bit for bit the resident step; without a `mesh` (docs/streaming.md).
+            back (any `tx`). `"layers"`: the update too runs a layer at a time, each
+            layer's parameters, gradient and optimiser-state slices (moments, with
+            `offload=True` in host memory) fetched, updated and written back: for an
+            elementwise `tx` (sgd, adam, adamw, lion, schedules, `jaxga.MultiSteps` of
+            them); one that reduces across leaves (`clip_by_global_norm`) is refused, found
+            by a probe at trace time. Bit for bit the resident step (`grad_norm` to float
+            rounding with `"layers"`); without a `mesh` (docs/streaming.md).
 
     Returns:
         A [`jaxga.TrainStep`][jaxga.TrainStep]; its `metrics`: `loss`,
