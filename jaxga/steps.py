@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxga import _checks, collectives, layouts, meshes, planner, sharding
-from jaxga._streaming import StreamError, global_norm, layerwise
+from jaxga._layerwise import StreamError
+from jaxga._streaming import global_norm, layerwise
 from jaxga.accumulation import OPTION_CHECKS, Accumulate, accumulate, check_options
 from jaxga.compiler import compiler_options
 from jaxga.engine import Accumulated
@@ -248,14 +249,7 @@ def step_options(
     options.setdefault("has_aux", False)
     options.setdefault("aux", None)
     checked = check_options(**{name: options.pop(name) for name in OPTION_CHECKS})
-    stream = options.pop("stream", False)
-    if not (isinstance(stream, bool) or stream == "layers"):
-        raise TypeError(f"`stream` must be False, True or 'layers'; got {stream!r}.")
-    if stream and layout is not None:  # the state laid out on a mesh: not streamed yet
-        got = f"mesh={dict(layout.mesh.shape)}, axis_name={layout.axis_name!r}"
-        raise ValueError(
-            f"`stream`={stream!r} on a mesh is not supported yet; got {got}, expected None."
-        )
+    stream = _check_stream(options.pop("stream", False), layout)
     if checked["has_aux"] and pipeline_axis is not None:  # its rows would leave the loop per stage
         raise ValueError("`pipeline_axis` with has_aux=True: not supported; return a Mean alone.")
     donate = _checks.check_bool(options.pop("donate"), "donate")
@@ -273,6 +267,18 @@ def step_options(
         **checked,
         **options,
     )
+
+
+def _check_stream(stream: Any, layout: sharding.MeshLayout | None) -> bool | str:
+    """``stream`` (False, True or "layers"), checked: not on a mesh yet."""
+    if not (isinstance(stream, bool) or stream == "layers"):
+        raise TypeError(f"`stream` must be False, True or 'layers'; got {stream!r}.")
+    if stream and layout is not None:  # the state laid out on a mesh: not streamed yet
+        got = f"mesh={dict(layout.mesh.shape)}, axis_name={layout.axis_name!r}"
+        raise ValueError(
+            f"`stream`={stream!r} on a mesh is not supported yet; got {got}, expected None."
+        )
+    return stream
 
 
 def _count(num_microbatches: Any, budget: Any) -> tuple[int | str, int | None]:

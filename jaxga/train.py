@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 from flax.training import train_state
 
-from jaxga import _checks, _streaming, layouts, modules, sharding, steps
+from jaxga import _checks, _layerwise, _streaming, layouts, modules, sharding, steps
 from jaxga.arguments import StateStructureError, check_num_real
 from jaxga.state import StateFields, TrainState, check_field_names, state_fields
 from jaxga.steps import Metrics, StepOptions
@@ -136,7 +136,7 @@ def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[...,
     def train_step(state: Any, batch: Any, num_real: Any = None, end_group: Any = None) -> tuple:
         _check_state(state)
         layers = options.stream == "layers"  # the stacks' optimiser state stays where it lies
-        keep = _streaming.streamed_leaves(state) if layers else None
+        keep = _layerwise.streamed_leaves(state) if layers else None
         state = sharding.offload(state, "device", select=options.offload, keep=keep)
         fields = state_fields(state, options.model_state_fields, options.rng_field)
         looped = _accumulate_state(loss, options, fields, state, batch, num_real=num_real)
@@ -146,7 +146,7 @@ def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[...,
             updated = updated.replace(params=_streaming.on_device(updated.params))
         update = functools.partial(_applied, _apply_gradients(state))
         if layers:  # the update a layer at a time
-            update = functools.partial(_streaming.updated_by_layer, update, tx=state.tx)
+            update = functools.partial(_layerwise.updated_by_layer, update, tx=state.tx)
         check = functools.partial(_check_takes, state)  # outside apply_update's try
         access = steps.OptimizerAccess(state.tx, update, operator.attrgetter("opt_state"), check)
         new, metrics = steps.optimize(options, access, acc, updated, end_group)
