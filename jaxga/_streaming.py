@@ -9,6 +9,7 @@ gradients equal the resident scan's.
 """
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,11 @@ def memory_space(leaf: Any) -> Any:
     return getattr(jax.typeof(leaf), "memory_space", _DEVICE)
 
 
+def is_streamed(leaf: Any) -> bool:
+    """Whether ``leaf`` is a layer stack the update streams: in host memory, with a layer axis."""
+    return memory_space(leaf) == _HOST and jnp.ndim(leaf) > 0
+
+
 def on_device(tree: Any) -> Any:
     """``tree`` with its host-memory leaves fetched to the device (the others as they are)."""
 
@@ -37,7 +43,31 @@ def placed_like(tree: Any, homes: Any) -> Any:
     """``tree`` with each leaf written to the memory its leaf of ``homes`` lives in."""
 
     def put(leaf: Any, home: Any) -> Any:
-        return jax.device_put(leaf, _HOST) if memory_space(home) == _HOST else leaf
+        moved = memory_space(home) == _HOST and memory_space(leaf) != _HOST
+        return jax.device_put(leaf, _HOST) if moved else leaf
+
+    return jax.tree.map(put, tree, homes)
+
+
+def zeros_placed_like(tree: Any, homes: Any) -> Any:
+    """`placed_like` for a tree of zeros: a host-memory stack's zeros written a layer at a
+    time (never a stack of zeros on the device).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jaxga._streaming import zeros_placed_like
+        >>> zeros_placed_like(jnp.zeros(2), jnp.ones(2)).tolist()
+        [0.0, 0.0]
+    """
+
+    def put(leaf: Any, home: Any) -> Any:
+        if not is_streamed(home):
+            return placed_like(leaf, home)
+
+        def body(_: None, __: None) -> tuple[None, jax.Array]:
+            return None, jax.device_put(jnp.zeros(leaf.shape[1:], leaf.dtype), _HOST)
+
+        return jax.lax.scan(body, None, length=leaf.shape[0])[1]
 
     return jax.tree.map(put, tree, homes)
 
@@ -138,3 +168,26 @@ def layerwise(fn: Callable[..., Any], home: Any, *others: Any) -> Any:
         return jax.lax.scan(body, None, (leaf, *rest))[1]
 
     return jax.tree.map(one, home, *others)
+
+
+def global_norm(tree: Any) -> jax.Array:
+    """``optax.tree.norm(tree)``, each host-memory stack's squares summed a layer at a time on
+    the device (to float rounding of the whole leaf's sum: the order of the sum differs).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jaxga._streaming import global_norm
+        >>> float(global_norm({"w": jnp.full((2, 2), 3.0), "b": jnp.zeros(1)}))
+        6.0
+    """
+
+    def squares(leaf: Any) -> jax.Array:
+        if not is_streamed(leaf):
+            return jnp.sum(jnp.square(on_device(leaf)))
+
+        def body(total: jax.Array, layer: jax.Array) -> tuple[jax.Array, None]:
+            return total + jnp.sum(jnp.square(on_device(layer))), None
+
+        return jax.lax.scan(body, jnp.zeros((), jax.typeof(leaf).dtype), leaf)[0]
+
+    return jnp.sqrt(jax.tree.reduce(operator.add, jax.tree.map(squares, tree), initializer=0))

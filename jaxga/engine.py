@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, arguments, auxiliary, collectives, meshes, modules
-from jaxga._streaming import layerwise, placed_like
+from jaxga._streaming import layerwise, zeros_placed_like
 from jaxga.arguments import Options
 from jaxga.convolution import canonical_convolutions, rewrites
 from jaxga.loss import Mean, check_value
@@ -198,7 +198,7 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
     zero = jnp.zeros((), call.sum_dtype)
     init = Carry(
         index=jnp.zeros((), jnp.int32),
-        grads=placed_like(  # each sum where its parameter lives (host memory: streamed)
+        grads=zeros_placed_like(  # each sum where its parameter lives (host memory: streamed)
             collectives.zeros_like_sums(call.primals, grad_dtype), call.primals
         ),
         total=zero,

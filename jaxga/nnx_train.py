@@ -172,6 +172,10 @@ class _NNX(NamedTuple):
     num_real: Any
     key: Any  # `rngs` given as a PRNG key, or None
 
+    def streamed(self, state: Any) -> None:
+        """No leaf streamed: each offloaded as ``offload`` says."""
+        return None
+
     def specs(self, state: Any, layout: sharding.MeshLayout) -> Any:
         """As the metadata, or the strategy, says; the rest as it is."""
         mesh, axis_name = layout.mesh, layout.axis_name

@@ -196,8 +196,12 @@ def check_select(select: Any, name: str) -> Any:
     return select
 
 
-def offload(state: Any, memory_kind: str = "pinned_host", *, select: Any = True) -> Any:
+def offload(
+    state: Any, memory_kind: str = "pinned_host", *, select: Any = True, keep: Any = None
+) -> Any:
     """Moves the leaves ``select(path, leaf)`` picks to ``memory_kind`` (``"device"``: back).
+
+    ``keep``: ``None``, or a tree of bools like ``state``: its True leaves stay where they lie.
 
     ``select=True`` picks the optimiser state: the leaves under an ``opt_state`` (all, if no
     path names one), but of a MultiSteps state only its ``inner_opt_state``; ``False``: none.
@@ -217,6 +221,8 @@ def offload(state: Any, memory_kind: str = "pinned_host", *, select: Any = True)
     else:  # the rule above, cached by tree structure
         moved = _MOVED.get(treedef) or _MOVED.setdefault(treedef, _optimizer_leaves(state))
         moved = [m and bool(select) for m in moved]
+    if keep is not None:
+        moved = [m and not k for m, k in zip(moved, jax.tree.leaves(keep), strict=True)]
 
     def move(x: Any) -> Any:
         if isinstance(x, jax.core.Tracer):

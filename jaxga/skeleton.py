@@ -38,12 +38,14 @@ def train_step(
 ) -> tuple[Any, Metrics]:
     """One train step of ``state`` (traced) on ``batch``; ``kind``, a small `NamedTuple`
     (`train._Flax`, `nnx_train._NNX`), takes the model apart and puts it back:
-    ``kind.specs(state, layout)`` (its specs on a mesh), ``kind.accumulate(state, batch,
+    ``kind.streamed(state)`` (None, or the leaves left where they lie), ``kind.specs(state,
+    layout)`` (its specs on a mesh), ``kind.accumulate(state, batch,
     specs)`` (the accumulated loss, `layouts.on_mesh` on a mesh, and the state the optimiser
     updates), ``kind.optimizer(state)`` (an `OptimizerAccess`), ``kind.put_back(state, new,
     acc)`` (the new state). Returns the new state, placed and offloaded as it came, and the
     metrics."""
-    state = sharding.offload(state, "device", select=options.offload)
+    keep = kind.streamed(state)  # the leaves that stay where they lie
+    state = sharding.offload(state, "device", select=options.offload, keep=keep)
     layout, specs = options.layout, None
     if layout is not None:  # the strategy's layout, or the metadata's
         specs = kind.specs(state, layout)
@@ -55,4 +57,4 @@ def train_step(
         new = sharding.place(layout.mesh, new, specs)
     if options.has_aux:
         metrics["aux"] = acc.aux
-    return sharding.offload(new, select=options.offload), metrics
+    return sharding.offload(new, select=options.offload, keep=keep), metrics

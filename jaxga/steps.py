@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxga import _checks, collectives, layouts, meshes, planner, sharding
+from jaxga._layerwise import StreamError
+from jaxga._streaming import global_norm, layerwise
 from jaxga.accumulation import OPTION_CHECKS, Accumulate, accumulate, check_options
 from jaxga.arguments import check_num_real
 from jaxga.compiler import compiler_options
@@ -39,6 +41,8 @@ def apply_update(
         shapes = [jnp.shape(x) for _, x in paths]
         try:
             new = update(state, grads)
+        except StreamError:
+            raise
         except (TypeError, ValueError) as e:
             raise ValueError(
                 f"The optimiser's update fails on these parameters ({e}): {_HINT}"
@@ -56,7 +60,8 @@ def apply_update(
 
     if always:
         zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))  # not a constant
-        return updated(state, jax.tree.map(lambda g: jnp.where(counted, g, zero), acc.grads))
+        grads = layerwise(lambda g: jnp.where(counted, g, zero), acc.grads)  # streamed: by layer
+        return updated(state, grads)
     return collectives.when(counted, updated, state, acc.grads, otherwise=kept)
 
 
@@ -87,7 +92,7 @@ def metrics(
     return {
         "loss": acc.mean.value,
         "count": acc.mean.count,
-        "grad_norm": optax.tree.norm(acc.grads),
+        "grad_norm": (global_norm if options.stream == "layers" else optax.tree.norm)(acc.grads),
         "learning_rate": _learning_rate(options.learning_rate, opt_state),
         "applied": (counted | always) & applied,
     }
@@ -190,7 +195,8 @@ class StepOptions:
         canonical_convolutions: the loop's convolutions in XLA:CPU's fast layout.
         weight: whether `tx.update` gets `weight=`; `None`: for a `jaxga.MultiSteps`, or one in tx.
         learning_rate: the `learning_rate` metric, a function of the optimiser state.
-        stream: whether parameters in host memory stay there (the loss streams them).
+        stream: whether parameters in host memory stay there (the loss streams them); `"layers"`:
+            the optimiser's update runs over them a layer at a time too.
 
     Examples:
         >>> import jaxga
@@ -213,7 +219,7 @@ class StepOptions:
     canonical_convolutions: bool | str = "auto"
     weight: bool | None = None
     learning_rate: Callable[[Any], Any] = injected_learning_rate
-    stream: bool = False
+    stream: bool | str = False
 
 
 def step_options(
@@ -243,10 +249,7 @@ def step_options(
     options.setdefault("has_aux", False)
     options.setdefault("aux", None)
     checked = check_options(**{name: options.pop(name) for name in OPTION_CHECKS})
-    stream = _checks.check_bool(options.pop("stream", False), "stream")
-    if stream and layout is not None:  # the state laid out on a mesh: not streamed yet
-        got = f"mesh={dict(layout.mesh.shape)}, axis_name={layout.axis_name!r}"
-        raise ValueError(f"`stream`=True on a mesh is not supported yet; got {got}, expected None.")
+    stream = _check_stream(options.pop("stream", False), layout)
     if checked["has_aux"] and pipeline_axis is not None:  # its rows would leave the loop per stage
         raise ValueError("`pipeline_axis` with has_aux=True: not supported; return a Mean alone.")
     donate = _checks.check_bool(options.pop("donate"), "donate")
@@ -264,6 +267,18 @@ def step_options(
         **checked,
         **options,
     )
+
+
+def _check_stream(stream: Any, layout: sharding.MeshLayout | None) -> bool | str:
+    """``stream`` (False, True or "layers"), checked: not on a mesh yet."""
+    if not (isinstance(stream, bool) or stream == "layers"):
+        raise TypeError(f"`stream` must be False, True or 'layers'; got {stream!r}.")
+    if stream and layout is not None:  # the state laid out on a mesh: not streamed yet
+        got = f"mesh={dict(layout.mesh.shape)}, axis_name={layout.axis_name!r}"
+        raise ValueError(
+            f"`stream`={stream!r} on a mesh is not supported yet; got {got}, expected None."
+        )
+    return stream
 
 
 def _count(num_microbatches: Any, budget: Any) -> tuple[int | str, int | None]:

@@ -12,6 +12,7 @@ from flax import nnx
 from flax.training import train_state
 
 from jaxga import _checks, _streaming, layouts, meshes, modules, sharding, skeleton, steps
+from jaxga._layerwise import streamed_leaves, updated_by_layer
 from jaxga.accumulation import Accumulate
 from jaxga.arguments import StateStructureError
 from jaxga.engine import Accumulated
@@ -110,15 +111,21 @@ class _Flax(NamedTuple):
             fix = "pass make_train_step(..., axis_name=NAME)"
             e.add_note(f"jaxga: a named axis needs a mesh: {fix}.")
             raise
-        if options.stream:  # the update on the device, whole (not yet layer by layer)
+        if options.stream is True:  # the update on the device, whole
             acc = acc._replace(grads=_streaming.on_device(acc.grads))
             updated = updated.replace(params=_streaming.on_device(updated.params))
         return acc, updated
 
     def optimizer(self, state: Any) -> skeleton.OptimizerAccess:
         update = functools.partial(_applied, _apply_gradients(state))
+        if self.options.stream == "layers":  # the update a layer at a time
+            update = functools.partial(updated_by_layer, update, tx=state.tx)
         check = functools.partial(_check_takes, state)  # outside apply_update's try
         return skeleton.OptimizerAccess(state.tx, update, operator.attrgetter("opt_state"), check)
+
+    def streamed(self, state: Any) -> Any:
+        """``None``, or with ``stream="layers"`` the leaves that stay in host memory."""
+        return streamed_leaves(state) if self.options.stream == "layers" else None
 
     def put_back(self, given: Any, new: Any, acc: Accumulated) -> Any:
         fields = state_fields(given, self.options.model_state_fields, self.options.rng_field)
@@ -213,7 +220,7 @@ def make_train_step(
     weight: bool | None = None,
     learning_rate: Callable[[Any], Any] | None = None,
     pipeline_axis: str | None = None,
-    stream: bool = False,
+    stream: bool | str = False,
 ) -> TrainStep:
     """Builds a jitted train step `(state, batch) -> (state, metrics)` of a Flax `TrainState`.
 
@@ -255,7 +262,13 @@ def make_train_step(
             [`jaxga.remat_scan(stream=True)`][jaxga.remat_scan]; their gradient sums live
             in host memory too (added on the device a layer at a time); the optimiser's
             update fetches the parameters and gradients whole and writes the parameters
-            back. Bit for bit the resident step; without a `mesh` (docs/streaming.md).
+            back (any `tx`). `"layers"`: the update too runs a layer at a time, each
+            layer's parameters, gradient and optimiser-state slices (moments, with
+            `offload=True` in host memory) fetched, updated and written back: for an
+            elementwise `tx` (sgd, adam, adamw, lion, schedules, `jaxga.MultiSteps` of
+            them); one that reduces across leaves (`clip_by_global_norm`) is refused, found
+            by a probe at trace time. Bit for bit the resident step (`grad_norm` to float
+            rounding with `"layers"`); without a `mesh` (docs/streaming.md).
 
     Returns:
         A [`jaxga.TrainStep`][jaxga.TrainStep]; its `metrics`: `loss`,

@@ -189,10 +189,10 @@ def streamed(state):
     )
 
 
-def train(k, policy, *, stream, offload=False, steps=2):
-    loss = functools.partial(step_loss, stream=stream, policy=policy)
+def train(k, policy, *, stream, offload=False, steps=2, tx=None):
+    loss = functools.partial(step_loss, stream=bool(stream), policy=policy)
     step = jaxga.make_train_step(loss, k, stream=stream, offload=offload)
-    state = jaxga.TrainState.create(params=model_params(), tx=optimizer())
+    state = jaxga.TrainState.create(params=model_params(), tx=tx or optimizer())
     state = streamed(state) if stream else state
     for i in range(steps):
         state, metrics = step(state, batch_of(i))
@@ -312,14 +312,20 @@ def test_an_nnx_stack_streams_bit_for_bit(k):
     assert kinds(nnx.to_pure_dict(grads)["head"]) == {"device"}
 
 
+def _scan_carries(eqn):
+    """A ``scan`` equation's carried inputs (jax <= 0.10: counted; newer: a flat tree)."""
+    if "num_carry" in eqn.params:
+        start = eqn.params["num_consts"]
+        return eqn.invars[start : start + eqn.params["num_carry"]]
+    return list(eqn.params["ft_in"].update(eqn.invars).unpack()[1])
+
+
 def _host_carries(jaxpr):
     """The shapes of the host-memory carries of every ``scan`` in ``jaxpr`` (and inside)."""
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
-            start = eqn.params["num_consts"]
-            carries = eqn.invars[start : start + eqn.params["num_carry"]]
-            found += [v.aval.shape for v in carries if "<host>" in str(v.aval)]
+            found += [v.aval.shape for v in _scan_carries(eqn) if "<host>" in str(v.aval)]
     for sub in jax.extend.core.subjaxprs(jaxpr):
         found += _host_carries(sub)
     return found
@@ -333,3 +339,81 @@ def test_the_gradient_sums_of_streamed_params_live_in_host_memory():
     carries = _host_carries(step.trace(state, batch_of(0)).jaxpr.jaxpr)
     stack = {x.shape for x in jax.tree.leaves(state.params["layers"])}
     assert stack <= set(carries), (stack, carries)
+
+
+# The optimiser's update a layer at a time (`stream="layers"`).
+
+SCHEDULE = optax.linear_schedule(0.05, 0.01, 3)
+OPTIMIZERS = {
+    "adamw": optimizer,
+    "inject_hyperparams": functools.partial(
+        optax.inject_hyperparams(optax.adam), learning_rate=SCHEDULE
+    ),
+    "multisteps": functools.partial(jaxga.MultiSteps, optimizer(), every_k=2),
+}
+
+
+def _moments(opt_state):
+    """Adam's moments of the stacked layers (`offload=True` moves them, not a MultiSteps' sums)."""
+    paths = [
+        (jax.tree_util.keystr(path), x)
+        for path, x in jax.tree_util.tree_leaves_with_path(opt_state)
+    ]
+    return [x for path, x in paths if "['layers']" in path and (".mu" in path or ".nu" in path)]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["resident_state", "offload"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_update_by_layer_is_the_resident_update_bit_for_bit(k, name, offload):
+    tx = OPTIMIZERS[name]()
+    state, metrics = train(k, "full", stream="layers", offload=offload, steps=3, tx=tx)
+    resident, resident_metrics = train(k, "full", stream=False, steps=3, tx=tx)
+    assert_equal((state.params, state.opt_state), (resident.params, resident.opt_state))
+    norm = metrics.pop("grad_norm"), resident_metrics.pop("grad_norm")
+    np.testing.assert_allclose(*norm, rtol=1e-6)  # the squares summed a layer at a time
+    assert_equal(metrics, resident_metrics)
+    assert kinds(state.params["layers"]) == {"pinned_host"}
+    assert kinds(_moments(state.opt_state)) == {"pinned_host" if offload else "device"}
+    assert kinds((state.params["embed"], state.params["head"])) == {"device"}
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+        optax.lamb(1e-3),
+        jaxga.MultiSteps(optax.adam(1e-3), every_k=2, should_skip_update_fn=jaxga.skip_not_finite),
+    ],
+    ids=["clip_by_global_norm", "lamb", "multisteps_skip_not_finite"],
+)
+def test_the_update_by_layer_refuses_an_optimiser_that_reduces_across_leaves(tx):
+    message = (
+        r'`stream`="layers" updates a layer at a time, exact only for an optimiser that '
+        r"updates each element .* got .* a layer at a time; expected the whole-tree .*"
+        r"build the step with stream=True \(the whole-tree update\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        train(1, "full", stream="layers", tx=tx, steps=1)
+    train(1, "full", stream=True, tx=tx, steps=1)  # the whole-tree update takes it
+
+
+def test_the_update_moves_one_layer_at_a_time():
+    """Read from the traced step (with `offload=True`): every move between memories, in the
+    loss, the micro-batch loop and the update, is one layer's slice or a resident leaf, none
+    a stack's shape; from the compiled step: the stack and its two moments are host-memory
+    (``S(5)``) arguments and results."""
+    loss = functools.partial(step_loss, stream=True, policy="full")
+    step = jaxga.make_train_step(loss, 2, stream="layers", offload=True)
+    state = streamed(jaxga.TrainState.create(params=model_params(), tx=optimizer()))
+    traced = step.trace(jaxga.sharding.offload(state), batch_of(0))
+    stacks = {x.shape for x in jax.tree.leaves(state.params["layers"])}
+    moves = {shape for shape, _ in _device_puts(traced.jaxpr.jaxpr)}
+    assert {shape[1:] for shape in stacks} <= moves and not moves & stacks, (moves, stacks)
+    layout = traced.lower().compile().as_text().splitlines()[0]
+    layout = layout.split("entry_computation_layout=")[1].split(", allow_spmd")[0]
+    for shape in stacks:  # the stack, mu and nu; in and out
+        dims = ",".join(map(str, shape))
+        assert (
+            layout.count(f"f32[{dims}]{{{','.join(map(str, range(len(shape))[::-1]))}:S(5)}}") >= 6
+        )
