@@ -328,6 +328,26 @@ def note_stage_axis(axis: Any) -> None:
         seen.append(axis)
 
 
+def rows_invariant_axes(route: Route, batch: Any) -> tuple[Any, ...]:
+    """The axes of a manual ``route`` that no leaf of ``batch`` varies over: devices along
+    them hold the same rows (a pipeline's stages), so a micro-batch counts once there.
+    None off a manual route, without a batch, or in a ``shard_map`` with ``check_vma=False``.
+
+    Examples:
+        >>> import jax.numpy as jnp, jaxga
+        >>> route = jaxga.collectives.find_route((), [jnp.ones(4)])
+        >>> jaxga.collectives.rows_invariant_axes(route, jnp.ones(4))
+        ()
+    """
+    leaves = jax.tree.leaves(batch)
+    if route.kind != "manual" or not leaves:
+        return ()
+    if not varying_axes(varying(jnp.zeros(()), route.axes)):  # check_vma=False: types unread
+        return ()
+    over = set().union(*map(varying_axes, leaves))
+    return tuple(a for a in route.axes if a not in over)
+
+
 def counted_once(mean: Any, stage_axes: list, route: Route) -> tuple[Any, Any]:
     """A micro-batch's ``mean``'s ``(total, count)`` as its pipelines' last stages give them
     (docs/pipeline.md, "A loss computed per stage"): over a stage axis of the route, zeros on
@@ -352,5 +372,6 @@ _NOT_REDUCED = (
     "axes jaxga sums the loss over: {route}) does not name: add them to `axis_name` if "
     "each device there holds other rows of the batch, or return the loss the same on "
     "every device of them (jax.lax.psum of a total masked to the device that holds it, "
-    "with its count)."
+    "with its count). A pipeline's stage axis, the batch the same on every stage: add it "
+    "to `axis_name`, and each micro-batch counts once, on the last stage."
 )

@@ -140,6 +140,13 @@ def _arguments_of(
 def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callable[..., Any]:
     """``fun`` on one micro-batch: ``(primals, batches, index, threaded) -> (total, micro)``."""
 
+    if call.opened is None:  # the user's shard_map: the axes the batch is the same over
+        once = collectives.rows_invariant_axes(
+            call.route, [call.args[i] for i in options.batch_argnums]
+        )
+    else:  # jaxga's: the stage axes manual beside the batch's (a train step's pipeline_axis)
+        once = tuple(axis for axis in call.opened.manual if axis not in call.route.axes)
+
     def loss(primals, batches, index, threaded):
         if call.opened is not None and call.opened.gather_each:  # ZeRO-3: not hoisted
             primals, batches = jax.lax.optimization_barrier((primals, batches))
@@ -157,6 +164,7 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
             for i, parts in call.parts.items()
         }
         module_state = arguments.cast_like(module_state, threaded.modules, "left its modules")
+        stage_axes += [axis for axis in once if axis not in stage_axes]
         total, count = collectives.counted_once(output.mean, stage_axes, call.route)
         count = jax.lax.stop_gradient(count.astype(call.sum_dtype))
         micro = MicroOutput(count, output.aux, Threaded(user=output.state, modules=module_state))

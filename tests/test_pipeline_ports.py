@@ -108,6 +108,38 @@ def test_a_loss_computed_per_stage_counts_each_micro_batch_once(returns, axis_na
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@jax.checkpoint
+def _remat_pipeline(stack, x):
+    return jaxga.pipeline_scan(layer, stack, x, num_microbatches=4, axis_name="model")
+
+
+def _remat_loss(stack, head, batch):
+    y = _remat_pipeline(stack, batch["x"])  # traced once: JAX reuses it on the next trace
+    last = jax.lax.axis_index("model") == jax.lax.axis_size("model") - 1
+    return jnp.where(last, cross_entropy(y @ head, batch["y"]), 0.0).mean()
+
+
+def test_a_pipeline_traced_once_by_jax_counts_once_on_every_trace():
+    """A pipeline inside ``jax.checkpoint``: the second trace reuses JAX's cached jaxpr, so no
+    Python of the pipeline runs; its stages still count each micro-batch once, the stage
+    axis in `axis_name` (the batch the same on every stage), and a stage axis left out of
+    `axis_name` is refused, never summed."""
+    want_value, want_grads = jax.value_and_grad(on_one_device, argnums=(0, 1))(*problem())
+    for _ in range(2):  # a fresh step and trace each time
+        step, placed = uva_step(_remat_loss, ("data", "model"))
+        value, grads = step(*placed)
+        np.testing.assert_allclose(value, want_value, rtol=RTOL, atol=ATOL)
+        for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    step, placed = uva_step(_remat_loss, "data")
+    try:  # the stage axis outside `axis_name`: the pipeline's note, or an error naming it
+        value = step(*placed)[0]
+    except ValueError as e:
+        assert re.search(r"varies over the mesh axes \['model'\]", str(e)), e
+    else:
+        np.testing.assert_allclose(value, want_value, rtol=RTOL, atol=ATOL)
+
+
 def test_a_pipeline_in_a_shard_map_without_its_check_is_refused_saying_so():
     step, placed = uva_step(uva_loss("mean"), ("data", "model"), check_vma=False)
     with pytest.raises(ValueError, match=r"check_vma=False.*check_vma=True"):
