@@ -71,7 +71,7 @@ import multisteps
 import run
 
 import jaxga
-from jaxga.remat import remat_options
+from jaxga.remat import REMAT, remat_options
 
 GiB, TiB = 2**30, 2**40
 VOCAB = 32_000
@@ -191,9 +191,10 @@ def decoder_layer(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     return x + (jax.nn.silu(h @ w["w1"]) * (h @ w["w3"])) @ w["w2"]
 
 
-def loss_for(remat: str) -> Callable[..., jaxga.Mean]:
-    """The token-weighted next-token loss, its layers a ``remat_scan`` with remat ``remat``."""
-    options = remat_options(remat)
+def loss_for(remat: str, stream: bool = False) -> Callable[..., jaxga.Mean]:
+    """The token-weighted next-token loss, its layers a ``remat_scan`` with remat ``remat``
+    (``stream``: each layer fetched from host memory, ``remat_scan(stream=True)``)."""
+    options = remat_options(remat) | ({"stream": True} if stream else {})
 
     def loss(params: dict[str, Any], batch: dict[str, jax.Array]) -> jaxga.Mean:
         x = params["embed"][batch["inputs"]].astype(jnp.bfloat16)
@@ -254,13 +255,57 @@ def compile_step(setting: Setting, model: Llama, card: Card, batch: int) -> Fit:
         stats = gpu.program(step, *gpu.on(device, args)).memory_analysis()
         return fit_for(multisteps.peak(stats), 0, card)
     state = jax.eval_shape(functools.partial(jaxga.TrainState.create, tx=adamw), params)
-    offload = setting.method == "jaxga offload=True"
-    step = jaxga.make_train_step(_jaxga_loss(loss), k, offload=offload)
+    state, batch_ = gpu.on(device, (state, abstract_batch(batch, model.seq_len)))
+    if setting.method == "jaxga streaming":
+        state = on_host(device, state, streamed)
+        loss = loss_for(setting.remat, stream=True)
+        step = jaxga.make_train_step(_jaxga_loss(loss), k, stream="layers", offload=True)
+    else:
+        offload = setting.method == "jaxga offload=True"
+        step = jaxga.make_train_step(_jaxga_loss(loss), k, offload=offload)
     with gpu.cudnn_attention():
-        report = jaxga.memory_report(
-            step, *gpu.on(device, (state, abstract_batch(batch, model.seq_len)))
-        )
+        report = jaxga.memory_report(step, state, batch_)
     return fit_for(report.peak_bytes, report.host_bytes, card)
+
+
+class _PinnedHost(jax.sharding.NamedSharding):
+    """A one-device sharding in pinned host memory that a described device keeps.
+
+    ``SingleDeviceSharding(device, memory_kind="pinned_host")`` (or a ``NamedSharding``'s)
+    drops the memory kind to None for a described device, which has no memories
+    (``addressable_memories()`` is empty), and an abstract argument's memory space comes
+    from a ``NamedSharding``'s memory kind alone; this one reports ``"pinned_host"``, so that
+    the argument is traced in host memory (``float32<host>``) and lowered with
+    ``mhlo.memory_kind = "pinned_host"``, which XLA's GPU compiler takes (host arguments
+    and outputs counted apart, ``host_*_size_in_bytes``)."""
+
+    @property
+    def memory_kind(self) -> str:
+        return "pinned_host"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _PinnedHost) and super().__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash((super().__hash__(), "pinned_host"))
+
+
+def on_host(device: jax.Device, tree: Any, select: Callable[[Any], bool]) -> Any:
+    """``tree``'s leaves whose path ``select`` picks placed in ``device``'s pinned host memory."""
+    mesh = jax.sharding.Mesh([device], ("host",))
+    host = _PinnedHost(mesh, jax.sharding.PartitionSpec())
+
+    def place(path: Any, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        return x.update(sharding=host) if select(path) else x
+
+    return jax.tree_util.tree_map_with_path(place, tree)
+
+
+def streamed(path: Any) -> bool:
+    """The leaves ``jaxga streaming`` keeps in host memory: the layer stack's parameters and
+    the optimiser state (``offload=True``'s leaves, where the step leaves them)."""
+    names = [getattr(key, "name", getattr(key, "key", None)) for key in path]
+    return names[:2] == ["params", "layers"] or names[:1] == ["opt_state"]
 
 
 def _mean_value(loss: Callable[..., jaxga.Mean], params: Any, batch: Any) -> jax.Array:
@@ -332,7 +377,8 @@ def best_setting(
 ) -> tuple[Setting, Fit]:
     """The candidate remat and micro-batch of ``method`` with the smallest compiled peak at
     ``args.probe_size``, and that peak."""
-    candidates = [Setting(method, r, m) for r in args.remats for m in args.micro]
+    remats = [r for r in args.remats if method != "jaxga streaming" or r in STREAMABLE]
+    candidates = [Setting(method, r, m) for r in remats for m in args.micro]
     model = Llama.of(args.probe_size, args.seq_len)
     peaks = {}
     for setting in candidates:
@@ -342,8 +388,9 @@ def best_setting(
     return best, peaks[best]
 
 
-METHODS = ("optax.MultiSteps", "jaxga resident", "jaxga offload=True")
+METHODS = ("optax.MultiSteps", "jaxga resident", "jaxga offload=True", "jaxga streaming")
 FLOPS_PER_PARAM_TOKEN = {"full": 8, "sqrt": 10}  # others (saving the matmuls): 6
+STREAMABLE = [name for name, row in REMAT.items() if row.segments == 1]  # remat_scan(stream=)
 MOVED_EACH_WAY = {"jaxga offload=True": 8}  # bytes a parameter a step: AdamW's moments
 
 
@@ -391,7 +438,7 @@ def table(results: dict[str, dict[str, Largest]], args: argparse.Namespace) -> l
         f"{'peak GiB':>8} {'host GiB':>8} {'moved':>7} {'model s':>7}  next size: peak / host GiB",
     ]
     for card in CARDS.values():
-        for method in (*METHODS, "jaxga streaming"):
+        for method in METHODS:
             found = results[card.name].get(method)
             if found is None:
                 lines.append(f"{card.name:10} {method:19} not built")
@@ -411,7 +458,7 @@ def last_line(results: dict[str, dict[str, Largest]], seq_len: int) -> str:
         found = [results[card][m].size for m in methods if m in results[card]]
         return max(billions(size, seq_len) for size in found)
 
-    jaxga_methods = tuple(m for m in (*METHODS, "jaxga streaming") if m != "optax.MultiSteps")
+    jaxga_methods = tuple(m for m in METHODS if m != "optax.MultiSteps")
     return (
         f"biggest model: H100 80GB {best('H100 80GB', jaxga_methods):.1f}B "
         f"(optax.MultiSteps {best('H100 80GB', ('optax.MultiSteps',)):.1f}B), "
