@@ -391,7 +391,12 @@ def best_setting(
 METHODS = ("optax.MultiSteps", "jaxga resident", "jaxga offload=True", "jaxga streaming")
 FLOPS_PER_PARAM_TOKEN = {"full": 8, "sqrt": 10}  # others (saving the matmuls): 6
 STREAMABLE = [name for name, row in REMAT.items() if row.segments == 1]  # remat_scan(stream=)
-MOVED_EACH_WAY = {"jaxga offload=True": 8}  # bytes a parameter a step: AdamW's moments
+# Bytes a parameter moves a step with k micro-batches, (to the device, to the host), for a
+# parameter of the layer stack and for one outside it (embedding, norm, head): the module doc.
+MOVED_EACH_WAY: dict[str, Callable[[int], tuple[tuple[int, int], tuple[int, int]]]] = {
+    "jaxga offload=True": lambda k: ((8, 8), (8, 8)),  # AdamW's moments, once a step
+    "jaxga streaming": lambda k: ((16 * k + 24, 8 * k + 20), (8, 8)),
+}
 
 
 class Modelled(NamedTuple):
@@ -403,13 +408,23 @@ class Modelled(NamedTuple):
     step_s: float  # the larger of the two: transfers overlap compute
 
 
+def stack_params(model: Llama) -> int:
+    """The parameters of the layer stack (``params["layers"]``)."""
+    return model.num_params() - (2 * VOCAB * model.dim + model.dim)
+
+
 def modelled(setting: Setting, model: Llama, card: Card, tokens: int) -> Modelled:
     """The modelled step time of ``setting`` for ``model`` on ``card`` (see the module doc)."""
-    n = model.num_params()
+    n, stack = model.num_params(), stack_params(model)
     compute = FLOPS_PER_PARAM_TOKEN.get(setting.remat, 6) * n * tokens / card.flops
-    each_way = MOVED_EACH_WAY.get(setting.method, 0) * n
-    transfer = each_way / card.link
-    return Modelled(2 * each_way, compute, transfer, max(compute, transfer))
+    k = tokens // (model.seq_len * setting.micro)
+    (in_stack, out_stack), (in_rest, out_rest) = MOVED_EACH_WAY.get(
+        setting.method, lambda k: ((0, 0), (0, 0))
+    )(k)
+    to_device = in_stack * stack + in_rest * (n - stack)
+    to_host = out_stack * stack + out_rest * (n - stack)
+    transfer = max(to_device, to_host) / card.link
+    return Modelled(to_device + to_host, compute, transfer, max(compute, transfer))
 
 
 def billions(size: int | None, seq_len: int) -> float:
