@@ -21,8 +21,14 @@ beside it (1 TiB beside the 80 GB card, 256 GiB beside the 24 GB one):
 - ``jaxga resident``: ``jaxga.make_train_step(loss, k)``, the whole step in one call;
 - ``jaxga offload=True``: the same with AdamW's state in pinned host memory between steps
   (its bytes counted as host bytes by ``jaxga.memory_report``);
-- ``jaxga streaming``: parameters, gradient sums and optimiser state streamed from host
-  memory layer by layer (issue 48): not built yet.
+- ``jaxga streaming``: ``jaxga.make_train_step(loss, k, stream="layers", offload=True)``,
+  the loss's layers ``remat_scan(..., stream=True)``: the layer stack (``params["layers"]``)
+  and the whole optimiser state in pinned host memory, each layer fetched in the forward and
+  the backward pass, its gradient sums in host memory, the update a layer at a time. A
+  described device has no memories, so ``SingleDeviceSharding(device,
+  memory_kind="pinned_host")`` loses its memory kind; the host-resident arguments take
+  ``_PinnedHost``, a sharding that keeps it, and XLA's GPU compiler then reports their bytes
+  (and the host temporaries: the gradient sums, the update's new stacks) as host bytes.
 
 For each row the remat and micro-batch are the candidates' (``--remats``, ``--micro``)
 with the smallest compiled peak at the first size probed; a smaller peak fits a larger
@@ -32,9 +38,21 @@ Each row also gives a modelled step time, labelled as a model: the larger of the
 at the card's peak (bfloat16 dense: 8·N·T FLOPs with remat ``full``, 6·N·T with a remat
 that saves the matrix products, 10·N·T with ``sqrt``; N parameters, T tokens a step;
 attention's own FLOPs left out) and the host↔device transfers at the card's host link
-(PCIe, per direction, full duplex: the larger direction counts). ``offload=True`` moves
-AdamW's two moments in and out once a step (8 bytes a parameter each way); the resident
-steps move nothing but the batch (left out).
+(PCIe, per direction, full duplex: the larger direction counts), overlapped with the
+compute. ``offload=True`` moves AdamW's two moments in and out once a step (8 bytes a
+parameter each way); the resident steps move nothing but the batch (left out).
+
+``jaxga streaming`` (``MOVED_EACH_WAY``), read from the compiled program's loops, per float32
+parameter of the layer stack and step of k micro-batches: each micro-batch fetches the layer
+in the forward pass (4 bytes to the device) and again in the backward (4), writes the layer's
+gradient to host memory (4 to the host), and adds it to the gradient sum a layer at a time
+(the sum and the gradient fetched, 8 to the device; the sum written back, 4 to the host):
+16 bytes to the device and 8 to the host a micro-batch. Once a step: the sums' zeros
+written (4 to the host), divided by the count (4 and 4), their norm for ``grad_norm`` (4 to
+the device) and the update (parameters, gradient and two moments fetched, 16; parameters
+and moments written back, 12). In all 16k + 24 bytes to the device and 8k + 20 to the host.
+The parameters outside the stack (embedding, final norm, head) stay on the device; their
+moments move as ``offload=True``'s (8 bytes each way).
 
 The H100 is ``compiled_for_gpu.H100_SXM``. The 24 GB card is an NVIDIA GeForce RTX 4090
 described the same way (``RTX_4090`` below, XLA's target config from NVIDIA's published
