@@ -21,8 +21,14 @@ beside it (1 TiB beside the 80 GB card, 256 GiB beside the 24 GB one):
 - ``jaxga resident``: ``jaxga.make_train_step(loss, k)``, the whole step in one call;
 - ``jaxga offload=True``: the same with AdamW's state in pinned host memory between steps
   (its bytes counted as host bytes by ``jaxga.memory_report``);
-- ``jaxga streaming``: parameters, gradient sums and optimiser state streamed from host
-  memory layer by layer (issue 48): not built yet.
+- ``jaxga streaming``: ``jaxga.make_train_step(loss, k, stream="layers", offload=True)``,
+  the loss's layers ``remat_scan(..., stream=True)``: the layer stack (``params["layers"]``)
+  and the whole optimiser state in pinned host memory, each layer fetched in the forward and
+  the backward pass, its gradient sums in host memory, the update a layer at a time. A
+  described device has no memories, so ``SingleDeviceSharding(device,
+  memory_kind="pinned_host")`` loses its memory kind; the host-resident arguments take
+  ``_PinnedHost``, a sharding that keeps it, and XLA's GPU compiler then reports their bytes
+  (and the host temporaries: the gradient sums, the update's new stacks) as host bytes.
 
 For each row the remat and micro-batch are the candidates' (``--remats``, ``--micro``)
 with the smallest compiled peak at the first size probed; a smaller peak fits a larger
@@ -32,9 +38,21 @@ Each row also gives a modelled step time, labelled as a model: the larger of the
 at the card's peak (bfloat16 dense: 8·N·T FLOPs with remat ``full``, 6·N·T with a remat
 that saves the matrix products, 10·N·T with ``sqrt``; N parameters, T tokens a step;
 attention's own FLOPs left out) and the host↔device transfers at the card's host link
-(PCIe, per direction, full duplex: the larger direction counts). ``offload=True`` moves
-AdamW's two moments in and out once a step (8 bytes a parameter each way); the resident
-steps move nothing but the batch (left out).
+(PCIe, per direction, full duplex: the larger direction counts), overlapped with the
+compute. ``offload=True`` moves AdamW's two moments in and out once a step (8 bytes a
+parameter each way); the resident steps move nothing but the batch (left out).
+
+``jaxga streaming`` (``MOVED_EACH_WAY``), read from the compiled program's loops, per float32
+parameter of the layer stack and step of k micro-batches: each micro-batch fetches the layer
+in the forward pass (4 bytes to the device) and again in the backward (4), writes the layer's
+gradient to host memory (4 to the host), and adds it to the gradient sum a layer at a time
+(the sum and the gradient fetched, 8 to the device; the sum written back, 4 to the host):
+16 bytes to the device and 8 to the host a micro-batch. Once a step: the sums' zeros
+written (4 to the host), divided by the count (4 and 4), their norm for ``grad_norm`` (4 to
+the device) and the update (parameters, gradient and two moments fetched, 16; parameters
+and moments written back, 12). In all 16k + 24 bytes to the device and 8k + 20 to the host.
+The parameters outside the stack (embedding, final norm, head) stay on the device; their
+moments move as ``offload=True``'s (8 bytes each way).
 
 The H100 is ``compiled_for_gpu.H100_SXM``. The 24 GB card is an NVIDIA GeForce RTX 4090
 described the same way (``RTX_4090`` below, XLA's target config from NVIDIA's published
@@ -71,7 +89,7 @@ import multisteps
 import run
 
 import jaxga
-from jaxga.remat import remat_options
+from jaxga.remat import REMAT, remat_options
 
 GiB, TiB = 2**30, 2**40
 VOCAB = 32_000
@@ -191,9 +209,10 @@ def decoder_layer(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     return x + (jax.nn.silu(h @ w["w1"]) * (h @ w["w3"])) @ w["w2"]
 
 
-def loss_for(remat: str) -> Callable[..., jaxga.Mean]:
-    """The token-weighted next-token loss, its layers a ``remat_scan`` with remat ``remat``."""
-    options = remat_options(remat)
+def loss_for(remat: str, stream: bool = False) -> Callable[..., jaxga.Mean]:
+    """The token-weighted next-token loss, its layers a ``remat_scan`` with remat ``remat``
+    (``stream``: each layer fetched from host memory, ``remat_scan(stream=True)``)."""
+    options = remat_options(remat) | ({"stream": True} if stream else {})
 
     def loss(params: dict[str, Any], batch: dict[str, jax.Array]) -> jaxga.Mean:
         x = params["embed"][batch["inputs"]].astype(jnp.bfloat16)
@@ -254,13 +273,57 @@ def compile_step(setting: Setting, model: Llama, card: Card, batch: int) -> Fit:
         stats = gpu.program(step, *gpu.on(device, args)).memory_analysis()
         return fit_for(multisteps.peak(stats), 0, card)
     state = jax.eval_shape(functools.partial(jaxga.TrainState.create, tx=adamw), params)
-    offload = setting.method == "jaxga offload=True"
-    step = jaxga.make_train_step(_jaxga_loss(loss), k, offload=offload)
+    state, batch_ = gpu.on(device, (state, abstract_batch(batch, model.seq_len)))
+    if setting.method == "jaxga streaming":
+        state = on_host(device, state, streamed)
+        loss = loss_for(setting.remat, stream=True)
+        step = jaxga.make_train_step(_jaxga_loss(loss), k, stream="layers", offload=True)
+    else:
+        offload = setting.method == "jaxga offload=True"
+        step = jaxga.make_train_step(_jaxga_loss(loss), k, offload=offload)
     with gpu.cudnn_attention():
-        report = jaxga.memory_report(
-            step, *gpu.on(device, (state, abstract_batch(batch, model.seq_len)))
-        )
+        report = jaxga.memory_report(step, state, batch_)
     return fit_for(report.peak_bytes, report.host_bytes, card)
+
+
+class _PinnedHost(jax.sharding.NamedSharding):
+    """A one-device sharding in pinned host memory that a described device keeps.
+
+    ``SingleDeviceSharding(device, memory_kind="pinned_host")`` (or a ``NamedSharding``'s)
+    drops the memory kind to None for a described device, which has no memories
+    (``addressable_memories()`` is empty), and an abstract argument's memory space comes
+    from a ``NamedSharding``'s memory kind alone; this one reports ``"pinned_host"``, so that
+    the argument is traced in host memory (``float32<host>``) and lowered with
+    ``mhlo.memory_kind = "pinned_host"``, which XLA's GPU compiler takes (host arguments
+    and outputs counted apart, ``host_*_size_in_bytes``)."""
+
+    @property
+    def memory_kind(self) -> str:
+        return "pinned_host"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _PinnedHost) and super().__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash((super().__hash__(), "pinned_host"))
+
+
+def on_host(device: jax.Device, tree: Any, select: Callable[[Any], bool]) -> Any:
+    """``tree``'s leaves whose path ``select`` picks placed in ``device``'s pinned host memory."""
+    mesh = jax.sharding.Mesh([device], ("host",))
+    host = _PinnedHost(mesh, jax.sharding.PartitionSpec())
+
+    def place(path: Any, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        return x.update(sharding=host) if select(path) else x
+
+    return jax.tree_util.tree_map_with_path(place, tree)
+
+
+def streamed(path: Any) -> bool:
+    """The leaves ``jaxga streaming`` keeps in host memory: the layer stack's parameters and
+    the optimiser state (``offload=True``'s leaves, where the step leaves them)."""
+    names = [getattr(key, "name", getattr(key, "key", None)) for key in path]
+    return names[:2] == ["params", "layers"] or names[:1] == ["opt_state"]
 
 
 def _mean_value(loss: Callable[..., jaxga.Mean], params: Any, batch: Any) -> jax.Array:
@@ -332,7 +395,8 @@ def best_setting(
 ) -> tuple[Setting, Fit]:
     """The candidate remat and micro-batch of ``method`` with the smallest compiled peak at
     ``args.probe_size``, and that peak."""
-    candidates = [Setting(method, r, m) for r in args.remats for m in args.micro]
+    remats = [r for r in args.remats if method != "jaxga streaming" or r in STREAMABLE]
+    candidates = [Setting(method, r, m) for r in remats for m in args.micro]
     model = Llama.of(args.probe_size, args.seq_len)
     peaks = {}
     for setting in candidates:
@@ -342,9 +406,15 @@ def best_setting(
     return best, peaks[best]
 
 
-METHODS = ("optax.MultiSteps", "jaxga resident", "jaxga offload=True")
+METHODS = ("optax.MultiSteps", "jaxga resident", "jaxga offload=True", "jaxga streaming")
 FLOPS_PER_PARAM_TOKEN = {"full": 8, "sqrt": 10}  # others (saving the matmuls): 6
-MOVED_EACH_WAY = {"jaxga offload=True": 8}  # bytes a parameter a step: AdamW's moments
+STREAMABLE = [name for name, row in REMAT.items() if row.segments == 1]  # remat_scan(stream=)
+# Bytes a parameter moves a step with k micro-batches, (to the device, to the host), for a
+# parameter of the layer stack and for one outside it (embedding, norm, head): the module doc.
+MOVED_EACH_WAY: dict[str, Callable[[int], tuple[tuple[int, int], tuple[int, int]]]] = {
+    "jaxga offload=True": lambda k: ((8, 8), (8, 8)),  # AdamW's moments, once a step
+    "jaxga streaming": lambda k: ((16 * k + 24, 8 * k + 20), (8, 8)),
+}
 
 
 class Modelled(NamedTuple):
@@ -356,13 +426,23 @@ class Modelled(NamedTuple):
     step_s: float  # the larger of the two: transfers overlap compute
 
 
+def stack_params(model: Llama) -> int:
+    """The parameters of the layer stack (``params["layers"]``)."""
+    return model.num_params() - (2 * VOCAB * model.dim + model.dim)
+
+
 def modelled(setting: Setting, model: Llama, card: Card, tokens: int) -> Modelled:
     """The modelled step time of ``setting`` for ``model`` on ``card`` (see the module doc)."""
-    n = model.num_params()
+    n, stack = model.num_params(), stack_params(model)
     compute = FLOPS_PER_PARAM_TOKEN.get(setting.remat, 6) * n * tokens / card.flops
-    each_way = MOVED_EACH_WAY.get(setting.method, 0) * n
-    transfer = each_way / card.link
-    return Modelled(2 * each_way, compute, transfer, max(compute, transfer))
+    k = tokens // (model.seq_len * setting.micro)
+    (in_stack, out_stack), (in_rest, out_rest) = MOVED_EACH_WAY.get(
+        setting.method, lambda k: ((0, 0), (0, 0))
+    )(k)
+    to_device = in_stack * stack + in_rest * (n - stack)
+    to_host = out_stack * stack + out_rest * (n - stack)
+    transfer = max(to_device, to_host) / card.link
+    return Modelled(to_device + to_host, compute, transfer, max(compute, transfer))
 
 
 def billions(size: int | None, seq_len: int) -> float:
@@ -391,7 +471,7 @@ def table(results: dict[str, dict[str, Largest]], args: argparse.Namespace) -> l
         f"{'peak GiB':>8} {'host GiB':>8} {'moved':>7} {'model s':>7}  next size: peak / host GiB",
     ]
     for card in CARDS.values():
-        for method in (*METHODS, "jaxga streaming"):
+        for method in METHODS:
             found = results[card.name].get(method)
             if found is None:
                 lines.append(f"{card.name:10} {method:19} not built")
@@ -411,7 +491,7 @@ def last_line(results: dict[str, dict[str, Largest]], seq_len: int) -> str:
         found = [results[card][m].size for m in methods if m in results[card]]
         return max(billions(size, seq_len) for size in found)
 
-    jaxga_methods = tuple(m for m in (*METHODS, "jaxga streaming") if m != "optax.MultiSteps")
+    jaxga_methods = tuple(m for m in METHODS if m != "optax.MultiSteps")
     return (
         f"biggest model: H100 80GB {best('H100 80GB', jaxga_methods):.1f}B "
         f"(optax.MultiSteps {best('H100 80GB', ('optax.MultiSteps',)):.1f}B), "

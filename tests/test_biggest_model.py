@@ -2,6 +2,8 @@
 
 import argparse
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import biggest_model as bm
+
+from tests.test_h100_compiled import ROOT, plugin_folder
 
 GiB = 2**30
 
@@ -52,3 +56,60 @@ def test_bisection_finds_the_largest_fitting_size(monkeypatch, bytes_per_param, 
     assert found.size == max(fitting)
     assert found.fit.fits and not found.next_fit.fits
     assert found.probes <= 6  # a line through the probes lands next to the answer
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_the_streaming_cost_model(micro):
+    """Per stack parameter, 16k + 24 bytes to the device and 8k + 20 to the host a step (k
+    micro-batches); the embedding, norm and head move their moments as offload=True does."""
+    model, card = bm.Llama.of(32), bm.CARDS["H100 80GB"]
+    tokens, k = 128 * model.seq_len, 128 // micro
+    stack = bm.stack_params(model)
+    assert stack == model.layers * sum(
+        math.prod(x.shape[1:]) for x in jax.tree.leaves(bm.abstract_params(model)["layers"])
+    )
+    rest = model.num_params() - stack
+    cost = bm.modelled(bm.Setting("jaxga streaming", "full", micro), model, card, tokens)
+    to_device, to_host = (16 * k + 24) * stack + 8 * rest, (8 * k + 20) * stack + 8 * rest
+    assert cost.moved_bytes == to_device + to_host
+    assert cost.transfer_s == to_device / card.link
+    assert cost.compute_s == 8 * model.num_params() * tokens / card.flops
+    assert cost.step_s == max(cost.compute_s, cost.transfer_s)
+    offload = bm.modelled(bm.Setting("jaxga offload=True", "full", micro), model, card, tokens)
+    assert offload.moved_bytes == 16 * model.num_params()  # 8 bytes each way, as before
+    resident = bm.modelled(bm.Setting("jaxga resident", "full", micro), model, card, tokens)
+    assert resident.moved_bytes == 0 and resident.step_s == resident.compute_s
+
+
+STREAMING_COMPILE = """
+import sys
+sys.path.insert(0, "benchmarks")
+import biggest_model as bm
+bm.VOCAB = 256  # a small embedding and head: the stack's bytes dominate
+model = bm.Llama(layers=8, dim=512, hidden=1536, seq_len=128)
+for name in ("streaming", "offload=True"):
+    fit = bm.compile_step(bm.Setting("jaxga " + name, "full", 1), model, bm.CARDS["24GB"], 2)
+    print(name, fit.peak_bytes, fit.host_bytes, bm.stack_params(model))
+"""
+
+
+def test_a_streaming_step_compiles_for_a_described_gpu():
+    """With JAX's CUDA plugin: the streamed step of a small decoder compiles for the described
+    24 GB card, its stack and optimiser state in host memory (host bytes), the device's peak
+    under half the stack's float32 bytes (never whole on the device); offload=True's holds
+    the stack on the device."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XLA_FLAGS"))}
+    path = os.pathsep.join(p for p in (str(plugin_folder()), str(ROOT)) if p)
+    env.update(PYTHONPATH=path, JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, "-c", STREAMING_COMPILE],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = [line.split() for line in result.stdout.splitlines()]
+    got = {words[0]: [int(n) for n in words[1:]] for words in lines}
+    peak, host, stack = got["streaming"]
+    assert peak < 4 * stack / 2  # the stack's float32 bytes never whole on the device
+    assert host >= 12 * stack  # the stack and its two moments, at least, in host memory
+    offload_peak, _, _ = got["offload=True"]
+    assert offload_peak > 4 * stack
