@@ -162,7 +162,9 @@ def _probe(tree: Any, seed: int, *, nan: bool = False) -> Any:
     rng = np.random.default_rng(seed)
 
     def leaf(x: Any) -> jax.Array:
-        shape = (2,) + (3,) * (jnp.ndim(x) - 1) if jnp.ndim(x) else ()
+        if not jnp.ndim(x):  # a scalar parameter: no layers
+            return jnp.asarray(rng.normal(), jax.typeof(x).dtype)
+        shape = (2,) + (3,) * (jnp.ndim(x) - 1)
         value = rng.normal(size=shape) * np.reshape([1.0, 1e3], (2,) + (1,) * (len(shape) - 1))
         if nan:
             value[(1,) + (0,) * (len(shape) - 1)] = np.nan

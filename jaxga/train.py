@@ -264,11 +264,12 @@ def make_train_step(
             update fetches the parameters and gradients whole and writes the parameters
             back (any `tx`). `"layers"`: the update too runs a layer at a time, each
             layer's parameters, gradient and optimiser-state slices (moments, with
-            `offload=True` in host memory) fetched, updated and written back: for an
-            elementwise `tx` (sgd, adam, adamw, lion, schedules, `jaxga.MultiSteps` of
-            them); one that reduces across leaves (`clip_by_global_norm`) is refused, found
-            by a probe at trace time. Bit for bit the resident step (`grad_norm` to float
-            rounding with `"layers"`); without a `mesh` (docs/streaming.md).
+            `offload=True` in host memory) fetched, updated and written back: your
+            statement that `tx` is elementwise (sgd, adam, adamw, lion, schedules,
+            `jaxga.MultiSteps` of them); a probe at trace time refuses the usual exceptions
+            (`clip_by_global_norm`, LAMB), not every one. Bit for bit the resident step
+            (`grad_norm` to float rounding with `"layers"`); without a `mesh`
+            (docs/streaming.md).
 
     Returns:
         A [`jaxga.TrainStep`][jaxga.TrainStep]; its `metrics`: `loss`,
