@@ -267,8 +267,8 @@ def make_train_step(
             `offload=True` in host memory) fetched, updated and written back: your
             statement that `tx` is elementwise (sgd, adam, adamw, lion, schedules,
             `jaxga.MultiSteps` of them); a probe at trace time refuses the usual exceptions
-            (`clip_by_global_norm`, LAMB), not every one. Bit for bit the resident step
-            (`grad_norm` to float rounding with `"layers"`); without a `mesh`
+            (`clip_by_global_norm`, LAMB), not every one. `True`: bit for bit the resident
+            step; `"layers"`: to float rounding (another program); without a `mesh`
             (docs/streaming.md).
 
     Returns:

@@ -29,6 +29,20 @@ def assert_equal(actual, expected):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
 
 
+def assert_rounding(actual, expected):
+    """Every float leaf equal to float32 rounding, every other leaf equal. The update a layer
+    at a time is another program, which XLA may fuse otherwise: bit for bit on jax 0.10; on
+    jax 0.12, with a schedule (`inject_hyperparams`), a few ulp in the first update, carried
+    by 3 steps into every leaf (an Adam moment near 0 by cancellation: its leaf's scale)."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a, e = np.asarray(a), np.asarray(e)
+        if np.issubdtype(a.dtype, np.floating):
+            np.testing.assert_allclose(a, e, rtol=2e-6, atol=1e-6 * np.abs(e).max())
+        else:
+            np.testing.assert_array_equal(a, e)
+
+
 def kinds(tree):
     return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
 
@@ -365,14 +379,14 @@ def _moments(opt_state):
 @pytest.mark.parametrize("offload", [False, True], ids=["resident_state", "offload"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("k", [1, 4])
-def test_the_update_by_layer_is_the_resident_update_bit_for_bit(k, name, offload):
+def test_the_update_by_layer_is_the_resident_update_to_rounding(k, name, offload):
     tx = OPTIMIZERS[name]()
     state, metrics = train(k, "full", stream="layers", offload=offload, steps=3, tx=tx)
     resident, resident_metrics = train(k, "full", stream=False, steps=3, tx=tx)
-    assert_equal((state.params, state.opt_state), (resident.params, resident.opt_state))
+    assert_rounding((state.params, state.opt_state), (resident.params, resident.opt_state))
     norm = metrics.pop("grad_norm"), resident_metrics.pop("grad_norm")
     np.testing.assert_allclose(*norm, rtol=1e-6)  # the squares summed a layer at a time
-    assert_equal(metrics, resident_metrics)
+    assert_rounding(metrics, resident_metrics)
     assert kinds(state.params["layers"]) == {"pinned_host"}
     assert kinds(_moments(state.opt_state)) == {"pinned_host" if offload else "device"}
     assert kinds((state.params["embed"], state.params["head"])) == {"device"}
