@@ -32,6 +32,7 @@ class MemoryReport:
     dot_flops: int  # of matmuls and convolutions, every loop iteration counted
     dot_flops_exact: bool  # False if a while_loop's body was counted once
     backend: str  # the platform compiled for, e.g. "cpu"
+    moved_bytes: int = 0  # copied between host and device memory a call, every loop counted
 
 
 def format_bytes(n: int) -> str:
@@ -43,6 +44,14 @@ def format_bytes(n: int) -> str:
 
 class DotFlops(NamedTuple):
     flops: int  # of matmuls and convolutions
+    exact: bool  # False if a while_loop's body was counted once
+
+
+class Counts(NamedTuple):
+    """What a program does, loops unrolled: its matmul FLOPs and its host-device bytes."""
+
+    flops: int  # of matmuls and convolutions
+    moved_bytes: int  # copied between host and device memory (either way)
     exact: bool  # False if a while_loop's body was counted once
 
 
@@ -64,25 +73,53 @@ def _own_flops(eqn: Any) -> int:  # of a matmul or convolution, 2 a multiply-add
 
 def dot_flops(jaxpr: Any) -> DotFlops:
     """Returns the FLOPs of a (closed) jaxpr's matmuls and convolutions, loops unrolled."""
+    counts = program_counts(jaxpr)
+    return DotFlops(counts.flops, counts.exact)
+
+
+def _moved_bytes(eqn: Any) -> int:
+    """The bytes a ``device_put`` copies between host and device memory (0 for any other)."""
+    if eqn.primitive.name != "device_put":
+        return 0
+    pairs = zip(eqn.invars, eqn.outvars)
+    moved = [y.aval for x, y in pairs if _space(x.aval) != _space(y.aval)]
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in moved)
+
+
+def _space(aval: Any) -> Any:
+    return getattr(aval, "memory_space", None)
+
+
+def program_counts(jaxpr: Any) -> Counts:
+    """Returns a (closed) jaxpr's `Counts`: the FLOPs of its matmuls and convolutions and the
+    bytes its ``device_put``s copy between host and device memory, loops unrolled (a
+    ``cond`` counted by its costliest branch), the dead code XLA drops left out.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxga.memory import program_counts
+        >>> jaxpr = jax.make_jaxpr(lambda a: a @ a)(jnp.ones((2, 2)))
+        >>> program_counts(jaxpr)
+        Counts(flops=16, moved_bytes=0, exact=True)
+    """
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     used = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
-    flops = 0
+    flops = moved = 0
     exact = True
     for eqn in reversed(jaxpr.eqns):  # from the outputs back, skipping the dead code XLA drops
         if not (eqn.effects or any(v in used for v in eqn.outvars)):
             continue
         used.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
-        inner = [dot_flops(j) for j in jex_core.jaxprs_in_params(eqn.params)]
+        inner = [program_counts(j) for j in jex_core.jaxprs_in_params(eqn.params)]
         exact = exact and eqn.primitive.name != "while" and all(count.exact for count in inner)
+        times = eqn.params["length"] if eqn.primitive.name == "scan" else 1
         if eqn.primitive.name == "cond":  # one of its branches runs
-            flops += max(count.flops for count in inner)
-        elif eqn.primitive.name == "scan":
-            flops += sum(count.flops for count in inner) * eqn.params["length"]
-        elif eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+            inner = [max(inner, key=lambda count: (count.flops, count.moved_bytes))]
+        if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
             flops += _own_flops(eqn)
-        else:
-            flops += sum(count.flops for count in inner)
-    return DotFlops(flops, exact)
+        flops += sum(count.flops for count in inner) * times
+        moved += (sum(count.moved_bytes for count in inner)) * times + _moved_bytes(eqn)
+    return Counts(flops, moved, exact)
 
 
 def _host_bytes(pairs: Any) -> int:
@@ -144,9 +181,10 @@ def memory_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryRe
     stats, backend = compiled.memory_analysis(), jax.default_backend()
     if stats is None:
         raise ValueError(f"The {backend} backend gives no memory analysis of `fn`.")
-    flops = dot_flops(getattr(traced, "traced", traced).jaxpr)  # nnx.jit: flax's Traced
+    counts = program_counts(getattr(traced, "traced", traced).jaxpr)  # nnx.jit: flax's Traced
     device, host = _sizes(compiled, stats)
     named = {f"{kind}_bytes": n for kind, n in zip(_KINDS, device)}  # argument_bytes, ...
-    named |= {"dot_flops": flops.flops, "dot_flops_exact": flops.exact}
+    named |= {"dot_flops": counts.flops, "dot_flops_exact": counts.exact}
+    named |= {"moved_bytes": counts.moved_bytes}
     peak, host_peak = (sum(sizes[:3]) - sizes[3] for sizes in (device, host))  # ... - alias
     return MemoryReport(**named, peak_bytes=peak, host_bytes=host_peak, backend=backend)

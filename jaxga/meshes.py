@@ -104,3 +104,22 @@ def type_spec(x: Any) -> P:
     """``x``'s PartitionSpec as its type says (Explicit axes), else ``P()``."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     return P(*sharding.spec) if is_explicit(sharding) else P()
+
+
+def traced_as_placed(where: Any) -> Any:
+    """``where`` as a shape struct's sharding that JAX traces in its memory: for host memory
+    on one device, a one-device `NamedSharding` (a `SingleDeviceSharding`'s memory kind is
+    not traced).
+
+    Examples:
+        >>> import jax
+        >>> from jaxga.meshes import traced_as_placed
+        >>> host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+        >>> traced_as_placed(host).memory_kind
+        'pinned_host'
+    """
+    host = where.memory_kind in ("pinned_host", "unpinned_host")
+    if not (host and isinstance(where, jax.sharding.SingleDeviceSharding)):
+        return where
+    mesh = jax.sharding.Mesh(list(where.device_set), ("device",))
+    return NamedSharding(mesh, P(), memory_kind=where.memory_kind)

@@ -12,14 +12,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxga import meshes
 from jaxga._checks import check_arity, check_bool, leading_size, positive_int
 from jaxga.arguments import as_positions
-from jaxga.memory import MemoryReport, format_bytes, memory_report
+from jaxga.memory import HOST_KINDS, MemoryReport, format_bytes, memory_report
 from jaxga.microbatch import IndivisibleBatchError
 from jaxga.remat import REMAT
 from jaxga.sharding import check_strategy
 
-_SEARCHED = ("strategy", "offload")  # plan's axes given to build as keywords
+_SEARCHED = ("strategy", "offload", "stream")  # plan's axes given to build as keywords
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # lower case
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _TOLERANCE = 0.05  # of the budget: a count predicted further over it is not built
@@ -66,6 +67,7 @@ class Candidate:
     reason: str = ""  # why it was not chosen; "" if it was
     strategy: Any = None  # handed to build if plan searched strategies
     offload: bool | None = None  # handed to build if plan searched offload
+    stream: bool | str | None = None  # handed to build if plan searched stream
 
     def __str__(self) -> str:
         named = [f", {n} {getattr(self, n)!r}" for n in _SEARCHED if getattr(self, n) is not None]
@@ -99,8 +101,9 @@ class Plan(Candidate):
             row = {"micro-batches": c.num_microbatches, "size": c.microbatch_size, "remat": c.remat}
             row |= {name: getattr(c, name) for name in axes}
             row["peak"] = "-" if c.report is None else format_bytes(c.report.peak_bytes)
-            if host:
+            if host:  # and the bytes a step moves between host and device
                 row["host"] = "-" if c.report is None else format_bytes(c.report.host_bytes)
+                row["moved"] = "-" if c.report is None else format_bytes(c.report.moved_bytes)
             row["temporaries"] = "-" if c.report is None else format_bytes(c.report.temp_bytes)
             row["matmul FLOPs"] = "-" if c.report is None else f"{c.report.dot_flops:.3e}"
             row["verdict"] = c.reason or "<- chosen"
@@ -138,13 +141,24 @@ def device_budget(budget: int | str | None, *, name: str) -> int:  # None: 90 % 
 
 def _abstract(path: Any, x: Any) -> jax.ShapeDtypeStruct:  # an array's shape, dtype, sharding
     if isinstance(x, jax.ShapeDtypeStruct):
-        return x
+        where = x.sharding  # as an array's below: on one device's own memory, any device
+        one = isinstance(where, jax.sharding.SingleDeviceSharding)
+        return x.update(sharding=None) if one and where.memory_kind == "device" else x
     if isinstance(x, str):  # plan(build, *args, "1GiB"): the budget among the arguments
         where = f"args{jax.tree_util.keystr(path)}"
         raise TypeError(f"plan's {where} is the string {x!r}; pass `budget` and others by keyword.")
-    sharding = x.sharding if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 else None
+    placed = isinstance(x, jax.Array) and (
+        len(x.sharding.device_set) > 1 or x.sharding.memory_kind in HOST_KINDS
+    )  # on a mesh, or in host memory: kept; on one device: any
+    sharding = meshes.traced_as_placed(x.sharding) if placed else None
     weak = getattr(x, "weak_type", type(x) in (int, float, complex))  # Python scalars
     return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding, weak_type=weak)
+
+
+def abstract(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` as `jax.ShapeDtypeStruct`s: shapes, dtypes, and where they lie (a mesh, host
+    memory; on one device, any)."""
+    return jax.tree_util.tree_map_with_path(_abstract, args)
 
 
 def _batch(args: tuple[Any, ...], argnums: Any, num_microbatches: Any) -> tuple[int, list]:
@@ -214,8 +228,9 @@ def _build_one(
     return _Built(Candidate(k, size, remat, report, fits, reason, **keywords), step)
 
 
-def _chosen(candidates: list[Candidate], budget: int) -> int:
-    """The index of the fitting candidate first in the search order; raises if none fits."""
+def _chosen(candidates: list[Candidate], budget: int, streams: Sequence[Any] = (None,)) -> int:
+    """The index of the fitting candidate first in the search order (``streams``' order,
+    then the fewest micro-batches); raises if none fits."""
     if all(c.report is None for c in candidates):
         raise ValueError(f"No num_microbatches splits the batch: {candidates[0].reason}")
     fitting = [i for i, c in enumerate(candidates) if c.fits]  # as built: in order for each k
@@ -227,7 +242,12 @@ def _chosen(candidates: list[Candidate], budget: int) -> int:
             f" the smallest peak, {format_bytes(peak)} ({peak} bytes), has {smallest}.",
             tuple(candidates),
         )
-    return min(fitting, key=lambda i: candidates[i].num_microbatches)
+    return min(fitting, key=lambda i: _rank(candidates[i], streams))
+
+
+def _rank(candidate: Candidate, streams: Sequence[Any]) -> tuple[int, int]:
+    """Where ``candidate`` comes in the search: its ``stream`` value's place, then its k."""
+    return list(streams).index(candidate.stream), candidate.num_microbatches
 
 
 class _Line(NamedTuple):
@@ -301,6 +321,7 @@ def _search(
     budget: int,
     batch_size: int,
     strict: bool,
+    streams: Sequence[Any] = (None,),
 ) -> Plan:
     """Builds the configurations ``order(configs, built)`` names, each as the ones built so
     far say, and chooses; keeps the step of the first in ``configs`` that fits (the others'
@@ -313,7 +334,7 @@ def _search(
         if result.candidate.fits and i < fewest:
             step, fewest = result.step, i
     candidates = list(built.values())
-    chosen = _chosen(candidates, budget)
+    chosen = _chosen(candidates, budget, streams)
     candidates[chosen] = dataclasses.replace(candidates[chosen], reason="")
     undivided = {c.num_microbatches for c in candidates if c.report is None}
     skipped = [
@@ -331,6 +352,7 @@ def plan(
     remat: Sequence[Any] = tuple(REMAT),
     strategy: Sequence[Any] | None = None,
     offload: Sequence[bool] | None = None,
+    stream: Sequence[bool | str] | None = None,
     batch_argnums: int | Sequence[int] | None = None,
     exhaustive: bool = False,
     search: str = "ordered",
@@ -346,6 +368,9 @@ def plan(
         remat: the candidate remat values, least recomputation first; ``(None,)`` for none.
         strategy: if given, the candidate layouts on a mesh, e.g. ``jaxga.sharding.STRATEGIES``.
         offload: if given, the candidate ``offload`` values, e.g. ``(False, True)``.
+        stream: if given, the candidate ``stream`` values in the order tried, e.g.
+            ``(False, "layers")``: every candidate of one value before any of the next (the
+            model streamed from host memory only when nothing resident fits).
         batch_argnums: the position(s) of the batch in ``args``; default: the last.
         exhaustive: compile every candidate instead of stopping at the first that fits.
         search: ``"ordered"``, candidates in order until one fits, or ``"predict"``: the
@@ -366,15 +391,17 @@ def plan(
     """
     if not args:
         raise ValueError("plan needs the step's arguments (arrays or jax.ShapeDtypeStruct).")
-    args = jax.tree_util.tree_map_with_path(_abstract, args)
+    args = abstract(args)
     budget = device_budget(budget, name="budget")
     batch_size, counts = _batch(args, batch_argnums, num_microbatches)
     strategies = () if strategy is None else _values("strategy", strategy)
     by_strategy = [{"strategy": check_strategy(value)} for value in strategies] or [{}]
     offloads = () if offload is None else _values("offload", offload)
     by_offload = [{"offload": check_bool(value, "offload")} for value in offloads] or [{}]
-    order = itertools.product(counts, by_strategy, _values("remat", remat), by_offload)
-    configs = [_Config(k, batch_size // k, r, s | o) for k, s, r, o in order]
+    streams = (None,) if stream is None else tuple(map(_check_stream, _values("stream", stream)))
+    by_stream = [{} if value is None else {"stream": value} for value in streams]
+    order = itertools.product(by_stream, counts, by_strategy, _values("remat", remat), by_offload)
+    configs = [_Config(k, batch_size // k, r, s | o | m) for m, k, s, r, o in order]
     keywords = list(configs[0].keywords)  # the names of those searched
     signature = "".join(f", {n}=..." for n in keywords)
     check_arity(build, "build", 2, f"build(num_microbatches, remat{signature}) -> step", keywords)
@@ -390,4 +417,11 @@ def plan(
     else:
         order = functools.partial(_in_order, every=every)
     sizes = {"budget": budget, "batch_size": batch_size}
-    return _search(build, args, configs, order, strict=strict, **sizes)
+    return _search(build, args, configs, order, strict=strict, streams=streams, **sizes)
+
+
+def _check_stream(value: Any) -> bool | str:
+    """A candidate ``stream`` value: False, True or "layers"."""
+    if not (isinstance(value, bool) or value == "layers"):
+        raise ValueError(f"`stream` values must be False, True or 'layers'; got {value!r}.")
+    return value

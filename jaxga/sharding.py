@@ -170,7 +170,7 @@ def put(tree: Any, sharding: Any) -> Any:
 
     def one(x, where):
         if isinstance(x, jax.ShapeDtypeStruct):
-            return x.update(sharding=where)
+            return x.update(sharding=meshes.traced_as_placed(where))
         if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):  # its data, across processes
             data = jax.device_put(jax.random.key_data(x), where)
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))

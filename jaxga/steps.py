@@ -196,7 +196,7 @@ class StepOptions:
         weight: whether `tx.update` gets `weight=`; `None`: for a `jaxga.MultiSteps`, or one in tx.
         learning_rate: the `learning_rate` metric, a function of the optimiser state.
         stream: whether parameters in host memory stay there (the loss streams them); `"layers"`:
-            the optimiser's update runs over them a layer at a time too.
+            the optimiser's update runs over them a layer at a time too; `"auto"`: as planned.
 
     Examples:
         >>> import jaxga
@@ -249,7 +249,7 @@ def step_options(
     options.setdefault("has_aux", False)
     options.setdefault("aux", None)
     checked = check_options(**{name: options.pop(name) for name in OPTION_CHECKS})
-    stream = _check_stream(options.pop("stream", False), layout)
+    stream = _check_stream(options.pop("stream", False), layout, num_microbatches)
     if checked["has_aux"] and pipeline_axis is not None:  # its rows would leave the loop per stage
         raise ValueError("`pipeline_axis` with has_aux=True: not supported; return a Mean alone.")
     donate = _checks.check_bool(options.pop("donate"), "donate")
@@ -269,10 +269,12 @@ def step_options(
     )
 
 
-def _check_stream(stream: Any, layout: sharding.MeshLayout | None) -> bool | str:
-    """``stream`` (False, True or "layers"), checked: not on a mesh yet."""
-    if not (isinstance(stream, bool) or stream == "layers"):
-        raise TypeError(f"`stream` must be False, True or 'layers'; got {stream!r}.")
+def _check_stream(stream: Any, layout: sharding.MeshLayout | None, k: Any) -> bool | str:
+    """``stream`` (False, True, "layers"; "auto" with ``k`` "auto"), checked: not on a mesh yet."""
+    if stream == "auto" and k != "auto":
+        raise ValueError(f'`stream`="auto" needs num_microbatches="auto"; got {k!r}.')
+    if not (isinstance(stream, bool) or stream in ("layers", "auto")):
+        raise TypeError(f"`stream` must be False, True, 'layers' or 'auto'; got {stream!r}.")
     if stream and layout is not None:  # the state laid out on a mesh: not streamed yet
         got = f"mesh={dict(layout.mesh.shape)}, axis_name={layout.axis_name!r}"
         raise ValueError(
@@ -363,7 +365,7 @@ class JittedStep:
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One call (planned, with `"auto"`): the jitted function's output; in a jit, inlined."""
         if (planned := self._planned(args)) is not self:
-            return planned._run(args, kwargs)
+            return planned._run(self._handed(planned, args), kwargs)
         arguments = list(self._arguments(*args, **kwargs))
         i = len(self._static_argnums)  # the state
         run = self._update if is_traced(arguments[i]) else self._jitted
@@ -399,7 +401,8 @@ class JittedStep:
         if is_traced(args):
             message = 'num_microbatches="auto" cannot plan (compile) inside an enclosing jax.jit.'
             raise ValueError(message)
-        key = signature(args)
+        args = planner.abstract(args)
+        key = signature(self._fetched(args))  # stream="auto": wherever the parameters lie
         self.plan = self._plans.pop(key, None) or self._search(args)
         self._plans[key] = self.plan  # the most recent last
         if len(self._plans) > self.max_plans:
@@ -414,17 +417,30 @@ class JittedStep:
             self._checked.add(key)
 
     def _search(self, args: tuple[Any, ...]) -> planner.Plan:
+        """The plan for these arguments; with ``stream="auto"``, resident candidates (the
+        parameters fetched) first, then streamed ones (``True``, ``"layers"``) if none fits."""
         local = (_checks.leading_size(args[-1], "batch", "batch") or 0) // self._devices
         counts = [k for k in range(1, local + 1) if local % k == 0]
         start, budget = time.perf_counter(), self.options.memory_budget
-        plan = planner.plan(
-            self._fixed,
-            *args,
-            budget=budget,
-            num_microbatches=counts,
-            remat=(None,),
-            search=self.plan_search,
-        )
+        streams = (False, True, "layers") if self.options.stream == "auto" else (None,)
+        over: list[planner.Candidate] = []  # the candidates of the streams none of which fits
+        for stream in streams:
+            try:
+                plan = planner.plan(
+                    self._fixed,
+                    *(self._fetched(args) if stream is False else args),
+                    budget=budget,
+                    num_microbatches=counts,
+                    remat=(None,),
+                    stream=None if stream is None else (stream,),
+                    search=self.plan_search,
+                )
+                break
+            except planner.InfeasibleBudgetError as e:
+                if stream == streams[-1]:
+                    raise planner.InfeasibleBudgetError(str(e), (*over, *e.candidates)) from None
+                over += e.candidates
+        plan = dataclasses.replace(plan, candidates=(*over, *plan.candidates))
         _LOG.info(
             f"jaxga: planned {plan.num_microbatches} micro-batch(es) of {plan.microbatch_size} "
             f"rows for a batch of {plan.batch_size} in {time.perf_counter() - start:.1f} s: peak "
@@ -432,10 +448,21 @@ class JittedStep:
         )
         return plan
 
-    def _fixed(self, num_microbatches: int, remat: Any) -> "JittedStep":
+    def _fixed(self, num_microbatches: int, remat: Any, stream: Any = None) -> "JittedStep":
         del remat  # the model's own
-        options = dataclasses.replace(self.options, num_microbatches=num_microbatches)
-        return type(self)(self._build, self._loss, options)
+        fixed = {"num_microbatches": num_microbatches}
+        fixed |= {} if stream is None else {"stream": stream}
+        return type(self)(self._build, self._loss, dataclasses.replace(self.options, **fixed))
+
+    def _fetched(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A call's arguments as a resident plan of ``stream="auto"`` takes them: a subclass's
+        state with its parameters in host memory fetched to the device (here: as they are)."""
+        return args
+
+    def _handed(self, planned: "JittedStep", args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A call's arguments as the ``planned`` step takes them (`_fetched` if resident)."""
+        resident = self.options.stream == "auto" and planned.options.stream is False
+        return (*self._fetched(args[: self._arity]), *args[self._arity :]) if resident else args
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Lowers the step (planned, with `"auto"`) for these arguments, as a call lays them out."""
@@ -444,4 +471,4 @@ class JittedStep:
     def trace(self, *args: Any, **kwargs: Any) -> jax.stages.Traced:
         """Traces the step (planned, with `"auto"`) for these arguments, as a call lays them out."""
         step = self._planned(args)
-        return step._jitted.trace(*step._arguments(*args, **kwargs))
+        return step._jitted.trace(*step._arguments(*self._handed(step, args), **kwargs))

@@ -52,6 +52,12 @@ class TrainStep(steps.JittedStep):
             (), state, batch, num_real_microbatches, end_group=end_group, layout=layout
         )
 
+    def _fetched(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if self.options.stream != "auto" or not isinstance(args[0], train_state.TrainState):
+            return args
+        params = jax.tree.map(_on_device, args[0].params)
+        return (args[0].replace(params=params), *args[1:])
+
     def __call__(
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
     ) -> tuple[Any, Metrics]:
@@ -59,6 +65,19 @@ class TrainStep(steps.JittedStep):
         if isinstance(leaf, jax.Array) and not steps.is_traced(leaf) and leaf.is_deleted():
             raise ValueError("`state` holds arrays an earlier call deleted: it donates them.")
         return self._run((state, batch, num_real_microbatches), {"end_group": end_group})
+
+
+def _on_device(leaf: Any) -> Any:
+    """``leaf`` on the device if it is in host memory: an array copied, a shape struct
+    re-described as `planner.abstract` describes one (on one device: on any)."""
+    where = getattr(leaf, "sharding", None)
+    if getattr(where, "memory_kind", None) not in steps.HOST_KINDS:
+        return leaf
+    where = where.with_memory_kind("device")
+    if not isinstance(leaf, jax.ShapeDtypeStruct):
+        return jax.device_put(leaf, where)
+    where = where if len(where.device_set) > 1 else None
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where, weak_type=leaf.weak_type)
 
 
 def _check_state(state: Any, offload: Any = None, stream: bool = False) -> None:
@@ -269,7 +288,10 @@ def make_train_step(
             `jaxga.MultiSteps` of them); a probe at trace time refuses the usual exceptions
             (`clip_by_global_norm`, LAMB), not every one. `True`: bit for bit the resident
             step; `"layers"`: to float rounding (another program); without a `mesh`
-            (docs/streaming.md).
+            (docs/streaming.md). `"auto"` (with `num_microbatches="auto"`): the plan tries
+            the step resident first (the parameters in host memory fetched to the device,
+            and kept there), then `True`, then `"layers"`, each over every k, and takes the
+            first that fits `memory_budget`.
 
     Returns:
         A [`jaxga.TrainStep`][jaxga.TrainStep]; its `metrics`: `loss`,

@@ -1,6 +1,7 @@
 """benchmarks/biggest_model.py's size grid and bisection, without compiling for a GPU."""
 
 import argparse
+import json
 import math
 import os
 import subprocess
@@ -113,3 +114,29 @@ def test_a_streaming_step_compiles_for_a_described_gpu():
     assert host >= 12 * stack  # the stack and its two moments, at least, in host memory
     offload_peak, _, _ = got["offload=True"]
     assert offload_peak > 4 * stack
+
+
+def test_the_planner_streams_only_when_nothing_resident_fits():
+    """With JAX's CUDA plugin, `make_train_step(loss, "auto", stream="auto")` on the
+    described 24 GB card (benchmarks/streaming_plan.py): with room for the resident step it
+    plans it (nothing streamed built); with a budget under every resident peak it plans the
+    stack streamed, every resident candidate built first and over the budget."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XLA_FLAGS"))}
+    path = os.pathsep.join(p for p in (str(plugin_folder()), str(ROOT)) if p)
+    env.update(PYTHONPATH=path, JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, "benchmarks/streaming_plan.py", "--json", "2GiB", "100MiB"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    roomy, tight = (json.loads(line) for line in result.stdout.splitlines())
+    assert [(c["stream"], c["chosen"]) for c in roomy["candidates"]] == [(False, True)]
+    assert roomy["candidates"][0]["peak_bytes"] <= roomy["budget"]
+    resident = [c for c in tight["candidates"] if c["stream"] is False]
+    assert resident and tight["candidates"][: len(resident)] == resident  # built first
+    assert all(c["peak_bytes"] > tight["budget"] for c in resident)
+    (chosen,) = [c for c in tight["candidates"] if c["chosen"]]
+    assert chosen["stream"] in (True, "layers") and chosen["peak_bytes"] <= tight["budget"]
+    stack = tight["stack"]
+    assert chosen["host_bytes"] >= 12 * stack  # the stack and its two moments in host memory
+    assert chosen["moved_bytes"] >= 3 * 4 * stack  # fetched forward, backward, and updated

@@ -1,0 +1,155 @@
+"""The planner's streaming lever (issue 48): `jaxga.plan(stream=...)` tries every resident
+candidate before a streamed one, `make_train_step(loss, "auto", stream="auto")` plans the
+step resident when it fits, and a report counts the bytes a step moves between host and
+device memory. The plan that picks streaming on a described GPU, whose compiler counts host
+memory apart, is in tests/test_biggest_model.py."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxga
+from jaxga.memory import program_counts
+from jaxga.planner import InfeasibleBudgetError
+from tests.test_streaming import (
+    HOST,
+    assert_equal,
+    batch_of,
+    kinds,
+    model_params,
+    optimizer,
+    step_loss,
+    streamed,
+)
+
+# ------------------------------------------------------------------ jaxga.plan(stream=...)
+
+STREAMS = (False, True, "layers")
+PEAKS = {  # a compiled peak for each (stream, k): streaming smaller, fewer k larger
+    (False, 1): 900, (False, 2): 800, (False, 4): 700,
+    (True, 1): 650, (True, 2): 600, (True, 4): 560,
+    ("layers", 1): 300, ("layers", 2): 250, ("layers", 4): 200,
+}  # fmt: skip
+
+
+def fake_plan(budget, exhaustive):
+    """jaxga.plan over (stream, k) whose peaks are ``PEAKS``: the chosen (stream, k), None
+    if none fits, and the candidates built, in order."""
+    batch = jax.ShapeDtypeStruct((4, 1), jnp.float32)
+
+    def build(k, remat, stream):
+        return lambda: (stream, k)
+
+    def report(step, *args):
+        return jaxga.MemoryReport(0, 0, 0, 0, PEAKS[step()], 0, 0, True, "fake")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(jaxga.planner, "memory_report", report)
+        try:
+            p = jaxga.plan(
+                build, batch, budget=budget, remat=(None,), stream=STREAMS, exhaustive=exhaustive
+            )
+        except InfeasibleBudgetError as e:
+            return None, [(c.stream, c.num_microbatches) for c in e.candidates]
+    return (p.stream, p.num_microbatches), [(c.stream, c.num_microbatches) for c in p.candidates]
+
+
+def first_fit(budget):
+    """The reference: every k of one stream value, in turn, before the next value."""
+    order = list(itertools.product(STREAMS, (1, 2, 4)))
+    return next((config for config in order if PEAKS[config] <= budget), None), order
+
+
+@pytest.mark.parametrize("exhaustive", [False, True])
+def test_plan_tries_every_resident_candidate_before_a_streamed_one(exhaustive):
+    for budget in sorted({b for peak in PEAKS.values() for b in (peak - 1, peak, 10**4)}):
+        chosen, built = fake_plan(budget, exhaustive)
+        want, order = first_fit(budget)
+        assert chosen == want, budget
+        stop = len(order) if exhaustive or want is None else order.index(want) + 1
+        assert built == order[:stop], budget
+
+
+def test_plan_refuses_a_stream_value_it_does_not_take():
+    def build(k, remat, stream):
+        return jax.jit(lambda x: x)
+
+    x = jnp.ones((4, 1))
+    with pytest.raises(ValueError, match=r"`stream` values must be False, True or 'layers'"):
+        jaxga.plan(build, x, budget="1GiB", stream=(False, "yes"))
+    with pytest.raises(ValueError, match=r"`search`='predict' needs one configuration per count"):
+        jaxga.plan(build, x, budget="1GiB", remat=(None,), stream=STREAMS, search="predict")
+    with pytest.raises(ValueError, match=r'`stream`="auto" needs num_microbatches="auto"; got 2'):
+        jaxga.make_train_step(
+            functools.partial(step_loss, stream=True, policy=None), 2, stream="auto"
+        )
+
+
+# ------------------------------------------------------------------ bytes moved
+
+
+def test_program_counts_each_copy_between_memories_once_per_loop_iteration():
+    stack = jax.device_put(jnp.ones((5, 3, 2)), HOST)  # 5 layers of 24 bytes
+
+    def run(stack, flag):
+        def body(total, layer):  # each layer fetched, and written back doubled
+            on_device = jax.device_put(layer, jax.memory.Space.Device)
+            return total + on_device.sum(), jax.device_put(2 * on_device, jax.memory.Space.Host)
+
+        total, doubled = jax.lax.scan(body, 0.0, stack)
+        fetched = jax.lax.cond(  # one branch runs: the costlier counted
+            flag,
+            lambda: jax.device_put(doubled, jax.memory.Space.Device),
+            lambda: jnp.zeros(stack.shape),
+        )
+        return total, fetched
+
+    counts = program_counts(jax.make_jaxpr(run)(stack, True))
+    assert counts.moved_bytes == 5 * (24 + 24) + 5 * 24  # the loop's both ways, the fetch
+    assert counts.exact
+    report = jaxga.memory_report(run, stack, True)
+    assert report.moved_bytes == counts.moved_bytes
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_streamed_step_moves_six_stacks_per_micro_batch_and_six_once(k):
+    """stream=True, per micro-batch: the layer fetched forward and backward, its gradient
+    written home, the sum fetched, the gradient fetched and the sum written (6 stacks);
+    once a step: the sums' zeros, the division (fetched, written) and the update's
+    parameters and gradient fetched and parameters written (6)."""
+    state = streamed(jaxga.TrainState.create(params=model_params(), tx=optimizer()))
+    loss = functools.partial(step_loss, stream=True, policy="full")
+    step = jaxga.make_train_step(loss, k, stream=True)
+    stack = sum(x.nbytes for x in jax.tree.leaves(state.params["layers"]))
+    assert jaxga.memory_report(step, state, batch_of(0)).moved_bytes == (6 * k + 6) * stack
+    resident = jaxga.make_train_step(functools.partial(step_loss, stream=False, policy="full"), k)
+    plain = jaxga.TrainState.create(params=model_params(), tx=optimizer())
+    assert jaxga.memory_report(resident, plain, batch_of(0)).moved_bytes == 0
+
+
+# ------------------------------------------------------------------ make_train_step "auto"
+
+
+def test_auto_stream_plans_resident_when_it_fits_and_fetches_the_stack_for_good():
+    loss = functools.partial(step_loss, stream=True, policy="full")
+    step = jaxga.make_train_step(loss, "auto", stream="auto", memory_budget="1GiB")
+    state = streamed(jaxga.TrainState.create(params=model_params(), tx=optimizer()))
+    with jax.default_matmul_precision("highest"):
+        state, metrics = step(state, batch_of(0))
+        plan = step.plan
+        state, metrics = step(state, batch_of(1))
+        k = plan.num_microbatches
+        fixed = jaxga.make_train_step(functools.partial(step_loss, stream=False, policy="full"), k)
+        resident = jaxga.TrainState.create(params=model_params(), tx=optimizer())
+        for i in range(2):
+            resident, resident_metrics = fixed(resident, batch_of(i))
+    assert plan.stream is False and {c.stream for c in plan.candidates} == {False}
+    assert step.plan is plan  # the second call, on the device, kept the first call's plan
+    assert kinds(state.params) == {"device"}
+    assert_equal((state.params, state.opt_state), (resident.params, resident.opt_state))
+    assert_equal(metrics, resident_metrics)
+    np.testing.assert_array_equal(metrics["count"], resident_metrics["count"])
