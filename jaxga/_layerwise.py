@@ -1,11 +1,11 @@
-"""The optimiser's update a layer at a time over layer stacks in host memory
-(``make_train_step(stream="layers")``): each layer's parameters, gradient and optimiser-state
-slices fetched to the device, updated, and written back; a probe refuses a ``tx`` that is not
-elementwise (docs/streaming.md).
+"""The optimiser's update a layer at a time over layer stacks in host memory (both train
+steps' ``stream="layers"``): each layer's parameters, gradient and optimiser-state slices
+fetched to the device, updated, and written back; a probe refuses a ``tx`` that is not
+elementwise (docs/streaming.md). A step's kind says how to reach its parameters and
+optimiser state (`skeleton.OptimizerAccess`): a Flax TrainState's, an NNX optimizer's.
 """
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,9 @@ import optax
 
 from jaxga._streaming import is_streamed, on_device, placed_like
 from jaxga.multistep import MultiStepsState
+
+if TYPE_CHECKING:
+    from jaxga.skeleton import OptimizerAccess
 
 # The optimiser's update layer by layer (`make_train_step(stream="layers")`). Each leaf is of
 # one kind: `_STATE` (an optimiser-state leaf that mirrors no parameter: a count, a schedule's
@@ -75,29 +78,34 @@ def _empty(leaf: Any) -> jax.Array:
     return jnp.zeros((0, *jnp.shape(leaf)[1:]), jax.typeof(leaf).dtype)
 
 
-def _leaves(state: Any, grads: Any) -> tuple[list[Any], list[Any], list[Any]]:
-    return jax.tree.leaves(state.params), jax.tree.leaves(grads), jax.tree.leaves(state.opt_state)
+def _trees(access: "OptimizerAccess", state: Any) -> tuple[Any, Any]:
+    """``(params, opt_state)`` of ``state``, as ``access`` reaches them."""
+    return access.params(state), access.opt_state(state)
 
 
-def _with(state: Any, params: list[Any], opt_state: list[Any]) -> Any:
-    """``state`` with these flat ``params`` and ``opt_state`` leaves."""
-    return state.replace(
-        params=jax.tree.unflatten(jax.tree.structure(state.params), params),
-        opt_state=jax.tree.unflatten(jax.tree.structure(state.opt_state), opt_state),
-    )
+def _parts(access: "OptimizerAccess", state: Any) -> tuple[list[Any], ...]:
+    """The flat params and optimiser-state leaves of ``state``, as ``access`` reaches them."""
+    return tuple(map(jax.tree.leaves, _trees(access, state)))
+
+
+def _with(access: "OptimizerAccess", state: Any, params: list[Any], opt_state: list[Any]) -> Any:
+    """``state`` with these flat ``params`` and ``opt_state`` leaves (``access.replace``)."""
+    treedefs = map(jax.tree.structure, _trees(access, state))
+    return access.replace(state, *map(jax.tree.unflatten, treedefs, (params, opt_state)))
 
 
 def split_update(
-    update: Callable[..., Any], state: Any, grads: Any, *, kinds: Any, **extra: Any
+    access: "OptimizerAccess", state: Any, grads: Any, *, kinds: Any, **extra: Any
 ) -> Any:
-    """``update(state, grads, **extra)`` in parts: once over the resident leaves (each stack a
-    stand-in with no layers), then, per layer count, a ``lax.scan`` over the stacks' layers
-    (the resident leaves stand-ins), each layer's slices fetched and written back home.
+    """``access.update(state, grads, **extra)`` in parts: once over the resident leaves (each
+    stack a stand-in with no layers), then, per layer count, a ``lax.scan`` over the stacks'
+    layers (the resident leaves stand-ins), each layer's slices fetched and written back home.
 
     Args:
-        update: ``(state, grads, **extra) -> state``, a train state's ``apply_gradients``.
-        state: a train state (``params``, ``opt_state``).
-        grads: the gradient, like ``state.params``.
+        access: a `skeleton.OptimizerAccess`: the update, and how it reaches the parameters
+            and the optimiser state of ``state``.
+        state: a train state (a Flax TrainState, an NNX model and optimizer's state).
+        grads: the gradient, leaves like ``access.params(state)``'s.
         kinds: `leaf_kinds` of ``state``'s params and optimiser state.
         extra: ``update``'s keywords (``weight``, ``end_group``).
 
@@ -107,34 +115,33 @@ def split_update(
 
     Examples:
         >>> import jax.numpy as jnp, optax, jaxga
-        >>> from jaxga._layerwise import leaf_kinds, split_update
+        >>> from jaxga._layerwise import split_update
         >>> state = jaxga.TrainState.create(params=jnp.ones((2, 3)), tx=optax.sgd(1.0))
+        >>> access = jaxga.train._Flax(None, None, None).optimizer(state)
         >>> kinds = ([2], [])  # as if the (2, 3) stack lived in host memory
-        >>> def update(state, grads, **extra):
-        ...     return state.apply_gradients(grads=grads, **extra)
-        >>> split_update(update, state, jnp.ones((2, 3)), kinds=kinds).params.tolist()
+        >>> split_update(access, state, jnp.ones((2, 3)), kinds=kinds).params.tolist()
         [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
     """
-    (p, g, o), (pk, ok) = _leaves(state, grads), kinds
+    (p, o), g, (pk, ok) = _parts(access, state), jax.tree.leaves(grads), kinds
     params = [_empty(x) if k == _STREAMED else on_device(x) for x, k in zip(p, pk)]
     grads_d = [_empty(x) if k == _STREAMED else on_device(x) for x, k in zip(g, pk)]
     opt = [_empty(x) if k == _STREAMED else on_device(x) for x, k in zip(o, ok)]
     grads_d = jax.tree.unflatten(jax.tree.structure(grads), grads_d)
-    new = update(_with(state, params, opt), grads_d, **extra)
-    new_p, new_o = jax.tree.leaves(new.params), jax.tree.leaves(new.opt_state)
+    new = access.update(_with(access, state, params, opt), grads_d, **extra)
+    new_p, new_o = _parts(access, new)
     for size in sorted({jnp.shape(x)[0] for x, k in zip(p, pk) if k == _STREAMED}):
-        got_p, got_o = _scan_layers(update, state, grads, kinds, size=size, extra=extra)
+        got_p, got_o = _scan_layers(access, state, grads, kinds, size=size, extra=extra)
         new_p = [got_p.get(i, x) for i, x in enumerate(new_p)]
         new_o = [got_o.get(i, x) for i, x in enumerate(new_o)]
-    return _with(new, new_p, new_o)
+    return _with(access, new, new_p, new_o)
 
 
 def _scan_layers(
-    update: Callable[..., Any], state: Any, grads: Any, kinds: Any, *, size: int, extra: Any
+    access: "OptimizerAccess", state: Any, grads: Any, kinds: Any, *, size: int, extra: Any
 ) -> tuple[dict[int, Any], dict[int, Any]]:
     """The streamed leaves of ``size`` layers updated a layer at a time: by flat index, the
     new params and optimiser-state leaves, each in its old leaf's memory."""
-    (p, g, o), (pk, ok) = _leaves(state, grads), kinds
+    (p, o), g, (pk, ok) = _parts(access, state), jax.tree.leaves(grads), kinds
     mine_p = [i for i, (x, k) in enumerate(zip(p, pk)) if k == _STREAMED and x.shape[0] == size]
     mine_o = [i for i, (x, k) in enumerate(zip(o, ok)) if k == _STREAMED and x.shape[0] == size]
     treedef = jax.tree.structure(grads)
@@ -146,8 +153,8 @@ def _scan_layers(
             params[i], grads_l[i] = on_device(w), on_device(d)
         for i, s in zip(mine_o, slices[2]):
             opt[i] = on_device(s)
-        new = update(_with(state, params, opt), jax.tree.unflatten(treedef, grads_l), **extra)
-        new_p, new_o = jax.tree.leaves(new.params), jax.tree.leaves(new.opt_state)
+        one = _with(access, state, params, opt), jax.tree.unflatten(treedef, grads_l)
+        new_p, new_o = _parts(access, access.update(*one, **extra))
         homes = ([p[i] for i in mine_p], [o[i] for i in mine_o])
         return None, placed_like(([new_p[i] for i in mine_p], [new_o[i] for i in mine_o]), homes)
 
@@ -173,14 +180,20 @@ def _probe(tree: Any, seed: int, *, nan: bool = False) -> Any:
     return jax.tree.map(leaf, tree)
 
 
-def check_elementwise(update: Callable[..., Any], state: Any, kinds: Any, **extra: Any) -> None:
-    """Raises unless `split_update` gives exactly ``update``'s whole-tree result, on small
-    concrete probes of ``state``'s structure: four updates (layers of unlike scale, a NaN in
-    the last; ``end_group`` alternating where ``state.tx`` holds a `jaxga.MultiSteps`).
+def check_elementwise(
+    access: "OptimizerAccess", state: Any, grads: Any, kinds: Any, **extra: Any
+) -> None:
+    """Raises unless `split_update` gives exactly ``access.update``'s whole-tree result, on
+    small concrete probes of ``state``'s structure: four updates (layers of unlike scale, a
+    NaN in the last; ``end_group`` alternating where ``access.tx`` holds a `jaxga.MultiSteps`).
+    Once per ``tx``, ``access.static``, params' structure, shapes, dtypes and kinds, and
+    ``extra``'s names (a ``tx`` that cannot be hashed: every time).
 
     Args:
-        update: ``(state, grads, **extra) -> state``, a train state's ``apply_gradients``.
-        state: a train state of the step (its ``tx``, and its params' tree and ranks).
+        access: a `skeleton.OptimizerAccess` (its ``tx``, ``update``, and how it reaches the
+            parameters and the optimiser state of ``state``).
+        state: a train state of the step (its params' tree and ranks).
+        grads: the step's gradient (its tree, for the probes').
         kinds: `leaf_kinds` of ``state``'s params and optimiser state.
         extra: the keywords the step passes ``update`` (their values replaced by probes').
 
@@ -191,27 +204,57 @@ def check_elementwise(update: Callable[..., Any], state: Any, kinds: Any, **extr
         >>> import jax.numpy as jnp, optax, jaxga
         >>> from jaxga._layerwise import check_elementwise
         >>> state = jaxga.TrainState.create(params=jnp.ones((2, 3)), tx=optax.adam(0.1))
-        >>> def update(state, grads, **extra):
-        ...     return state.apply_gradients(grads=grads, **extra)
-        >>> check_elementwise(update, state, ([2], [0, 2, 2]))  # adam: exact by layer
+        >>> access = jaxga.train._Flax(None, None, None).optimizer(state)
+        >>> check_elementwise(access, state, state.params, ([2], [0, 2, 2]))  # adam: exact
     """
+    if (key := _probe_key(access, state, kinds, extra)) in _PROBED:
+        return
     with jax.ensure_compile_time_eval(), jax.disable_jit():  # op by op, scans as loops
-        params = _probe(state.params, 0)
-        whole = split = state.replace(step=0, params=params, opt_state=state.tx.init(params))
-        grouped = bool(_multisteps(split.opt_state)) or "end_group" in extra
+        params = _probe(access.params(state), 0)
+        whole = split = access.replace(_scalars(state), params, access.tx.init(params))
+        grouped = bool(_multisteps(access.opt_state(split))) or "end_group" in extra
         for t in range(4):
             probe = {k: jnp.asarray(t + 1, jax.typeof(v).dtype) for k, v in extra.items()}
             probe = {k: v for k, v in probe.items() if k == "weight"}
             probe |= {"end_group": jnp.asarray(t % 2 == 1)} if grouped else {}
-            grads = _probe(state.params, t + 1, nan=t == 3)
-            whole = update(whole, grads, **probe)
+            probe_grads = _probe(grads, t + 1, nan=t == 3)
+            whole = access.update(whole, probe_grads, **probe)
             try:
-                split = split_update(update, split, grads, kinds=kinds, **probe)
+                split = split_update(access, split, probe_grads, kinds=kinds, **probe)
             except (TypeError, ValueError) as e:
                 raise ValueError(
                     f'`stream`="layers": `tx` fails on one layer ({e}): {_FIX}.'
                 ) from e
-            _check_same(split, whole, t)
+            _check_same(_trees(access, split), _trees(access, whole), t)
+    if key is not None:
+        if len(_PROBED) >= 64:
+            _PROBED.clear()
+        _PROBED[key] = None
+
+
+_PROBED: dict[Any, None] = {}  # the keys of the probes `check_elementwise` passed
+
+
+def _probe_key(access: "OptimizerAccess", state: Any, kinds: Any, extra: Any) -> Any:
+    """What a probe's verdict depends on, hashable; None if ``tx`` (or else) is not."""
+    params = access.params(state)
+    types = tuple((jnp.shape(x), jax.typeof(x).dtype) for x in jax.tree.leaves(params))
+    key = (access.tx, access.static, jax.tree.structure(params), types, *map(tuple, kinds), *extra)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _scalars(state: Any) -> Any:
+    """``state`` with its numeric scalars zeros (concrete): a step count the update advances."""
+
+    def concrete(x: Any) -> Any:
+        numeric = jnp.issubdtype(jax.typeof(x).dtype, jnp.number)
+        return jnp.zeros((), jax.typeof(x).dtype) if numeric and not jnp.ndim(x) else x
+
+    return jax.tree.map(concrete, state)
 
 
 def _multisteps(opt_state: Any) -> list[Any]:
@@ -220,9 +263,10 @@ def _multisteps(opt_state: Any) -> list[Any]:
 
 
 def _check_same(split: Any, whole: Any, t: int) -> None:
-    """Raises, naming the first leaf that differs, unless ``split`` equals ``whole``."""
-    got = jax.tree_util.tree_leaves_with_path((split.params, split.opt_state))
-    for (path, a), b in zip(got, jax.tree.leaves((whole.params, whole.opt_state)), strict=True):
+    """Raises, naming the first leaf that differs, unless ``split`` equals ``whole`` (each
+    ``(params, opt_state)``)."""
+    got = jax.tree_util.tree_leaves_with_path(split)
+    for (path, a), b in zip(got, jax.tree.leaves(whole), strict=True):
         a, b = np.asarray(a), np.asarray(b)
         if not np.array_equal(a, b, equal_nan=np.issubdtype(a.dtype, np.inexact)):
             where = ("params" if path[0].idx == 0 else "opt_state") + jax.tree_util.keystr(path[1:])
@@ -236,43 +280,41 @@ def _check_same(split: Any, whole: Any, t: int) -> None:
             )
 
 
-def updated_by_layer(
-    update: Callable[..., Any], state: Any, grads: Any, *, tx: Any, **extra: Any
-) -> Any:
-    """``update(state, grads, **extra)`` with the stacks in host memory updated a layer at a
-    time (`split_update`), once `check_elementwise` finds ``tx`` exact that way.
+def updated_by_layer(access: "OptimizerAccess", state: Any, grads: Any, **extra: Any) -> Any:
+    """``access.update(state, grads, **extra)`` with the stacks in host memory updated a layer
+    at a time (`split_update`), once `check_elementwise` finds ``access.tx`` exact that way.
 
     Args:
-        update: ``(state, grads, **extra) -> state``, a train state's ``apply_gradients``.
+        access: a `skeleton.OptimizerAccess`: the update, ``tx``, and how it reaches the
+            parameters and the optimiser state of ``state``.
         state: a train state; its stacks (leaves with a layer axis) in host memory streamed.
-        grads: the gradient, like ``state.params`` (a stack's in host memory or not).
-        tx: ``state``'s optax transformation.
+        grads: the gradient, like the parameters (a stack's in host memory or not).
         extra: ``update``'s keywords (``weight``, ``end_group``).
 
     Returns:
         The updated state, each leaf in its old leaf's memory (the others on the device).
 
     Examples:
-        >>> import jax, jax.numpy as jnp, optax, jaxga
+        >>> import functools, jax, jax.numpy as jnp, optax, jaxga
         >>> from jaxga._layerwise import updated_by_layer
         >>> host = jax.memory.Space.Host
         >>> state = jaxga.TrainState.create(params=jnp.ones((2, 3)), tx=optax.adam(0.1))
-        >>> run = jax.jit(updated_by_layer, static_argnums=0, static_argnames="tx")
+        >>> access = jaxga.train._Flax(None, None, None).optimizer(state)
         >>> state = state.replace(params=jax.device_put(state.params, host))
-        >>> def update(state, grads, **extra):
-        ...     return state.apply_gradients(grads=grads, **extra)
-        >>> new = run(update, state, jnp.ones((2, 3)), tx=state.tx)
+        >>> new = jax.jit(functools.partial(updated_by_layer, access))(state, jnp.ones((2, 3)))
         >>> round(float(new.params[0, 0]), 4), str(jax.typeof(new.params).memory_space)
         (0.9, 'MemorySpace.Host')
     """
-    kinds = leaf_kinds(tx, state.params, state.opt_state)
-    check_elementwise(update, state, kinds, **extra)
-    return split_update(update, state, grads, kinds=kinds, **extra)
+    kinds = leaf_kinds(access.tx, *_trees(access, state))
+    check_elementwise(access, state, grads, kinds, **extra)
+    return split_update(access, state, grads, kinds=kinds, **extra)
 
 
-def streamed_leaves(state: Any) -> Any:
-    """A tree like ``state`` (a train state): True at the leaves the update streams (stacks in
-    host memory, and the optimiser-state leaves that mirror them), False elsewhere."""
-    pk, ok = leaf_kinds(state.tx, state.params, state.opt_state)
-    none = jax.tree.map(lambda _: False, state)
-    return _with(none, [k == _STREAMED for k in pk], [k == _STREAMED for k in ok])
+def streamed_leaves(access: "OptimizerAccess", state: Any) -> Any:
+    """A tree like ``state``: True at the leaves the update streams (stacks in host memory,
+    and the optimiser-state leaves that mirror them, as ``access`` reaches them), False
+    elsewhere."""
+    pk, ok = leaf_kinds(access.tx, *_trees(access, state))
+    none = jax.tree.map(lambda _: np.asarray(False), state)  # arrays: NNX's state keeps them
+    marks = [[np.asarray(k == _STREAMED) for k in kinds] for kinds in (pk, ok)]
+    return _with(access, none, *marks)

@@ -10,6 +10,7 @@ from flax import nnx
 
 from jaxga import _checks, arguments, layouts, modules, sharding, skeleton, steps
 from jaxga.accumulation import Accumulate
+from jaxga.memory import HOST_KINDS
 
 
 def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
@@ -85,7 +86,7 @@ class NNXTrainStep(steps.JittedStep):
             raise TypeError(f"`rngs` must be an nnx.Rngs, a PRNG key or None; got {got}.")
         _check_takes_rngs(self._loss, rngs)
         graphdef, state = nnx.split((model, optimizer, *_streams(rngs)))
-        self._once((graphdef, state), _check_wrt, model, optimizer)
+        self._once((graphdef, state), _check_variables, model, optimizer, self.options)
         layout = self.options.layout
         if layout is not None:  # where the model put it; on the mesh, replicated, if nowhere
             state = sharding.onto(state, layout.mesh)
@@ -145,11 +146,23 @@ def _check_takes_rngs(loss: Callable[..., Any], rngs: Any) -> None:
         raise TypeError(f"`loss` {got}, {handed}: {fix}.") from None
 
 
-def _check_wrt(model: Any, optimizer: Any) -> None:
+def _check_variables(model: Any, optimizer: Any, options: steps.StepOptions) -> None:
+    """Raises unless ``optimizer.wrt`` selects floats, and ``model``'s variables lie on the
+    device but where ``options.stream`` takes them in host memory (or ``offload`` picks)."""
     for path, leaf in jax.tree.leaves_with_path(nnx.as_pure(nnx.state(model, optimizer.wrt))):
         if not jnp.issubdtype(leaf.dtype, jnp.inexact):
             got = f"model{jax.tree_util.keystr(path)} of dtype {leaf.dtype}"
             raise ValueError(f"`optimizer.wrt` must select floats; got {got}.")
+    if options.stream or callable(options.offload):
+        return
+    for path, leaf in jax.tree.leaves_with_path(nnx.as_pure(nnx.state(model))):
+        if (kind := getattr(getattr(leaf, "sharding", None), "memory_kind", None)) in HOST_KINDS:
+            fix = (
+                "pass stream=True (its loss fetching it layer by layer with "
+                "jaxga.remat_scan(stream=True)), or move it to the device with jax.device_put"
+            )
+            got = f"`model`{jax.tree_util.keystr(path)} is in host memory ({kind})"
+            raise ValueError(f"{got}; expected on the device: {fix}.")
 
 
 def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[..., Any]:
@@ -171,10 +184,6 @@ class _NNX(NamedTuple):
     graphdef: Any
     num_real: Any
     key: Any  # `rngs` given as a PRNG key, or None
-
-    def streamed(self, state: Any) -> None:
-        """No leaf streamed: each offloaded as ``offload`` says."""
-        return None
 
     def specs(self, state: Any, layout: sharding.MeshLayout) -> Any:
         """As the metadata, or the strategy, says; the rest as it is."""
@@ -199,12 +208,16 @@ class _NNX(NamedTuple):
         return acc, nnx.state((model, optimizer, *streams))
 
     def optimizer(self, state: Any) -> skeleton.OptimizerAccess:
-        tx = nnx.merge(self.graphdef, state)[1].tx
-        return skeleton.OptimizerAccess(tx, self.updated, self.opt_state)
+        """``optimizer.tx``, its update, and the pure parameters (``optimizer.wrt``) and
+        optimiser state in ``state``."""
+        tx, parts = nnx.merge(self.graphdef, state)[1].tx, (self.opt_state, self.params)
+        return skeleton.OptimizerAccess(
+            tx, self.updated, *parts, self.replaced, static=self.graphdef
+        )
 
     def updated(self, state: Any, grads: Any, **extra: Any) -> Any:
         """``nnx.Optimizer.update`` on ``state``: the model and optimizer put together."""
-        model, optimizer, *streams = nnx.merge(self.graphdef, state)
+        model, optimizer, *streams = nnx.merge(self.graphdef, state, copy=True)
         held = isinstance(optimizer, nnx.ModelAndOptimizer)
         optimizer.update(*(() if held else (model,)), grads, **extra)
         return nnx.state((model, optimizer, *streams))
@@ -213,6 +226,19 @@ class _NNX(NamedTuple):
         """The pure optimiser state in ``state``."""
         _, optimizer, *_ = nnx.merge(self.graphdef, state)
         return nnx.as_pure(optimizer.opt_state)
+
+    def params(self, state: Any) -> Any:
+        """The pure parameters the optimizer updates (``optimizer.wrt``) in ``state``."""
+        model, optimizer, *_ = nnx.merge(self.graphdef, state)
+        return nnx.as_pure(nnx.state(model, optimizer.wrt))
+
+    def replaced(self, state: Any, params: Any, opt_state: Any) -> Any:
+        """``state`` with these pure ``params`` and ``opt_state``, as ``optimizer.update``
+        writes them."""
+        model, optimizer, *streams = nnx.merge(self.graphdef, state, copy=True)
+        nnx.update(model, params)
+        nnx.update(optimizer.opt_state, nnx.state(opt_state))
+        return nnx.state((model, optimizer, *streams))
 
     def put_back(self, given: Any, new: Any, acc: Any) -> Any:
         return new  # the step's state: the model, optimizer (and streams), updated
@@ -268,6 +294,7 @@ def nnx_train_step(
     weight: bool | None = None,
     learning_rate: Callable[[Any], Any] | None = None,
     pipeline_axis: str | None = None,
+    stream: bool | str = False,
 ) -> NNXTrainStep:
     """Builds an NNX step `(model, optimizer, batch) -> metrics` training `optimizer.wrt` in place.
 
@@ -295,6 +322,20 @@ def nnx_train_step(
         pipeline_axis: the `mesh` axis of a pipeline's stages (`jaxga.pipeline_loss`): manual
             in the loop beside `axis_name`, so that each stage's variables, split over it by
             their sharding metadata, never move (as for `make_train_step`; docs/pipeline.md).
+        stream: take the model's variables that live in pinned host memory (an `nnx.vmap`
+            stack moved there, `nnx.update(model.blocks, jax.device_put(nnx.state(
+            model.blocks), host))`) and keep them there: the loss gets them as they lie, to
+            fetch layer by layer with [`jaxga.remat_scan(stream=True)`][jaxga.remat_scan];
+            their gradient sums live in host memory too; the optimiser's update fetches the
+            parameters and gradients whole and writes the parameters back (any `tx`).
+            `"layers"`: the update too runs a layer at a time, each layer's parameters,
+            gradient and optimiser-state slices (moments, with `offload=True` in host
+            memory) fetched, updated and written back: your statement that `optimizer.tx`
+            is elementwise (sgd, adam, adamw, lion, schedules, `jaxga.MultiSteps` of them);
+            a probe at trace time refuses the usual exceptions (`clip_by_global_norm`,
+            LAMB), not every one. `True`: bit for bit the resident step; `"layers"`: to
+            float rounding (another program); without a `mesh` (as for `make_train_step`;
+            docs/streaming.md).
 
     Returns:
         A [`jaxga.NNXTrainStep`][jaxga.NNXTrainStep].
@@ -330,5 +371,6 @@ def nnx_train_step(
         compiler_options=compiler_options,
         weight=weight,
         learning_rate=learning_rate,
+        stream=stream,
     )
     return NNXTrainStep(_nnx_step, loss, options)

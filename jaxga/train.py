@@ -11,8 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.training import train_state
 
-from jaxga import _checks, _streaming, layouts, meshes, modules, sharding, skeleton, steps
-from jaxga._layerwise import streamed_leaves, updated_by_layer
+from jaxga import _checks, layouts, meshes, modules, sharding, skeleton, steps
 from jaxga.accumulation import Accumulate
 from jaxga.arguments import StateStructureError
 from jaxga.engine import Accumulated
@@ -130,28 +129,23 @@ class _Flax(NamedTuple):
             fix = "pass make_train_step(..., axis_name=NAME)"
             e.add_note(f"jaxga: a named axis needs a mesh: {fix}.")
             raise
-        if options.stream is True:  # the update on the device, whole
-            acc = acc._replace(grads=_streaming.on_device(acc.grads))
-            updated = updated.replace(params=_streaming.on_device(updated.params))
         return acc, updated
 
     def optimizer(self, state: Any) -> skeleton.OptimizerAccess:
-        update = functools.partial(_applied, _apply_gradients(state))
-        if self.options.stream == "layers":  # the update a layer at a time
-            update = functools.partial(updated_by_layer, update, tx=state.tx)
+        """``state.tx``, ``state``'s own ``apply_gradients``, its params and opt_state."""
+        method = _apply_gradients(state)
         check = functools.partial(_check_takes, state)  # outside apply_update's try
-        return skeleton.OptimizerAccess(state.tx, update, operator.attrgetter("opt_state"), check)
-
-    def streamed(self, state: Any) -> Any:
-        """``None``, or with ``stream="layers"`` the leaves that stay in host memory."""
-        return streamed_leaves(state) if self.options.stream == "layers" else None
+        fields = operator.attrgetter("opt_state"), operator.attrgetter("params"), self.replaced
+        update = functools.partial(_applied, method)
+        return skeleton.OptimizerAccess(state.tx, update, *fields, check=check, static=method)
 
     def put_back(self, given: Any, new: Any, acc: Accumulated) -> Any:
         fields = state_fields(given, self.options.model_state_fields, self.options.rng_field)
-        new = fields.write(new.replace(step=given.step + 1), acc.state)
-        if self.options.stream:  # back where each parameter lived
-            new = new.replace(params=_streaming.placed_like(new.params, given.params))
-        return new
+        return fields.write(new.replace(step=given.step + 1), acc.state)
+
+    def replaced(self, state: Any, params: Any, opt_state: Any) -> Any:
+        """``state`` with these ``params`` and ``opt_state``."""
+        return state.replace(params=params, opt_state=opt_state)
 
 
 def _on_mesh(accumulated: Accumulate, layout: MeshLayout, state: Any, specs: Any, *args: Any):
