@@ -31,9 +31,19 @@ def is_streamed(leaf: Any) -> bool:
 
 
 def on_device(tree: Any) -> Any:
-    """``tree`` with its host-memory leaves fetched to the device (the others as they are)."""
+    """``tree`` with its host-memory leaves fetched to the device (the others as they are):
+    arrays, traced or not, copied; shape structs described on the device (on one device,
+    without a sharding, as `planner.abstract` describes an array there)."""
 
     def fetch(leaf: Any) -> Any:
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            where = leaf.sharding
+            if getattr(where, "memory_kind", None) not in ("pinned_host", "unpinned_host"):
+                return leaf
+            where = where.with_memory_kind("device") if len(where.device_set) > 1 else None
+            return jax.ShapeDtypeStruct(
+                leaf.shape, leaf.dtype, sharding=where, weak_type=leaf.weak_type
+            )
         return jax.device_put(leaf, _DEVICE) if memory_space(leaf) == _HOST else leaf
 
     return jax.tree.map(fetch, tree)

@@ -8,7 +8,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxga import _checks, arguments, layouts, modules, sharding, skeleton, steps
+from jaxga import (
+    _checks,
+    _streaming,
+    arguments,
+    layouts,
+    modules,
+    planner,
+    sharding,
+    skeleton,
+    steps,
+)
 from jaxga.accumulation import Accumulate
 from jaxga.memory import HOST_KINDS
 
@@ -94,6 +104,16 @@ class NNXTrainStep(steps.JittedStep):
         return self._laid_out(
             (graphdef,), state, batch, num_real_microbatches, end_group=end_group, extra=keys
         )
+
+    def _fetched(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """With ``stream="auto"``, the model's variables in host memory fetched to the device:
+        in place for a call's model, on a copy of a plan's shapes."""
+        if self.options.stream != "auto" or not modules.is_graph_node(args[0]):
+            return args
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(args)):
+            args = planner.abstract(args)  # a copy: the plan's own shapes stay as they are
+        nnx.update(args[0], _streaming.on_device(nnx.state(args[0])))
+        return args
 
     def __call__(
         self,
@@ -335,7 +355,9 @@ def nnx_train_step(
             a probe at trace time refuses the usual exceptions (`clip_by_global_norm`,
             LAMB), not every one. `True`: bit for bit the resident step; `"layers"`: to
             float rounding (another program); without a `mesh` (as for `make_train_step`;
-            docs/streaming.md).
+            docs/streaming.md). `"auto"` (with `num_microbatches="auto"`): resident if any
+            k fits (the variables in host memory fetched to the device, and kept there),
+            else `True`, else `"layers"`, as `make_train_step`'s.
 
     Returns:
         A [`jaxga.NNXTrainStep`][jaxga.NNXTrainStep].

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.training import train_state
 
-from jaxga import _checks, layouts, meshes, modules, sharding, skeleton, steps
+from jaxga import _checks, _streaming, layouts, meshes, modules, sharding, skeleton, steps
 from jaxga.accumulation import Accumulate
 from jaxga.arguments import StateStructureError
 from jaxga.engine import Accumulated
@@ -54,8 +54,7 @@ class TrainStep(steps.JittedStep):
     def _fetched(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         if self.options.stream != "auto" or not isinstance(args[0], train_state.TrainState):
             return args
-        params = jax.tree.map(_on_device, args[0].params)
-        return (args[0].replace(params=params), *args[1:])
+        return (args[0].replace(params=_streaming.on_device(args[0].params)), *args[1:])
 
     def __call__(
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
@@ -64,19 +63,6 @@ class TrainStep(steps.JittedStep):
         if isinstance(leaf, jax.Array) and not steps.is_traced(leaf) and leaf.is_deleted():
             raise ValueError("`state` holds arrays an earlier call deleted: it donates them.")
         return self._run((state, batch, num_real_microbatches), {"end_group": end_group})
-
-
-def _on_device(leaf: Any) -> Any:
-    """``leaf`` on the device if it is in host memory: an array copied, a shape struct
-    re-described as `planner.abstract` describes one (on one device: on any)."""
-    where = getattr(leaf, "sharding", None)
-    if getattr(where, "memory_kind", None) not in steps.HOST_KINDS:
-        return leaf
-    where = where.with_memory_kind("device")
-    if not isinstance(leaf, jax.ShapeDtypeStruct):
-        return jax.device_put(leaf, where)
-    where = where if len(where.device_set) > 1 else None
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where, weak_type=leaf.weak_type)
 
 
 def _check_state(state: Any, offload: Any = None, stream: bool = False) -> None:

@@ -11,16 +11,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxga
 from jaxga.memory import program_counts
 from jaxga.planner import InfeasibleBudgetError
 from tests.test_streaming import (
     HOST,
+    Stack,
     assert_equal,
     batch_of,
     kinds,
     model_params,
+    nnx_loss,
     optimizer,
     step_loss,
     streamed,
@@ -153,3 +156,25 @@ def test_auto_stream_plans_resident_when_it_fits_and_fetches_the_stack_for_good(
     assert_equal((state.params, state.opt_state), (resident.params, resident.opt_state))
     assert_equal(metrics, resident_metrics)
     np.testing.assert_array_equal(metrics["count"], resident_metrics["count"])
+
+
+def test_auto_stream_plans_an_nnx_model_resident_and_fetches_its_blocks_in_place():
+    def trained(k, stream):
+        model = Stack(nnx.Rngs(0), stream=True)  # its loss streams: resident, as the scan
+        opt = nnx.Optimizer(model, optimizer(), wrt=nnx.Param)
+        if stream:
+            nnx.update(model.blocks, jax.device_put(nnx.state(model.blocks), HOST))
+        budget = {"memory_budget": "1GiB"} if k == "auto" else {}
+        step = jaxga.nnx_train_step(nnx_loss, k, stream=stream, **budget)
+        for i in range(2):
+            metrics = step(model, opt, batch_of(i))
+        return step, model, opt, metrics
+
+    with jax.default_matmul_precision("highest"):
+        step, model, opt, metrics = trained("auto", "auto")
+        _, resident, resident_opt, resident_metrics = trained(step.plan.num_microbatches, False)
+    assert step.plan.stream is False and {c.stream for c in step.plan.candidates} == {False}
+    assert kinds(nnx.state(model)) == {"device"}
+    assert_equal(nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(resident)))
+    assert_equal(nnx.as_pure(opt.opt_state), nnx.as_pure(resident_opt.opt_state))
+    assert_equal(metrics, resident_metrics)
