@@ -5,6 +5,7 @@ elementwise (docs/streaming.md). A step's kind says how to reach its parameters 
 optimiser state (`skeleton.OptimizerAccess`): a Flax TrainState's, an NNX optimizer's.
 """
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -146,21 +147,33 @@ def _scan_layers(
     mine_o = [i for i, (x, k) in enumerate(zip(o, ok)) if k == _STREAMED and x.shape[0] == size]
     treedef = jax.tree.structure(grads)
 
-    def body(_: None, slices: tuple[list[Any], list[Any], list[Any]]) -> tuple[None, Any]:
+    def body(stacks: tuple[list[Any], list[Any]], layer: jax.Array) -> tuple[Any, None]:
         params, grads_l = [_empty(x) for x in p], [_empty(x) for x in g]
         opt = [on_device(x) if k == _STATE else _empty(x) for x, k in zip(o, ok)]
-        for i, w, d in zip(mine_p, slices[0], slices[1]):
-            params[i], grads_l[i] = on_device(w), on_device(d)
-        for i, s in zip(mine_o, slices[2]):
-            opt[i] = on_device(s)
+        for i, w in zip(mine_p, stacks[0]):
+            params[i] = on_device(_index(w, layer))
+            grads_l[i] = on_device(_index(g[i], layer))
+        for i, s in zip(mine_o, stacks[1]):
+            opt[i] = on_device(_index(s, layer))
         one = _with(access, state, params, opt), jax.tree.unflatten(treedef, grads_l)
         new_p, new_o = _parts(access, access.update(*one, **extra))
-        homes = ([p[i] for i in mine_p], [o[i] for i in mine_o])
-        return None, placed_like(([new_p[i] for i in mine_p], [new_o[i] for i in mine_o]), homes)
+        new = ([new_p[i] for i in mine_p], [new_o[i] for i in mine_o])
+        return jax.tree.map(functools.partial(_written, at=layer), stacks, new), None
 
-    xs = ([p[i] for i in mine_p], [g[i] for i in mine_p], [o[i] for i in mine_o])
-    ys_p, ys_o = jax.lax.scan(body, None, xs)[1]
+    stacks = ([p[i] for i in mine_p], [o[i] for i in mine_o])  # written in place, layer by layer
+    ys_p, ys_o = jax.lax.scan(body, stacks, jnp.arange(size))[0]
     return dict(zip(mine_p, ys_p)), dict(zip(mine_o, ys_o))
+
+
+def _index(stack: Any, layer: jax.Array) -> Any:
+    """``stack[layer]``, where ``stack`` lies."""
+    return jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
+
+
+def _written(stack: Any, value: Any, *, at: jax.Array) -> Any:
+    """``stack`` with ``value`` written, where ``stack`` lies, as its layer ``at``."""
+    value = placed_like(value.astype(jax.typeof(stack).dtype), stack)
+    return jax.lax.dynamic_update_index_in_dim(stack, value, at, 0)
 
 
 def _probe(tree: Any, seed: int, *, nan: bool = False) -> Any:

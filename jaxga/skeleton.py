@@ -10,7 +10,7 @@ from jaxga import sharding
 from jaxga._layerwise import streamed_leaves, updated_by_layer
 from jaxga._streaming import on_device, placed_like
 from jaxga.engine import Accumulated
-from jaxga.steps import Metrics, StepOptions, apply_update, metrics, tx_args
+from jaxga.steps import Metrics, StepOptions, apply_update, metrics, selected, tx_args
 
 
 class OptimizerAccess(NamedTuple):
@@ -52,7 +52,8 @@ def optimize(
     extra = tx_args(options, optimizer.tx, acc, end_group, optimizer.opt_state(state))
     if optimizer.check is not None:
         optimizer.check(extra)
-    update = optimizer.update
+    optimizer = optimizer._replace(update=functools.partial(selected, optimizer.update))
+    update = optimizer.update  # keeps the state where nothing counted, leaf by leaf
     if options.stream == "layers":  # the streamed stacks' update a layer at a time
         update = functools.partial(updated_by_layer, optimizer)
     new = apply_update(acc, functools.partial(update, **extra), state, always="weight" in extra)

@@ -1,6 +1,7 @@
 """What both train steps share: their options, the jitted step, and the optimiser's update."""
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -28,19 +29,17 @@ _LOG = logging.getLogger("jaxga")
 _HINT = "was it built for these parameters?"
 
 
-def apply_update(
-    acc: Accumulated, update: Callable[[Any, Any], Any], state: Any, *, always: bool
-) -> Any:
-    """``update(state, grads)``, checked and traced once; with no items counted, ``state``
-    unless ``always`` (then with zero gradients: a transformation given ``weight`` weighs
-    the call 0 itself)."""
+def apply_update(acc: Accumulated, update: Callable[..., Any], state: Any, *, always: bool) -> Any:
+    """``update(state, grads, counted=...)``, checked and traced once: ``update`` keeps
+    ``state`` where no item counted (`selected`); with ``always``, ``update(state, grads)``
+    with zero gradients (a transformation given ``weight`` weighs the call 0 itself)."""
     counted = acc.mean.count > 0
 
-    def updated(state: Any, grads: Any) -> Any:  # nnx.Optimizer may rebuild subtrees, in
-        paths = jax.tree_util.tree_flatten_with_path(state)[0]  # place, with other node types
-        shapes = [jnp.shape(x) for _, x in paths]
+    def updated(state: Any, grads: Any, **selection: Any) -> Any:  # nnx.Optimizer may rebuild
+        paths = jax.tree_util.tree_flatten_with_path(state)[0]  # subtrees, in place, with
+        shapes = [jnp.shape(x) for _, x in paths]  # other node types
         try:
-            new = update(state, grads)
+            new = update(state, grads, **selection)
         except StreamError:
             raise
         except (TypeError, ValueError) as e:
@@ -53,16 +52,45 @@ def apply_update(
                 raise ValueError(f"The optimiser's update changes the shape of {change}: {_HINT}")
         return new
 
-    def kept(types: Any, state: Any, grads: Any) -> Any:  # ``state`` in the updated tree
-        leaves = [x.astype(t.dtype) for x, t in zip(jax.tree.leaves(state), jax.tree.leaves(types))]
-        kept = jax.tree.unflatten(jax.tree.structure(types), leaves)
-        return collectives.laid_out_as(kept, types)  # Explicit axes: as updated
-
     if always:
         zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))  # not a constant
         grads = layerwise(lambda g: jnp.where(counted, g, zero), acc.grads)  # streamed: by layer
         return updated(state, grads)
-    return collectives.when(counted, updated, state, acc.grads, otherwise=kept)
+    return updated(state, acc.grads, counted=counted)
+
+
+def selected(
+    update: Callable[..., Any], state: Any, grads: Any, *, counted: Any = None, **extra: Any
+) -> Any:
+    """``update(state, grads, **extra)``; given ``counted`` (a bool, traced), where it is False
+    ``state`` instead, chosen leaf by leaf (cast and laid out as the update's): XLA fuses the
+    choice into the update, which writes its donated buffers in place, where a ``lax.cond``'s
+    outputs are copied into them (docs/streaming.md, "What binds").
+
+    Args:
+        update: ``(state, grads, **extra) -> state``, an optimiser's update.
+        state: the state it updates (a train state, or one layer's slices of it).
+        grads: the gradient.
+        counted: whether the step counted any item; None: ``update``'s result as it is.
+        extra: ``update``'s keywords (``weight``, ``end_group``).
+
+    Returns:
+        The updated state, or ``state`` where ``counted`` is False.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jaxga.steps import selected
+        >>> def sgd(w, g):
+        ...     return w - g
+        >>> selected(sgd, jnp.ones(2), jnp.ones(2), counted=jnp.array(False)).tolist()
+        [1.0, 1.0]
+    """
+    new = update(state, grads, **extra)
+    if counted is None:
+        return new
+    leaves = [x.astype(t.dtype) for x, t in zip(jax.tree.leaves(state), jax.tree.leaves(new))]
+    kept = collectives.laid_out_as(jax.tree.unflatten(jax.tree.structure(new), leaves), new)
+    return jax.tree.map(functools.partial(jnp.where, counted), new, kept)
 
 
 def injected_learning_rate(opt_state: Any) -> jax.Array:
