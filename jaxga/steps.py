@@ -1,7 +1,6 @@
-"""What both train steps share: their options, the jitted step, and the optimiser's update."""
+"""What both train steps share: their options, the jitted step, the checks of a call."""
 
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -11,86 +10,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxga import _checks, collectives, layouts, meshes, planner, sharding
-from jaxga._layerwise import StreamError
-from jaxga._streaming import global_norm, layerwise
+from jaxga import _checks, layouts, meshes, planner, sharding
 from jaxga.accumulation import OPTION_CHECKS, Accumulate, accumulate, check_options
 from jaxga.arguments import check_num_real
 from jaxga.compiler import compiler_options
-from jaxga.engine import Accumulated
 from jaxga.memory import HOST_KINDS, format_bytes
-from jaxga.multistep import MultiStepsState, MultiStepsTransformation
 from jaxga.state import unaliased
 
 Metrics = dict[str, jax.Array]
 _LOG = logging.getLogger("jaxga")
-
-
-_HINT = "was it built for these parameters?"
-
-
-def apply_update(acc: Accumulated, update: Callable[..., Any], state: Any, *, always: bool) -> Any:
-    """``update(state, grads, counted=...)``, checked and traced once: ``update`` keeps
-    ``state`` where no item counted (`selected`); with ``always``, ``update(state, grads)``
-    with zero gradients (a transformation given ``weight`` weighs the call 0 itself)."""
-    counted = acc.mean.count > 0
-
-    def updated(state: Any, grads: Any, **selection: Any) -> Any:  # nnx.Optimizer may rebuild
-        paths = jax.tree_util.tree_flatten_with_path(state)[0]  # subtrees, in place, with
-        shapes = [jnp.shape(x) for _, x in paths]  # other node types
-        try:
-            new = update(state, grads, **selection)
-        except StreamError:
-            raise
-        except (TypeError, ValueError) as e:
-            raise ValueError(
-                f"The optimiser's update fails on these parameters ({e}): {_HINT}"
-            ) from e
-        for (path, _), before, after in zip(paths, shapes, jax.tree.leaves(new), strict=True):
-            if before != jnp.shape(after):
-                change = f"{jax.tree_util.keystr(path)} from {before} to {jnp.shape(after)}"
-                raise ValueError(f"The optimiser's update changes the shape of {change}: {_HINT}")
-        return new
-
-    if always:
-        zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))  # not a constant
-        grads = layerwise(lambda g: jnp.where(counted, g, zero), acc.grads)  # streamed: by layer
-        return updated(state, grads)
-    return updated(state, acc.grads, counted=counted)
-
-
-def selected(
-    update: Callable[..., Any], state: Any, grads: Any, *, counted: Any = None, **extra: Any
-) -> Any:
-    """``update(state, grads, **extra)``; given ``counted`` (a bool, traced), where it is False
-    ``state`` instead, chosen leaf by leaf (cast and laid out as the update's): XLA fuses the
-    choice into the update, which writes its donated buffers in place, where a ``lax.cond``'s
-    outputs are copied into them (docs/streaming.md, "What binds").
-
-    Args:
-        update: ``(state, grads, **extra) -> state``, an optimiser's update.
-        state: the state it updates (a train state, or one layer's slices of it).
-        grads: the gradient.
-        counted: whether the step counted any item; None: ``update``'s result as it is.
-        extra: ``update``'s keywords (``weight``, ``end_group``).
-
-    Returns:
-        The updated state, or ``state`` where ``counted`` is False.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> from jaxga.steps import selected
-        >>> def sgd(w, g):
-        ...     return w - g
-        >>> selected(sgd, jnp.ones(2), jnp.ones(2), counted=jnp.array(False)).tolist()
-        [1.0, 1.0]
-    """
-    new = update(state, grads, **extra)
-    if counted is None:
-        return new
-    leaves = [x.astype(t.dtype) for x, t in zip(jax.tree.leaves(state), jax.tree.leaves(new))]
-    kept = collectives.laid_out_as(jax.tree.unflatten(jax.tree.structure(new), leaves), new)
-    return jax.tree.map(functools.partial(jnp.where, counted), new, kept)
 
 
 def injected_learning_rate(opt_state: Any) -> jax.Array:
@@ -102,67 +30,6 @@ def injected_learning_rate(opt_state: Any) -> jax.Array:
         fix = "pass the step's `learning_rate=`, a function of the optimiser state, to pick one"
         raise ValueError(f"The optimiser state holds {len(found)} learning rates ({where}): {fix}.")
     return jnp.asarray(found[0][1] if found else jnp.nan, jnp.float32)
-
-
-def metrics(
-    acc: Accumulated, tx: Any, opt_state: Any, options: "StepOptions", *, always: bool
-) -> Metrics:
-    """The step's metrics; ``applied``: whether the update ran (``always``, or items counted)
-    and applied: ``tx.has_updated(opt_state)`` if ``tx`` has one, else whether every
-    `jaxga.MultiSteps` it holds ran its inner optimiser."""
-    counted = acc.mean.count > 0
-    if (has_updated := getattr(tx, "has_updated", None)) is not None:
-        applied = has_updated(opt_state)
-    elif held := [s.applied for s in multisteps_states(opt_state)]:  # in `tx` (a chain): the
-        applied = jnp.all(jnp.stack(held))  # calls that ran its inner optimiser
-    else:
-        applied = counted
-    return {
-        "loss": acc.mean.value,
-        "count": acc.mean.count,
-        "grad_norm": (global_norm if options.stream == "layers" else optax.tree.norm)(acc.grads),
-        "learning_rate": _learning_rate(options.learning_rate, opt_state),
-        "applied": (counted | always) & applied,
-    }
-
-
-def _learning_rate(rate: Callable[[Any], Any], opt_state: Any) -> jax.Array:
-    """``rate(opt_state)``, checked: one number."""
-    value = rate(opt_state)
-    try:
-        array = jnp.asarray(value, jnp.float32)
-    except (TypeError, ValueError):  # None, a dict, a string
-        raise TypeError(f"`learning_rate` must return a number; got {value!r:.60}.") from None
-    if array.shape != ():
-        raise ValueError(f"`learning_rate` must return a scalar; got shape {array.shape}.")
-    return array
-
-
-def multisteps_states(opt_state: Any) -> list[MultiStepsState]:
-    """The `jaxga.MultiSteps` states in ``opt_state``: its own, or inside a chain's."""
-    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MultiStepsState))
-    return [x for x in nodes if isinstance(x, MultiStepsState)]
-
-
-def tx_args(
-    options: "StepOptions", tx: Any, acc: Accumulated, end_group: Any, opt_state: Any = ()
-) -> dict[str, Any]:
-    """What the step passes to ``tx.update`` besides the gradient: ``weight``, ``end_group``;
-    ``weight=None`` weighs a `jaxga.MultiSteps` at the top of ``tx`` or inside (a chain)."""
-    held = isinstance(tx, MultiStepsTransformation) or bool(multisteps_states(opt_state))
-    weigh = held if options.weight is None else options.weight
-    extra = {"weight": acc.mean.count} if weigh else {}
-    if end_group is not None:
-        extra["end_group"] = end_group
-    plain = not isinstance(tx, optax.GradientTransformationExtraArgs)
-    if extra and plain and isinstance(tx, optax.GradientTransformation):
-        got = f"{', '.join(extra)} to an optax {type(tx).__name__}, which takes no extra args"
-        fix = "one that does (jaxga.MultiSteps), or build the step with weight=False"
-        if held and options.weight is None:  # unweighed, the MultiSteps inside weighs a call 1
-            fix = "one that hands them to the jaxga.MultiSteps it holds (optax.chain does)"
-            fix += ", or build the step with weight=False (then each call weighs 1)"
-        raise TypeError(f"The step passes {got}: expected {fix}.")
-    return extra
 
 
 def check_end_group(end_group: Any) -> jax.Array | None:
