@@ -90,9 +90,9 @@ def _parts(access: "OptimizerAccess", state: Any) -> tuple[list[Any], ...]:
 
 
 def _with(access: "OptimizerAccess", state: Any, params: list[Any], opt_state: list[Any]) -> Any:
-    """``state`` with these flat ``params`` and ``opt_state`` leaves (``access.replace``)."""
+    """``state`` with these flat ``params`` and ``opt_state`` leaves (``access.rebuild``)."""
     treedefs = map(jax.tree.structure, _trees(access, state))
-    return access.replace(state, *map(jax.tree.unflatten, treedefs, (params, opt_state)))
+    return access.rebuild(state, *map(jax.tree.unflatten, treedefs, (params, opt_state)))
 
 
 def split_update(
@@ -224,7 +224,7 @@ def check_elementwise(
         return
     with jax.ensure_compile_time_eval(), jax.disable_jit():  # op by op, scans as loops
         params = _probe(access.params(state), 0)
-        whole = split = access.replace(_scalars(state), params, access.tx.init(params))
+        whole = split = access.rebuild(_scalars(state), params, access.tx.init(params))
         grouped = bool(_multisteps(access.opt_state(split))) or "end_group" in extra
         for t in range(4):
             probe = {k: jnp.asarray(t + 1, jax.typeof(v).dtype) for k, v in extra.items()}

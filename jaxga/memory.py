@@ -51,7 +51,7 @@ class Counts(NamedTuple):
     """What a program does, loops unrolled: its matmul FLOPs and its host-device bytes."""
 
     flops: int  # of matmuls and convolutions
-    moved_bytes: int  # copied between host and device memory (either way)
+    moved_bytes: int  # copied between host and device memory (either way), global shapes
     exact: bool  # False if a while_loop's body was counted once
 
 
@@ -92,8 +92,9 @@ def _space(aval: Any) -> Any:
 
 def program_counts(jaxpr: Any) -> Counts:
     """Returns a (closed) jaxpr's `Counts`: the FLOPs of its matmuls and convolutions and the
-    bytes its ``device_put``s copy between host and device memory, loops unrolled (a
-    ``cond`` counted by its costliest branch), the dead code XLA drops left out.
+    bytes its ``device_put``s copy between host and device memory (of the arrays' global
+    shapes; not the copies XLA adds itself), loops unrolled (a ``cond`` counted by its
+    costliest branch), the dead code XLA drops left out.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -113,8 +114,9 @@ def program_counts(jaxpr: Any) -> Counts:
         inner = [program_counts(j) for j in jex_core.jaxprs_in_params(eqn.params)]
         exact = exact and eqn.primitive.name != "while" and all(count.exact for count in inner)
         times = eqn.params["length"] if eqn.primitive.name == "scan" else 1
-        if eqn.primitive.name == "cond":  # one of its branches runs
-            inner = [max(inner, key=lambda count: (count.flops, count.moved_bytes))]
+        if eqn.primitive.name == "cond":  # one of its branches runs: the costliest of each
+            most = max(c.flops for c in inner), max(c.moved_bytes for c in inner)
+            inner = [Counts(*most, all(c.exact for c in inner))]
         if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
             flops += _own_flops(eqn)
         flops += sum(count.flops for count in inner) * times

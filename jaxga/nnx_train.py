@@ -166,13 +166,18 @@ def _check_takes_rngs(loss: Callable[..., Any], rngs: Any) -> None:
         raise TypeError(f"`loss` {got}, {handed}: {fix}.") from None
 
 
-def _check_variables(model: Any, optimizer: Any, options: steps.StepOptions) -> None:
-    """Raises unless ``optimizer.wrt`` selects floats, and ``model``'s variables lie on the
-    device but where ``options.stream`` takes them in host memory (or ``offload`` picks)."""
+def _check_wrt(model: Any, optimizer: Any) -> None:
+    """Raises unless ``optimizer.wrt`` selects floats."""
     for path, leaf in jax.tree.leaves_with_path(nnx.as_pure(nnx.state(model, optimizer.wrt))):
         if not jnp.issubdtype(leaf.dtype, jnp.inexact):
             got = f"model{jax.tree_util.keystr(path)} of dtype {leaf.dtype}"
             raise ValueError(f"`optimizer.wrt` must select floats; got {got}.")
+
+
+def _check_variables(model: Any, optimizer: Any, options: steps.StepOptions) -> None:
+    """Raises unless `_check_wrt`, and ``model``'s variables lie on the device but where
+    ``options.stream`` takes them in host memory (or ``offload`` picks)."""
+    _check_wrt(model, optimizer)
     if options.stream or callable(options.offload):
         return
     for path, leaf in jax.tree.leaves_with_path(nnx.as_pure(nnx.state(model))):

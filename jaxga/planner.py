@@ -143,7 +143,9 @@ def _abstract(path: Any, x: Any) -> jax.ShapeDtypeStruct:  # an array's shape, d
     if isinstance(x, jax.ShapeDtypeStruct):
         where = x.sharding  # as an array's below: on one device's own memory, any device
         one = isinstance(where, jax.sharding.SingleDeviceSharding)
-        return x.update(sharding=None) if one and where.memory_kind == "device" else x
+        if one and where.memory_kind == "device":
+            return x.update(sharding=None)
+        return x.update(sharding=meshes.traced_as_placed(where)) if where is not None else x
     if isinstance(x, str):  # plan(build, *args, "1GiB"): the budget among the arguments
         where = f"args{jax.tree_util.keystr(path)}"
         raise TypeError(f"plan's {where} is the string {x!r}; pass `budget` and others by keyword.")
@@ -228,7 +230,7 @@ def _build_one(
     return _Built(Candidate(k, size, remat, report, fits, reason, **keywords), step)
 
 
-def _chosen(candidates: list[Candidate], budget: int, streams: Sequence[Any] = (None,)) -> int:
+def chosen_index(candidates: list[Candidate], budget: int, streams: Sequence[Any] = (None,)) -> int:
     """The index of the fitting candidate first in the search order (``streams``' order,
     then the fewest micro-batches); raises if none fits."""
     if all(c.report is None for c in candidates):
@@ -334,7 +336,7 @@ def _search(
         if result.candidate.fits and i < fewest:
             step, fewest = result.step, i
     candidates = list(built.values())
-    chosen = _chosen(candidates, budget, streams)
+    chosen = chosen_index(candidates, budget, streams)
     candidates[chosen] = dataclasses.replace(candidates[chosen], reason="")
     undivided = {c.num_microbatches for c in candidates if c.report is None}
     skipped = [
@@ -423,5 +425,5 @@ def plan(
 def _check_stream(value: Any) -> bool | str:
     """A candidate ``stream`` value: False, True or "layers"."""
     if not (isinstance(value, bool) or value == "layers"):
-        raise ValueError(f"`stream` values must be False, True or 'layers'; got {value!r}.")
+        raise TypeError(f"`stream` values must be False, True or 'layers'; got {value!r}.")
     return value

@@ -20,17 +20,21 @@ from jaxga.steps import Metrics, StepOptions
 _HINT = "was it built for these parameters?"
 
 
-def apply_update(acc: Accumulated, update: Callable[..., Any], state: Any, *, always: bool) -> Any:
-    """``update(state, grads, counted=...)``, checked and traced once: ``update`` keeps
-    ``state`` where no item counted (`selected`); with ``always``, ``update(state, grads)``
-    with zero gradients (a transformation given ``weight`` weighs the call 0 itself)."""
+def apply_update(
+    acc: Accumulated, update: Callable[..., Any], state: Any, *, always: bool, keeps: bool = False
+) -> Any:
+    """``update(state, grads)``, checked and traced once; with no items counted, ``state``
+    unless ``always`` (then with zero gradients: a transformation given ``weight`` weighs
+    the call 0 itself). Kept by a ``lax.cond`` on CPU and a select leaf by leaf elsewhere
+    (`jax.lax.platform_dependent`): each the one its compiler writes in place; with
+    ``keeps``, by ``update`` itself, given ``counted=`` (a layer at a time, `_selecting`)."""
     counted = acc.mean.count > 0
 
-    def updated(state: Any, grads: Any, **selection: Any) -> Any:  # nnx.Optimizer may rebuild
+    def updated(state: Any, grads: Any, **keep: Any) -> Any:  # nnx.Optimizer may rebuild
         paths = jax.tree_util.tree_flatten_with_path(state)[0]  # subtrees, in place, with
         shapes = [jnp.shape(x) for _, x in paths]  # other node types
         try:
-            new = update(state, grads, **selection)
+            new = update(state, grads, **keep)
         except StreamError:
             raise
         except (TypeError, ValueError) as e:
@@ -47,41 +51,40 @@ def apply_update(acc: Accumulated, update: Callable[..., Any], state: Any, *, al
         zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))  # not a constant
         grads = layerwise(lambda g: jnp.where(counted, g, zero), acc.grads)  # streamed: by layer
         return updated(state, grads)
-    return updated(state, acc.grads, counted=counted)
+    if keeps:
+        return updated(state, acc.grads, counted=counted)
+    run, consts = jax.closure_convert(updated, state, acc.grads)  # traced once, run twice
+    operands = (state, acc.grads, *consts)
+    skipped = functools.partial(collectives.when, counted, run, otherwise=_kept)
+    selected = functools.partial(_selected, counted, run)
+    return jax.lax.platform_dependent(*operands, cpu=skipped, default=selected)
 
 
-def selected(
+def _kept(types: Any, state: Any, *_: Any) -> Any:
+    """``state`` as the update's output ``types`` (cast; laid out on Explicit axes as it)."""
+    pairs = zip(jax.tree.leaves(state), jax.tree.leaves(types), strict=True)
+    kept = jax.tree.unflatten(jax.tree.structure(types), [x.astype(t.dtype) for x, t in pairs])
+    return collectives.laid_out_as(kept, types)
+
+
+def _selected(counted: Any, run: Callable[..., Any], state: Any, *operands: Any) -> Any:
+    """``run(state, *operands)`` where ``counted``, else ``state``, chosen leaf by leaf: XLA's
+    GPU compiler fuses the choice into the update, which writes the donated state in place,
+    where it copies a ``lax.cond``'s outputs into it; XLA:CPU fuses a ``lax.cond`` better
+    (`apply_update` takes the cond there; docs/streaming.md, "What binds")."""
+    new = run(state, *operands)
+    kept = _kept(jax.tree.map(jax.typeof, new), state)
+    return jax.tree.map(functools.partial(jnp.where, counted), new, kept)
+
+
+def _selecting(
     update: Callable[..., Any], state: Any, grads: Any, *, counted: Any = None, **extra: Any
 ) -> Any:
-    """``update(state, grads, **extra)``; given ``counted`` (a bool, traced), where it is False
-    ``state`` instead, chosen leaf by leaf (cast and laid out as the update's): XLA fuses the
-    choice into the update, which writes its donated buffers in place, where a ``lax.cond``'s
-    outputs are copied into them (docs/streaming.md, "What binds").
-
-    Args:
-        update: ``(state, grads, **extra) -> state``, an optimiser's update.
-        state: the state it updates (a train state, or one layer's slices of it).
-        grads: the gradient.
-        counted: whether the step counted any item; None: ``update``'s result as it is.
-        extra: ``update``'s keywords (``weight``, ``end_group``).
-
-    Returns:
-        The updated state, or ``state`` where ``counted`` is False.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> from jaxga.skeleton import selected
-        >>> def sgd(w, g):
-        ...     return w - g
-        >>> selected(sgd, jnp.ones(2), jnp.ones(2), counted=jnp.array(False)).tolist()
-        [1.0, 1.0]
-    """
-    new = update(state, grads, **extra)
+    """``update(state, grads, **extra)``, kept as `_selected` keeps it where ``counted`` is
+    given (a layer's slices, in place); without it (a probe's call), as it is."""
     if counted is None:
-        return new
-    leaves = [x.astype(t.dtype) for x, t in zip(jax.tree.leaves(state), jax.tree.leaves(new))]
-    kept = collectives.laid_out_as(jax.tree.unflatten(jax.tree.structure(new), leaves), new)
-    return jax.tree.map(functools.partial(jnp.where, counted), new, kept)
+        return update(state, grads, **extra)
+    return _selected(counted, functools.partial(update, **extra), state, grads)
 
 
 def metrics(
@@ -153,7 +156,7 @@ class OptimizerAccess(NamedTuple):
     update: Callable[..., Any]  # (state, grads, **extra) -> state: Flax's apply_gradients, NNX's
     opt_state: Callable[[Any], Any]  # the (pure) optimiser state in a state
     params: Callable[[Any], Any]  # the (pure) parameters `update` updates, in a state
-    replace: Callable[[Any, Any, Any], Any]  # (state, params, opt_state) -> state holding them
+    rebuild: Callable[[Any, Any, Any], Any]  # (state, params, opt_state) -> state holding them
     check: Callable[[dict[str, Any]], Any] | None = None  # raises unless `update` takes extra
     static: Hashable = None  # what besides `tx` decides `update` (the layer probe's cache key)
 
@@ -184,11 +187,12 @@ def optimize(
     extra = tx_args(options, optimizer.tx, acc, end_group, optimizer.opt_state(state))
     if optimizer.check is not None:
         optimizer.check(extra)
-    optimizer = optimizer._replace(update=functools.partial(selected, optimizer.update))
-    update = optimizer.update  # keeps the state where nothing counted, leaf by leaf
-    if options.stream == "layers":  # the streamed stacks' update a layer at a time
-        update = functools.partial(updated_by_layer, optimizer)
-    new = apply_update(acc, functools.partial(update, **extra), state, always="weight" in extra)
+    update, keeps = optimizer.update, options.stream == "layers"
+    if keeps:  # the stacks' update a layer at a time, each layer kept where nothing counted
+        selecting = functools.partial(_selecting, optimizer.update)
+        update = functools.partial(updated_by_layer, optimizer._replace(update=selecting))
+    update = functools.partial(update, **extra)
+    new = apply_update(acc, update, state, always="weight" in extra, keeps=keeps)
     opt_state = optimizer.opt_state(new)
     return new, metrics(acc, optimizer.tx, opt_state, options, always="weight" in extra)
 

@@ -167,7 +167,9 @@ def step_options(
 def _check_stream(stream: Any, layout: sharding.MeshLayout | None, k: Any) -> bool | str:
     """``stream`` (False, True, "layers"; "auto" with ``k`` "auto"), checked: not on a mesh yet."""
     if stream == "auto" and k != "auto":
-        raise ValueError(f'`stream`="auto" needs num_microbatches="auto"; got {k!r}.')
+        raise ValueError(
+            f'`stream`="auto" needs num_microbatches="auto"; got num_microbatches={k!r}.'
+        )
     if not (isinstance(stream, bool) or stream in ("layers", "auto")):
         raise TypeError(f"`stream` must be False, True, 'layers' or 'auto'; got {stream!r}.")
     if stream and layout is not None:  # the state laid out on a mesh: not streamed yet
@@ -297,10 +299,12 @@ class JittedStep:
             message = 'num_microbatches="auto" cannot plan (compile) inside an enclosing jax.jit.'
             raise ValueError(message)
         args = planner.abstract(args)
-        key = signature(self._fetched(args))  # stream="auto": wherever the parameters lie
+        key = signature(args)
         self.plan = self._plans.pop(key, None) or self._search(args)
         self._plans[key] = self.plan  # the most recent last
-        if len(self._plans) > self.max_plans:
+        if self.plan.stream is False:  # stream="auto"'s resident plan: the fetched ones' too
+            self._plans[signature(self._fetched(args))] = self.plan
+        while len(self._plans) > self.max_plans:
             del self._plans[next(iter(self._plans))]
         return self.plan.step
 
@@ -317,7 +321,10 @@ class JittedStep:
         local = (_checks.leading_size(args[-1], "batch", "batch") or 0) // self._devices
         counts = [k for k in range(1, local + 1) if local % k == 0]
         start, budget = time.perf_counter(), self.options.memory_budget
-        streams = (False, True, "layers") if self.options.stream == "auto" else (None,)
+        streams = (None,)
+        if self.options.stream == "auto":  # streamed too, if any parameter lies in host memory
+            hosted = signature(self._fetched(args)) != signature(args)
+            streams = (False, True, "layers") if hosted else (False,)
         over: list[planner.Candidate] = []  # the candidates of the streams none of which fits
         for stream in streams:
             try:
@@ -332,9 +339,9 @@ class JittedStep:
                 )
                 break
             except planner.InfeasibleBudgetError as e:
-                if stream == streams[-1]:
-                    raise planner.InfeasibleBudgetError(str(e), (*over, *e.candidates)) from None
                 over += e.candidates
+                if stream == streams[-1]:  # the smallest peak of them all, in its message
+                    planner.chosen_index(over, budget)
         plan = dataclasses.replace(plan, candidates=(*over, *plan.candidates))
         _LOG.info(
             f"jaxga: planned {plan.num_microbatches} micro-batch(es) of {plan.microbatch_size} "
@@ -354,10 +361,15 @@ class JittedStep:
         state with its parameters in host memory fetched to the device (here: as they are)."""
         return args
 
-    def _handed(self, planned: "JittedStep", args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """A call's arguments as the ``planned`` step takes them (`_fetched` if resident)."""
-        resident = self.options.stream == "auto" and planned.options.stream is False
-        return (*self._fetched(args[: self._arity]), *args[self._arity :]) if resident else args
+    def _handed(
+        self, planned: "JittedStep", args: tuple[Any, ...], *, call: bool = True
+    ) -> tuple[Any, ...]:
+        """A call's arguments as the ``planned`` step takes them: `_fetched` if resident (for
+        a trace, not a ``call``, their shapes: a model is never moved to trace it)."""
+        if not (self.options.stream == "auto" and planned.options.stream is False):
+            return args
+        mine = args[: self._arity] if call else planner.abstract(args[: self._arity])
+        return (*self._fetched(mine), *args[self._arity :])
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Lowers the step (planned, with `"auto"`) for these arguments, as a call lays them out."""
@@ -366,4 +378,5 @@ class JittedStep:
     def trace(self, *args: Any, **kwargs: Any) -> jax.stages.Traced:
         """Traces the step (planned, with `"auto"`) for these arguments, as a call lays them out."""
         step = self._planned(args)
-        return step._jitted.trace(*step._arguments(*self._handed(step, args), **kwargs))
+        handed = self._handed(step, args, call=False)
+        return step._jitted.trace(*step._arguments(*handed, **kwargs))

@@ -113,7 +113,9 @@ def test_stream_refuses_what_it_does_not_take():
             step(model, opt, batch_of(0))
     with pytest.raises(ValueError, match=r"`stream`=True on a mesh is not supported yet; got"):
         jaxga.nnx_train_step(nnx_loss, 2, stream=True, mesh=jax.make_mesh((1,), ("data",)))
-    with pytest.raises(TypeError, match=r"`stream` must be False, True, 'layers' or 'auto'; got 'yes'"):
+    with pytest.raises(
+        TypeError, match=r"`stream` must be False, True, 'layers' or 'auto'; got 'yes'"
+    ):
         jaxga.nnx_train_step(nnx_loss, 2, stream="yes")
     model, opt = model_and_optimizer(True, optax.chain(optax.clip_by_global_norm(1.0), optimizer()))
     step = jaxga.nnx_train_step(nnx_loss, 1, stream="layers")

@@ -82,11 +82,13 @@ def test_plan_refuses_a_stream_value_it_does_not_take():
         return jax.jit(lambda x: x)
 
     x = jnp.ones((4, 1))
-    with pytest.raises(ValueError, match=r"`stream` values must be False, True or 'layers'"):
+    with pytest.raises(TypeError, match=r"`stream` values must be False, True or 'layers'"):
         jaxga.plan(build, x, budget="1GiB", stream=(False, "yes"))
     with pytest.raises(ValueError, match=r"`search`='predict' needs one configuration per count"):
         jaxga.plan(build, x, budget="1GiB", remat=(None,), stream=STREAMS, search="predict")
-    with pytest.raises(ValueError, match=r'`stream`="auto" needs num_microbatches="auto"; got 2'):
+    with pytest.raises(
+        ValueError, match=r'`stream`="auto" needs num_microbatches="auto"; got num_microbatches=2'
+    ):
         jaxga.make_train_step(
             functools.partial(step_loss, stream=True, policy=None), 2, stream="auto"
         )
@@ -178,3 +180,48 @@ def test_auto_stream_plans_an_nnx_model_resident_and_fetches_its_blocks_in_place
     assert_equal(nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(resident)))
     assert_equal(nnx.as_pure(opt.opt_state), nnx.as_pure(resident_opt.opt_state))
     assert_equal(metrics, resident_metrics)
+
+
+def test_a_plan_of_shape_structs_in_host_memory_compiles_the_step_streamed():
+    """A `jax.ShapeDtypeStruct` placed in host memory by a `SingleDeviceSharding` is planned
+    where it lies: the plan's report counts what the concrete step moves."""
+    state = streamed(jaxga.TrainState.create(params=model_params(), tx=optimizer()))
+    loss = functools.partial(step_loss, stream=True, policy="full")
+    concrete = jaxga.memory_report(jaxga.make_train_step(loss, 2, stream=True), state, batch_of(0))
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+    assert kinds(shapes.params["layers"]) == {"pinned_host"}
+
+    def build(k, remat, stream):
+        return jaxga.make_train_step(loss, k, stream=stream)
+
+    plan = jaxga.plan(build, shapes, batch_of(0), budget="1GiB", num_microbatches=2, stream=(True,))
+    assert concrete.moved_bytes > 0 and plan.report.moved_bytes == concrete.moved_bytes
+
+
+def test_tracing_an_auto_nnx_step_leaves_the_model_where_it_lies():
+    model = Stack(nnx.Rngs(0), stream=True)
+    opt = nnx.Optimizer(model, optimizer(), wrt=nnx.Param)
+    nnx.update(model.blocks, jax.device_put(nnx.state(model.blocks), HOST))
+    step = jaxga.nnx_train_step(nnx_loss, "auto", stream="auto", memory_budget="1GiB")
+    step.lower(model, opt, batch_of(0))
+    assert step.plan.stream is False
+    assert kinds(nnx.state(model.blocks)) == {"pinned_host"}
+
+
+@pytest.mark.parametrize("stream", [True, "layers"])
+def test_a_streamed_call_that_counts_nothing_keeps_the_state(stream):
+    """Every token masked: the update is skipped (a select, leaf by leaf or a layer at a
+    time), the parameters and moments bit for bit as they were, and where they were."""
+    loss = functools.partial(step_loss, stream=True, policy="full")
+    step = jaxga.make_train_step(loss, 2, stream=stream, offload=True)
+    state = streamed(jaxga.TrainState.create(params=model_params(), tx=optimizer()))
+    state, _ = step(state, batch_of(0))
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    masked = batch_of(1) | {"mask": jnp.zeros_like(batch_of(1)["mask"])}
+    state, metrics = step(state, masked)
+    assert not bool(metrics["applied"]) and int(metrics["count"]) == 0
+    assert_equal((state.params, state.opt_state), before)
+    assert kinds(state.params["layers"]) == {"pinned_host"}
+    assert kinds(state.opt_state) == {"pinned_host"}
