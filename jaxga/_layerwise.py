@@ -172,7 +172,10 @@ def _index(stack: Any, layer: jax.Array) -> Any:
 
 def _written(stack: Any, value: Any, *, at: jax.Array) -> Any:
     """``stack`` with ``value`` written, where ``stack`` lies, as its layer ``at``."""
-    value = placed_like(value.astype(jax.typeof(stack).dtype), stack)
+    if (dtype := jax.typeof(stack).dtype) != jax.typeof(value).dtype:  # as the whole tree's
+        got = f"changes a stack's dtype from {dtype} to {jax.typeof(value).dtype}"
+        raise StreamError(f'`stream`="layers": `tx` {got}; expected the same dtype: {_FIX}.')
+    value = placed_like(value, stack)
     return jax.lax.dynamic_update_index_in_dim(stack, value, at, 0)
 
 

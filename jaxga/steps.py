@@ -299,11 +299,11 @@ class JittedStep:
             message = 'num_microbatches="auto" cannot plan (compile) inside an enclosing jax.jit.'
             raise ValueError(message)
         args = planner.abstract(args)
-        key = signature(args)
+        key = signature(self._keyed(args))
         self.plan = self._plans.pop(key, None) or self._search(args)
         self._plans[key] = self.plan  # the most recent last
         if self.plan.stream is False:  # stream="auto"'s resident plan: the fetched ones' too
-            self._plans[signature(self._fetched(args))] = self.plan
+            self._plans[signature(self._keyed(self._fetched(args)))] = self.plan
         while len(self._plans) > self.max_plans:
             del self._plans[next(iter(self._plans))]
         return self.plan.step
@@ -359,6 +359,11 @@ class JittedStep:
     def _fetched(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """A call's arguments as a resident plan of ``stream="auto"`` takes them: a subclass's
         state with its parameters in host memory fetched to the device (here: as they are)."""
+        return args
+
+    def _keyed(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A call's (abstract) arguments as a plan is kept for them: a subclass's state placed
+        as a call lays it out (offloaded), so that the state a step returns finds its plan."""
         return args
 
     def _handed(

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.training import train_state
 
-from jaxga import _checks, _streaming, layouts, meshes, modules, sharding, skeleton, steps
+from jaxga import _checks, _streaming, layouts, meshes, modules, planner, sharding, skeleton, steps
 from jaxga.accumulation import Accumulate
 from jaxga.arguments import StateStructureError
 from jaxga.engine import Accumulated
@@ -49,6 +49,14 @@ class TrainStep(steps.JittedStep):
         layout = self.options.layout
         return self._laid_out(
             (), state, batch, num_real_microbatches, end_group=end_group, layout=layout
+        )
+
+    def _keyed(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if not (self.options.offload and isinstance(args[0], train_state.TrainState)):
+            return args
+        return (
+            planner.abstract((sharding.offload(args[0], select=self.options.offload),))[0],
+            *args[1:],
         )
 
     def _fetched(self, args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -6,10 +6,12 @@ memory apart, is in tests/test_biggest_model.py."""
 
 import functools
 import itertools
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -225,3 +227,35 @@ def test_a_streamed_call_that_counts_nothing_keeps_the_state(stream):
     assert_equal((state.params, state.opt_state), before)
     assert kinds(state.params["layers"]) == {"pinned_host"}
     assert kinds(state.opt_state) == {"pinned_host"}
+
+
+def test_an_auto_step_with_offload_plans_once_for_the_state_it_returns(caplog):
+    """The first call's optimiser state on the device, the next calls' in host memory (as
+    the step returns it): one plan serves them all."""
+    loss = functools.partial(step_loss, stream=False, policy="full")
+    step = jaxga.make_train_step(loss, "auto", memory_budget="1GiB", offload=True)
+    state = jaxga.TrainState.create(params=model_params(), tx=optimizer())
+    with caplog.at_level(logging.INFO, logger="jaxga"):
+        for i in range(3):
+            state, _ = step(state, batch_of(i))
+    planned = [r for r in caplog.records if "jaxga: planned" in r.getMessage()]
+    assert len(planned) == 1 and kinds(state.opt_state) == {"pinned_host"}
+
+
+def test_the_update_by_layer_refuses_a_tx_that_changes_a_stack_dtype():
+    def init(params):
+        return {"m": jax.tree.map(jnp.zeros_like, params)}
+
+    def update(grads, state, params=None):
+        m = jax.tree.map(lambda m, g: (m + g).astype(jnp.bfloat16), state["m"], grads)
+        return grads, {"m": m}
+
+    loss = functools.partial(step_loss, stream=True, policy="full")
+    step = jaxga.make_train_step(loss, 2, stream="layers")
+    state = streamed(
+        jaxga.TrainState.create(
+            params=model_params(), tx=optax.GradientTransformation(init, update)
+        )
+    )
+    with pytest.raises(ValueError, match=r"changes a stack's dtype from float32 to bfloat16"):
+        step(state, batch_of(0))
