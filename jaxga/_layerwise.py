@@ -14,7 +14,7 @@ import numpy as np
 import optax
 
 from jaxga._streaming import is_streamed, on_device, placed_like
-from jaxga.multistep import MultiStepsState
+from jaxga.multistep import states_in
 
 if TYPE_CHECKING:
     from jaxga.skeleton import OptimizerAccess
@@ -228,7 +228,7 @@ def check_elementwise(
     with jax.ensure_compile_time_eval(), jax.disable_jit():  # op by op, scans as loops
         params = _probe(access.params(state), 0)
         whole = split = access.rebuild(_scalars(state), params, access.tx.init(params))
-        grouped = bool(_multisteps(access.opt_state(split))) or "end_group" in extra
+        grouped = bool(states_in(access.opt_state(split))) or "end_group" in extra
         for t in range(4):
             probe = {k: jnp.asarray(t + 1, jax.typeof(v).dtype) for k, v in extra.items()}
             probe = {k: v for k, v in probe.items() if k == "weight"}
@@ -271,11 +271,6 @@ def _scalars(state: Any) -> Any:
         return jnp.zeros((), jax.typeof(x).dtype) if numeric and not jnp.ndim(x) else x
 
     return jax.tree.map(concrete, state)
-
-
-def _multisteps(opt_state: Any) -> list[Any]:
-    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MultiStepsState))
-    return [x for x in nodes if isinstance(x, MultiStepsState)]
 
 
 def _check_same(split: Any, whole: Any, t: int) -> None:

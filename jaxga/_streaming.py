@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxga.memory import HOST_KINDS
+
 _HOST = jax.memory.Space.Host
 _DEVICE = jax.memory.Space.Device
 
@@ -38,7 +40,7 @@ def on_device(tree: Any) -> Any:
     def fetch(leaf: Any) -> Any:
         if isinstance(leaf, jax.ShapeDtypeStruct):
             where = leaf.sharding
-            if getattr(where, "memory_kind", None) not in ("pinned_host", "unpinned_host"):
+            if getattr(where, "memory_kind", None) not in HOST_KINDS:
                 return leaf
             where = where.with_memory_kind("device") if len(where.device_set) > 1 else None
             return jax.ShapeDtypeStruct(

@@ -7,6 +7,8 @@ import jax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxga.memory import HOST_KINDS
+
 
 def axes(axis_name: Any) -> tuple[Any, ...]:
     """Returns ``axis_name``, a name or a collection of names, as a tuple of names."""
@@ -118,7 +120,7 @@ def traced_as_placed(where: Any) -> Any:
         >>> traced_as_placed(host).memory_kind
         'pinned_host'
     """
-    host = where.memory_kind in ("pinned_host", "unpinned_host")
+    host = where.memory_kind in HOST_KINDS
     if not (host and isinstance(where, jax.sharding.SingleDeviceSharding)):
         return where
     mesh = jax.sharding.Mesh(list(where.device_set), ("device",))

@@ -260,3 +260,9 @@ def MultiSteps(
     dtype = _checks.float_dtype(accumulator_dtype)
     init = functools.partial(_init, accumulator_dtype=dtype, **options)
     return MultiStepsTransformation(init, functools.partial(update, every_k=every_k, **options))
+
+
+def states_in(opt_state: Any) -> list[MultiStepsState]:
+    """The `jaxga.MultiSteps` states in ``opt_state``: its own, or inside a chain's."""
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MultiStepsState))
+    return [x for x in nodes if isinstance(x, MultiStepsState)]

@@ -14,7 +14,7 @@ from jaxga import collectives, sharding
 from jaxga._layerwise import StreamError, streamed_leaves, updated_by_layer
 from jaxga._streaming import global_norm, layerwise, on_device, placed_like
 from jaxga.engine import Accumulated
-from jaxga.multistep import MultiStepsState, MultiStepsTransformation
+from jaxga.multistep import MultiStepsTransformation, states_in
 from jaxga.steps import Metrics, StepOptions
 
 _HINT = "was it built for these parameters?"
@@ -96,7 +96,7 @@ def metrics(
     counted = acc.mean.count > 0
     if (has_updated := getattr(tx, "has_updated", None)) is not None:
         applied = has_updated(opt_state)
-    elif held := [s.applied for s in multisteps_states(opt_state)]:  # in `tx` (a chain): the
+    elif held := [s.applied for s in states_in(opt_state)]:  # in `tx` (a chain): the
         applied = jnp.all(jnp.stack(held))  # calls that ran its inner optimiser
     else:
         applied = counted
@@ -121,18 +121,12 @@ def _learning_rate(rate: Callable[[Any], Any], opt_state: Any) -> jax.Array:
     return array
 
 
-def multisteps_states(opt_state: Any) -> list[MultiStepsState]:
-    """The `jaxga.MultiSteps` states in ``opt_state``: its own, or inside a chain's."""
-    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MultiStepsState))
-    return [x for x in nodes if isinstance(x, MultiStepsState)]
-
-
 def tx_args(
     options: StepOptions, tx: Any, acc: Accumulated, end_group: Any, opt_state: Any = ()
 ) -> dict[str, Any]:
     """What the step passes to ``tx.update`` besides the gradient: ``weight``, ``end_group``;
     ``weight=None`` weighs a `jaxga.MultiSteps` at the top of ``tx`` or inside (a chain)."""
-    held = isinstance(tx, MultiStepsTransformation) or bool(multisteps_states(opt_state))
+    held = isinstance(tx, MultiStepsTransformation) or bool(states_in(opt_state))
     weigh = held if options.weight is None else options.weight
     extra = {"weight": acc.mean.count} if weigh else {}
     if end_group is not None:
