@@ -148,12 +148,13 @@ def _scan_layers(
     treedef = jax.tree.structure(grads)
 
     def body(stacks: tuple[list[Any], list[Any]], layer: jax.Array) -> tuple[Any, None]:
+        param_stacks, state_stacks = stacks  # written in place, layer by layer
         params, grads_l = [_empty(x) for x in p], [_empty(x) for x in g]
         opt = [on_device(x) if k == _STATE else _empty(x) for x, k in zip(o, ok)]
-        for i, w in zip(mine_p, stacks[0]):
+        for i, w in zip(mine_p, param_stacks):
             params[i] = on_device(_index(w, layer))
             grads_l[i] = on_device(_index(g[i], layer))
-        for i, s in zip(mine_o, stacks[1]):
+        for i, s in zip(mine_o, state_stacks):
             opt[i] = on_device(_index(s, layer))
         one = _with(access, state, params, opt), jax.tree.unflatten(treedef, grads_l)
         new_p, new_o = _parts(access, access.update(*one, **extra))
