@@ -47,10 +47,13 @@ parameter of the layer stack and step of k micro-batches: each micro-batch fetch
 in the forward pass (4 bytes to the device) and again in the backward (4), writes the layer's
 gradient to host memory (4 to the host), and adds it to the gradient sum a layer at a time
 (the sum and the gradient fetched, 8 to the device; the sum written back, 4 to the host):
-16 bytes to the device and 8 to the host a micro-batch. Once a step: the sums' zeros
+16 bytes to the device and 8 to the host a micro-batch, and one layer's 4 bytes a parameter
+more to the device (each pass fetches the next layer while one runs: the backward pass's last
+fetch has no layer left to use it). Once a step: the sums' zeros
 written (4 to the host), divided by the count (4 and 4), their norm for ``grad_norm`` (4 to
 the device) and the update (parameters, gradient and two moments fetched, 16; parameters
-and moments written back, 12). In all 16k + 24 bytes to the device and 8k + 20 to the host.
+and moments written back, 12). In all 16k + 24 bytes (and k layers' 4) to the device and
+8k + 20 to the host.
 The parameters outside the stack (embedding, final norm, head) stay on the device; their
 moments move as ``offload=True``'s (8 bytes each way).
 
@@ -440,6 +443,8 @@ def modelled(setting: Setting, model: Llama, card: Card, tokens: int) -> Modelle
         setting.method, lambda k: ((0, 0), (0, 0))
     )(k)
     to_device = in_stack * stack + in_rest * (n - stack)
+    if setting.method == "jaxga streaming":  # the backward's last prefetch: a layer unused
+        to_device += 4 * k * stack // model.layers
     to_host = out_stack * stack + out_rest * (n - stack)
     transfer = max(to_device, to_host) / card.link
     return Modelled(to_device + to_host, compute, transfer, max(compute, transfer))

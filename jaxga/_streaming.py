@@ -84,30 +84,63 @@ def zeros_placed_like(tree: Any, homes: Any) -> Any:
     return jax.tree.map(put, tree, homes)
 
 
+def _fetched(stacked: Any, index: Any) -> Any:
+    """Layer ``index``'s slice of ``stacked``, fetched to the device."""
+    return on_device(
+        jax.tree.map(lambda s: jax.lax.dynamic_index_in_dim(s, index, 0, False), stacked)
+    )
+
+
+def _prefetching_scan(
+    body: Callable[..., Any], carry: Any, stacked: Any, xs: Any, first: Any, *, reverse: bool
+) -> tuple[Any, Any, Any]:
+    """``lax.scan`` of ``body(carry, layer, x) -> (carry, y)`` over ``stacked``'s layers in
+    order (last to first if ``reverse``), each layer's slice fetched one iteration ahead of
+    its use, so that the copy overlaps the layer before it; ``first`` is the first layer's,
+    already fetched. Returns the carry, the ``y``s and the slice fetched last: the last
+    layer's again (the first of a pass the other way) at the end of a forward pass, the
+    first layer's at the end of a reverse one (fetched with no layer left to use it)."""
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    ahead = -1 if reverse else 1
+
+    def scanned(state: tuple[Any, Any], slices: tuple[Any, Any]) -> tuple[Any, Any]:
+        carry, layer = state
+        index, x = slices
+        following = _fetched(stacked, jnp.clip(index + ahead, 0, n - 1))  # in flight meanwhile
+        carry, y = body(carry, layer, x)
+        return (carry, following), y
+
+    indices = (jnp.arange(n), xs)
+    (carry, last), ys = jax.lax.scan(scanned, (carry, first), indices, reverse=reverse)
+    return carry, ys, last
+
+
 def _forward(layer: Callable[..., Any], consts: Any, stacked: Any, x: Any) -> tuple[Any, Any]:
-    """The layers on ``x``, each fetched first: the output, and each layer's input."""
+    """The layers on ``x``, each prefetched: the output, and the residuals of the backward
+    pass (each layer's input, the last layer's slice)."""
 
-    def body(carry: Any, params: Any) -> tuple[Any, Any]:
-        return layer(on_device(params), carry, *consts), carry
+    def body(carry: Any, params: Any, _: None) -> tuple[Any, Any]:
+        return layer(params, carry, *consts), carry
 
-    return jax.lax.scan(body, x, stacked)
+    first = _fetched(stacked, 0)
+    y, inputs, last = _prefetching_scan(body, x, stacked, None, first, reverse=False)
+    return y, (inputs, last)
 
 
 def _backward(layer: Callable[..., Any], saved: Any, grad_y: Any) -> tuple[Any, Any, Any]:
-    """The reverse scan: each layer fetched, its vjp taken, its gradient written home."""
-    consts, stacked, inputs = saved
+    """The reverse scan: each layer prefetched, its vjp taken, its gradient written home."""
+    consts, stacked, (inputs, last) = saved
 
-    def body(carry: tuple[Any, Any], slices: tuple[Any, Any]) -> tuple[Any, Any]:
+    def body(carry: tuple[Any, Any], params: Any, x: Any) -> tuple[Any, Any]:
         grad_x, grad_consts = carry
-        params, x = slices
-        _, vjp = jax.vjp(layer, on_device(params), x, *consts)
+        _, vjp = jax.vjp(layer, params, x, *consts)
         grad_params, grad_x, *grad_c = vjp(grad_x)
         grad_consts = tuple(s if s is None else s + g for s, g in zip(grad_consts, grad_c))
-        return (grad_x, grad_consts), placed_like(grad_params, params)
+        return (grad_x, grad_consts), placed_like(grad_params, stacked)
 
     zeros = tuple(jnp.zeros_like(c) if _inexact(c) else None for c in consts)
-    slices = (stacked, inputs)
-    (grad_x, grad_consts), grads = jax.lax.scan(body, (grad_y, zeros), slices, reverse=True)
+    carry, grads, _ = _prefetching_scan(body, (grad_y, zeros), stacked, inputs, last, reverse=True)
+    grad_x, grad_consts = carry
     return grad_consts, grads, grad_x
 
 
@@ -142,8 +175,8 @@ def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any) -> Any:
         return forward(consts, stacked, x)[0]
 
     def run_forward(consts: tuple[Any, ...], stacked: Any, x: Any) -> tuple[Any, Any]:
-        y, inputs = forward(consts, stacked, x)
-        return y, (consts, stacked, inputs)
+        y, residuals = forward(consts, stacked, x)
+        return y, (consts, stacked, residuals)
 
     run.defvjp(run_forward, functools.partial(_backward, converted))
     return run(tuple(consts), stacked, x)

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import optax
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+import biggest_model
 import compiled_for_gpu as gpu
 import multisteps
 import scan_cost
@@ -318,3 +319,50 @@ def test_h100_a_1f1b_stage_holds_a_quarter_of_the_example():
         report = benchmark.h100_report(4, "1f1b", 16)
     assert report.peak_bytes / 2**30 == pytest.approx(0.63, rel=0.05)
     assert report.argument_bytes / 2**30 == pytest.approx(0.25, rel=0.05)
+
+
+def fetches_and_kernels_between(hlo: str) -> list[int]:
+    """For each async copy out of host memory (S(5)) inside a loop body of ``hlo``: how many
+    matrix-product kernels XLA scheduled between its start and its done."""
+    counts = []
+    for body in hlo.split("\n\n"):
+        if "ENTRY" in body.split("\n", 1)[0]:
+            continue
+        lines = body.splitlines()
+        for i, line in enumerate(lines):
+            name = line.split("=", 1)[0].strip().removeprefix("ROOT ").lstrip("%")
+            if not name.startswith("dynamic-slice-start") or "S(5)" not in line:
+                continue  # a slice copied out of host memory, not one written to it
+            done = next(j for j, later in enumerate(lines) if f"fusion-done(%{name})" in later)
+            counts.append(sum("gemm" in between for between in lines[i + 1 : done]))
+    return counts
+
+
+def test_h100_a_streamed_layer_is_fetched_while_the_one_before_runs(device):
+    # docs/streaming.md, "Prefetching": remat_scan(stream=True) fetches layer i + 1 from
+    # host memory while layer i runs, in the forward and the backward pass: each copy's start
+    # is scheduled before a matrix product of the loop body and its done after. A scan that
+    # fetches each layer where it uses it (the plain form) waits for every copy.
+    layers, dim = 8, 1024
+    args = gpu.on(device, (jnp.zeros((layers, dim, dim)), jnp.zeros((64, dim))))
+    args = (biggest_model.on_host(device, args[0], lambda path: True), args[1])
+
+    def layer(w, x):
+        return jnp.tanh(x @ w)
+
+    def streamed(stack, x):
+        return jnp.sum(jaxga.remat_scan(layer, stack, x, stream=True) ** 2)
+
+    def plain(stack, x):
+        def body(x, w):
+            return layer(jax.device_put(w, jax.memory.Space.Device), x), None
+
+        return jnp.sum(jax.lax.scan(body, x, stack)[0] ** 2)
+
+    with jax.default_matmul_precision(PRECISION):
+        overlapped = fetches_and_kernels_between(
+            gpu.program(jax.jit(jax.grad(streamed)), *args).as_text()
+        )
+        waited = fetches_and_kernels_between(gpu.program(jax.jit(plain), *args).as_text())
+    assert len(overlapped) == 2 and min(overlapped) >= 1  # forward and backward loops
+    assert waited == [0]
