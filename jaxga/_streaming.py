@@ -215,6 +215,10 @@ def layerwise(fn: Callable[..., Any], home: Any, *others: Any) -> Any:
     return jax.tree.map(one, home, *others)
 
 
+def _squared(x: jax.Array) -> jax.Array:  # |x|², as optax squares a complex leaf
+    return jnp.square(jnp.real(x)) + jnp.square(jnp.imag(x))
+
+
 def global_norm(tree: Any) -> jax.Array:
     """``optax.tree.norm(tree)``, each host-memory stack's squares summed a layer at a time on
     the device (to float rounding of the whole leaf's sum: the order of the sum differs).
@@ -228,11 +232,13 @@ def global_norm(tree: Any) -> jax.Array:
 
     def squares(leaf: Any) -> jax.Array:
         if not is_streamed(leaf):
-            return jnp.sum(jnp.square(on_device(leaf)))
+            return jnp.sum(_squared(on_device(leaf)))
+        dtype = jnp.real(jnp.zeros((), jax.typeof(leaf).dtype)).dtype  # optax's, per leaf
 
         def body(total: jax.Array, layer: jax.Array) -> tuple[jax.Array, None]:
-            return total + jnp.sum(jnp.square(on_device(layer))), None
+            return total + jnp.sum(_squared(on_device(layer)), dtype=total.dtype), None
 
-        return jax.lax.scan(body, jnp.zeros((), jax.typeof(leaf).dtype), leaf)[0]
+        total = jnp.zeros((), jnp.promote_types(dtype, jnp.float32))  # the layers' sums kept
+        return jax.lax.scan(body, total, leaf)[0].astype(dtype)  # at float32 at least
 
     return jnp.sqrt(jax.tree.reduce(operator.add, jax.tree.map(squares, tree), initializer=0))

@@ -42,9 +42,9 @@ class Accumulate:
     """
 
     def __init__(self, fun: Callable[..., Any], options: arguments.Options):
-        self.fun = fun
+        functools.update_wrapper(self, fun)  # first: it copies fun's __dict__, which may
+        self.fun = fun  # hold attributes of these names
         self.options = options
-        functools.update_wrapper(self, fun)
 
     def __call__(self, *args: Any, **kwargs: Any) -> engine.Accumulated:
         return engine.run(self.fun, self.options, args, kwargs)

@@ -137,15 +137,15 @@ def combine(aux: Any, kinds: Any) -> Any:
 
 
 def with_device_axis(aux: Any, kinds: Any) -> Any:
-    """One device's ``aux`` (stacked by the scan) combined, to leave a ``shard_map`` whose
-    out spec splits the leading axis over the devices: a leaf the devices sum gets one
+    """One device's ``aux``, combined (`combine`), to leave a ``shard_map`` whose out spec
+    splits the leading axis over the devices: a leaf the devices sum gets one
     (``[1, ...]``); the others' leading axes (rows, micro-batches) are concatenated."""
 
     def one(x: Any, name: str) -> Any:
         summed = KINDS[name].summed_over_devices
         return jax.tree.map(lambda y: y[None], x) if summed else x
 
-    return jax.tree.map(one, combine(aux, kinds), kinds, is_leaf=is_mean)
+    return jax.tree.map(one, aux, kinds, is_leaf=is_mean)
 
 
 def without_device_axis(aux: Any, kinds: Any) -> Any:

@@ -168,14 +168,20 @@ def find_route(axis_name: Any, batch: Any) -> Route:
         named = axes(axis_name)
         kinds = {a: _kind_of(a) for a in named}
         if len(set(kinds.values())) > 1:
-            raise ValueError(f"`axis_name`={axis_name!r} mixes kinds of mesh axes: {kinds}.")
+            raise ValueError(
+                f"`axis_name`={axis_name!r} mixes kinds of mesh axes: {kinds}; expected axes "
+                "all Manual (a shard_map's) or all to be opened (jit's global view)."
+            )
         kind = kinds[named[0]] if named else "local"
         return Route(kind, named, jax.sharding.get_abstract_mesh() if kind == "opened" else None)
     if manual := sorted(set().union(*map(varying_axes, leaves)), key=str):
         return Route("manual", tuple(manual))
     split = {_split_axes(x) for x in leaves} - {()}
     if len(split) > 1:
-        raise ValueError(f"The batch's leaves are split over different mesh axes: {split}.")
+        raise ValueError(
+            f"The batch's leaves are split over different mesh axes: {split}; expected every "
+            "leaf's rows split over the same axes: lay them out alike, or pass `axis_name`."
+        )
     if not split:
         return Route("local", ())
     mesh = next(jax.typeof(x).sharding.mesh for x in leaves if _split_axes(x))
@@ -331,7 +337,7 @@ def note_stage_axis(axis: Any) -> None:
 def rows_invariant_axes(route: Route, batch: Any) -> tuple[Any, ...]:
     """The axes of a manual ``route`` that no leaf of ``batch`` varies over: devices along
     them hold the same rows (a pipeline's stages), so a micro-batch counts once there.
-    None off a manual route, without a batch, or in a ``shard_map`` with ``check_vma=False``.
+    Empty off a manual route, without a batch, or in a ``shard_map`` with ``check_vma=False``.
 
     Examples:
         >>> import jax.numpy as jnp, jaxga

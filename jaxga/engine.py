@@ -47,7 +47,7 @@ class Call(NamedTuple):
     parts: dict[int, Any]  # by argument position: the modules in it, taken apart
     primals: tuple[Any, ...]  # the differentiated values, in `argnums` order
     microbatches: tuple[Any, ...]  # the batch arguments, split: leaves [k, B // k, ...]
-    rows: int  # rows of one micro-batch (on this device)
+    rows: int  # rows of one micro-batch (of this device's, once `scan_on_axes` has opened)
     rng_argnums: tuple[int, ...]  # the PRNG key arguments, a key per micro-batch
     route: collectives.Route  # how the sums stay partial in the loop and are reduced after
     sum_dtype: Any  # the dtype loss totals and counts are summed in
@@ -81,7 +81,7 @@ def fold_keys(tree: Any, index: Any, *, raw: bool = True) -> Any:
 
 
 def prepare(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
-    """Phase 1: checks a call's arguments and binds them into a `Call`."""
+    """The prepare phase: checks a call's arguments and binds them into a `Call`."""
     rows, route = arguments.check_call(options, args, kwargs)
     parts = {
         i: modules.take_apart(arg, f"args[{i}]", options.filters.get(i))
@@ -156,7 +156,10 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
             with collectives.stage_axes_seen() as stage_axes:  # pipelines: counted once
                 out = fun(*args, **call.kwargs)
         except Exception as e:  # often an argument of examples left whole: say which
-            arguments.note_unsplit(e, fun, options, call.args, call.rows * options.num_microbatches)
+            whole = call.rows * options.num_microbatches  # rows of an argument not split:
+            if call.opened is not None:  # jaxga's shard_map passes it whole, over its devices
+                whole *= collectives.axis_size(call.route)
+            arguments.note_unsplit(e, fun, options, call.args, whole)
             raise
         output = arguments.parse_output(out, options, threaded.user, rows=call.rows)
         module_state = {
@@ -174,7 +177,7 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
 
 
 def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry, Any]:
-    """Phase 2: this device's sums over its micro-batches (a `Carry`), and aux `[k, ...]`."""
+    """The scan phase: this device's sums over its micro-batches (a `Carry`), and aux `[k, ...]`."""
     grad_fn = jax.value_and_grad(loss, has_aux=True)
     if rewrites(options.canonical_convolutions):  # XLA:CPU, see docs/gpus.md
         grad_fn = canonical_convolutions(grad_fn)
@@ -219,10 +222,12 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
     )
 
 
-def mean_over_devices(x: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
-    """``state_reduction="mean"``: floats averaged over ``axes``; ints and keys, their max."""
+def mean_over_devices(x: jax.Array, axes: tuple[Any, ...], *, old: jax.Array) -> jax.Array:
+    """``state_reduction="mean"``: floats averaged over ``axes`` (the change from ``old``, the
+    value before the loop, so that a state no device changed comes back unrounded); ints
+    and keys, their max."""
     if jnp.issubdtype(x.dtype, jnp.floating):
-        return jax.lax.pmean(x, axes)
+        return old + jax.lax.pmean(x - old, axes)
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         data = jax.lax.pmax(jax.random.key_data(x), axes)
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
@@ -237,9 +242,7 @@ def _reduce_threaded(threaded: Threaded, options: Options, call: Call) -> Thread
         over = collectives.invariant_axes(old, call.route.axes)
         if not over:
             return x
-        if given == "mean" and jnp.issubdtype(x.dtype, jnp.floating):
-            return old + jax.lax.pmean(x - old, over)  # the change averaged: no rounding of old
-        return (mean_over_devices if given == "mean" else given)(x, over)
+        return mean_over_devices(x, over, old=old) if given == "mean" else given(x, over)
 
     def callers_key(x: Any, before: Any) -> Any:  # each device folded its index into the keys
         return before if arguments.is_key(x, raw=False) else x
@@ -258,10 +261,11 @@ class Sums(NamedTuple):
     threaded: Threaded
 
 
-def reduce(sums: Carry, options: Options, call: Call) -> Sums:
-    """Phase 3a: the one reduction across devices, after the loop (as the call's route says)."""
-    grads = collectives.reduce_after(sums.grads, call.primals, call.route)
-    total, count, threaded = sums.total, sums.count, sums.threaded
+def reduce(carry: Carry, options: Options, call: Call) -> Sums:
+    """The reduce phase: the one reduction across devices, after the loop, as the call's
+    route says."""
+    grads = collectives.reduce_after(carry.grads, call.primals, call.route)
+    total, count, threaded = carry.total, carry.count, carry.threaded
     if call.route.kind == "manual":  # else totals and counts are the whole batch's already
         total, count = jax.lax.psum((total, count), call.route.axes)
         threaded = _reduce_threaded(threaded, options, call)
@@ -269,7 +273,7 @@ def reduce(sums: Carry, options: Options, call: Call) -> Sums:
 
 
 def finish(sums: Sums, options: Options, call: Call, *, aux: Any) -> Accumulated:
-    """Phase 3b: one division, modules' state written back."""
+    """The finish phase: one division, modules' state written back."""
     grads, total, count, threaded = sums
     bad = "Mean counts summed to {} items; expected finite and >= 0."
     valid = check_value(jnp.isfinite(count) & (count >= 0), bad, count)  # the rule: traced,
@@ -284,15 +288,24 @@ def finish(sums: Sums, options: Options, call: Call, *, aux: Any) -> Accumulated
     )
 
 
-def scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> tuple[Sums, Any, Any]:
-    """Phases 2 and 3a: the sums over the micro-batches, reduced once; aux as the scan
-    stacked it (``[k, ...]``) and its kinds (`auxiliary.kinds`; ``None`` without aux)."""
+class Reduced(NamedTuple):
+    """The scan and reduce phases' result on one route."""
+
+    sums: Sums  # over the micro-batches, reduced once over the route's axes
+    aux: Any  # combined over this device's micro-batches, as its kinds say; None without aux
+    kinds: Any  # `auxiliary.kinds`' names, a tree like aux; None without aux
+
+
+def scan_and_reduce(fun: Callable[..., Any], options: Options, call: Call) -> Reduced:
+    """The scan and reduce phases: the sums over the micro-batches, reduced once, and aux
+    combined over them (`auxiliary.combine`) as its kinds say."""
     loss = micro_loss(fun, options, call)
     with jax.named_scope("jaxga.scan"):
-        sums, aux = scan(loss, options, call)
+        carry, aux = scan(loss, options, call)
     with jax.named_scope("jaxga.reduce"):
         kinds = auxiliary.kinds(options.aux, aux, rows=call.rows) if options.has_aux else None
-        return reduce(sums, options, call), aux, kinds
+        aux = None if kinds is None else auxiliary.combine(aux, kinds)
+        return Reduced(reduce(carry, options, call), aux, kinds)
 
 
 class Given(NamedTuple):
@@ -397,10 +410,11 @@ def scan_on_axes(fun: Callable[..., Any], options: Options, call: Call) -> tuple
             rows=rows,
         )
         here = on_device(here, collectives.Route("manual", axes))
-        sums, aux, found["kinds"] = scan_and_reduce(fun, options, here)
+        reduced = scan_and_reduce(fun, options, here)
+        sums, found["kinds"] = reduced.sums, reduced.kinds
         if not lay.gather_each:
             sums = sums._replace(grads=collectives.reduce_scattered(sums.grads, lay.scatter))
-        return sums, auxiliary.with_device_axis(aux, found["kinds"])
+        return sums, auxiliary.with_device_axis(reduced.aux, reduced.kinds)
 
     specs = {"in_specs": (lay.given,), "out_specs": (lay.sums, P(axes))}
     try:
@@ -432,7 +446,6 @@ def run(fun: Callable[..., Any], options: Options, args: tuple, kwargs: dict) ->
     if call.route.kind == "opened":
         sums, aux = scan_on_axes(fun, options, call)
     else:
-        sums, aux, kinds = scan_and_reduce(fun, options, call)
-        aux = None if kinds is None else auxiliary.combine(aux, kinds)
+        sums, aux, _ = scan_and_reduce(fun, options, call)
     with jax.named_scope("jaxga.finish"):
         return finish(sums, options, call, aux=aux)

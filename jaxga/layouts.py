@@ -20,7 +20,7 @@ from jaxga.sharding import (
 
 
 def on_mesh(
-    accumulated: Accumulate,
+    accumulating: Accumulate,
     layout: MeshLayout,
     primal: Any,
     batch: Any,
@@ -30,10 +30,10 @@ def on_mesh(
     grad_specs: Any,
     fix: str,
 ) -> Accumulated:
-    """``accumulated(primal, batch, *args)`` on ``layout.mesh``, in jit's global view of it:
-    the batch split over ``layout.axis_name`` (its rows divisible), the engine told where
-    the differentiated values lie (`with_placement` of ``specs`` and ``grad_specs``, after
-    `check_layout` of the parameters' ``specs.params``; ``fix`` says how to split them).
+    """A train step's accumulation on ``layout.mesh``, in jit's global view of it: the batch's
+    rows checked divisible and placed over ``layout.axis_name``, the layout checked
+    (`check_layout`), and the engine told where the differentiated values lie (a
+    `collectives.Placement`) before ``accumulating(primal, batch, *args)`` runs.
 
     With ``layout.pipeline_axis``, that axis is manual in the loop too: each stage's
     parameters (split over it) stay on it, and a pipeline runs there directly. With
@@ -42,9 +42,24 @@ def on_mesh(
     after it, ``"zero1"`` reduce-scatters them as the optimiser state, ``"zero3"`` gathers in
     every micro-batch. ``reduce_once=False``: the loop in jit's global view, JAX reducing in
     every micro-batch.
+
+    Args:
+        accumulating: the step's `Accumulate` (its loss and options).
+        layout: the step's `MeshLayout`.
+        primal: the differentiated argument (the parameters).
+        batch: the step's batch, split over ``layout.axis_name`` here.
+        args: ``accumulating``'s other arguments, as they are.
+        param_specs: the parameters' specs, checked against the stage axis.
+        primal_specs: where each differentiated argument lies (a tuple of trees; None: as
+            they lie).
+        grad_specs: where their gradients go (None: as the differentiated values lie).
+        fix: how to split the parameters over a stage axis, for the error (``{}`` its name).
+
+    Returns:
+        ``accumulating``'s `Accumulated`, its gradient laid out by ``grad_specs``.
     """
     mesh, axis_name = layout.mesh, layout.axis_name
-    k, devices = accumulated.options.num_microbatches, meshes.devices(mesh, axis_name)
+    k, devices = accumulating.options.num_microbatches, meshes.devices(mesh, axis_name)
     size = _checks.leading_size(batch, "batch", "batch") or 0  # 0: no leaves, as accumulate says
     if size % (devices * k):
         raise IndivisibleBatchError.of(size, k, devices, axis_name)
@@ -57,8 +72,8 @@ def on_mesh(
             grad_specs=grad_specs,  # they lie
             gather_each=split_of(layout.strategy).gather_each,
         )
-        options = accumulated.options._replace(placement=placement)
-        return Accumulate(accumulated.fun, options)(primal, batch, *args)
+        options = accumulating.options._replace(placement=placement)
+        return Accumulate(accumulating.fun, options)(primal, batch, *args)
 
 
 def mesh_layout(
@@ -83,7 +98,7 @@ def _check_pipeline_axis(mesh: Any, axis_name: Any, pipeline_axis: str, reduce_o
     if pipeline_axis not in mesh.axis_names:
         got = f"{pipeline_axis!r} is not an axis of `mesh` {mesh.axis_names}"
         raise ValueError(f"`pipeline_axis`={got}.")
-    if pipeline_axis in collectives.axes(axis_name):
+    if pipeline_axis in meshes.axes(axis_name):
         raise ValueError(f"`pipeline_axis`={pipeline_axis!r} is the batch's `axis_name` too.")
     if not reduce_once:
         raise ValueError("`pipeline_axis` needs reduce_once=True: the loop runs in a shard_map.")
@@ -95,7 +110,8 @@ def check_layout(layout: MeshLayout, param_specs: Any, fix: str) -> None:
     axes (those the loop leaves in jit's global view) Auto."""
     explicit = meshes.explicit_axes(layout.mesh, others(layout))
     if split_of(layout.strategy).gather_each and (explicit or not layout.reduce_once):
-        raise ValueError(f"`strategy`='zero3' {_ZERO3_GATHERS}; got {layout.mesh}.")
+        got = f"the Explicit axes {explicit}" if explicit else "reduce_once=False"
+        raise ValueError(f"`strategy`='zero3' {_ZERO3_GATHERS}; got {got}.")
     if layout.pipeline_axis is None:
         return
     specs = jax.tree.leaves(param_specs, is_leaf=meshes.is_spec)
@@ -116,12 +132,13 @@ def stage_axes(layout: MeshLayout) -> tuple[Any, ...]:
 
 def others(layout: MeshLayout) -> list[Any]:
     """The mesh's axes the loop leaves in jit's global view."""
-    manual = (*collectives.axes(layout.axis_name), *stage_axes(layout))
-    return [a for a in layout.mesh.axis_names if a not in manual]
+    return list(
+        meshes.global_axes(layout.mesh, (*meshes.axes(layout.axis_name), *stage_axes(layout)))
+    )
 
 
 _ZERO3_GATHERS = (
     "gathers in every micro-batch in a shard_map over the batch's axes, which needs "
-    "reduce_once=True and no other Explicit mesh axes (JAX 0.12 cannot differentiate the "
-    "gather beside them): use 'fsdp', or make the other axes Auto"
+    "reduce_once=True and no other Explicit mesh axes (JAX, up to 0.12 at least, cannot "
+    "differentiate the gather beside them): use 'fsdp', or make the other axes Auto"
 )

@@ -4,6 +4,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import numbers
 from collections.abc import Iterator
 from typing import Any
 
@@ -227,9 +228,11 @@ def token_cross_entropy(
     """
     logits = _array(logits, "`logits`", "a float array", (jnp.floating,))
     labels = _array(labels, "`labels`", "integer token ids", (jnp.integer,))
+    if jnp.iinfo(labels.dtype).bits < 32:  # ids compared with a vocabulary's: none wraps round
+        labels = labels.astype(jnp.int32)
     if not logits.ndim or logits.shape[:-1] != labels.shape:
         raise TypeError(f"`logits` {logits.shape} must be [..., vocab] for labels {labels.shape}.")
-    number = isinstance(label_smoothing, float | int) and not isinstance(label_smoothing, bool)
+    number = isinstance(label_smoothing, numbers.Real) and not isinstance(label_smoothing, bool)
     if not (number and 0 <= label_smoothing < 1):
         raise ValueError(f"`label_smoothing` must be a float in [0, 1); got {label_smoothing!r}.")
     weights, ok = _weights(mask, "`mask`", labels)

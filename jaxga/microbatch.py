@@ -36,7 +36,8 @@ def split_microbatches(batch: Any, num_microbatches: int, *, name: str = "batch"
     k = _checks.positive_int(num_microbatches, "num_microbatches")
     size = _checks.leading_size(batch, name, "batch") or 0  # 0: no leaves
     if size % k:
-        raise IndivisibleBatchError.of(size, k)
+        error = IndivisibleBatchError.of(size, k)
+        raise IndivisibleBatchError(f"`{name}`: {error}")
     return jax.tree.map(lambda x: _split(jnp.asarray(x), k), batch)
 
 
@@ -70,8 +71,11 @@ def merge_microbatches(tree: Any) -> Any:
         >>> jaxga.merge_microbatches(jaxga.split_microbatches(jnp.arange(6), 3)).tolist()
         [0, 1, 2, 3, 4, 5]
     """
-    if short := [s for s in map(jnp.shape, jax.tree.leaves(tree)) if len(s) < 2]:
-        raise ValueError(f"merge_microbatches: leaves must be [k, B // k, ...]; got {short[0]}.")
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if short := [(path, jnp.shape(x)) for path, x in leaves if jnp.ndim(x) < 2]:
+        path, shape = short[0]
+        got = f"`tree`{jax.tree_util.keystr(path)} of shape {shape}"
+        raise ValueError(f"merge_microbatches: leaves must be [k, B // k, ...]; got {got}.")
     return jax.tree.map(_merge, tree)
 
 

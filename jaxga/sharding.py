@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxga import _checks, collectives, meshes
+from jaxga import _checks, meshes
 from jaxga.microbatch import IndivisibleBatchError  # noqa: F401 (importable from here too)
 
 
@@ -74,7 +74,7 @@ def check_mesh(mesh: Any, axis_name: Any = None, concrete: bool = False) -> None
     """Raises unless ``mesh`` is a mesh (``concrete``: not abstract) with ``axis_name``."""
     if not isinstance(mesh, (Mesh,) if concrete else (Mesh, jax.sharding.AbstractMesh)):
         raise TypeError(f"`mesh` must be a jax.sharding.Mesh (jax.make_mesh); got {mesh!r}.")
-    for axis in () if axis_name is None else collectives.axes(axis_name):
+    for axis in () if axis_name is None else meshes.axes(axis_name):
         if axis not in mesh.axis_names:
             raise ValueError(f"`axis_name`={axis!r} is not an axis of `mesh` {mesh.axis_names}.")
 
@@ -256,7 +256,7 @@ def _check_param_specs(specs: Any, params: Any, mesh: Mesh) -> None:
     leaves = jax.tree_util.tree_leaves_with_path(params)
     for (path, x), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=meshes.is_spec)):
         where, shape = f"The spec for params{jax.tree_util.keystr(path)}", jnp.shape(x)
-        named = [a for entry in spec if entry is not None for a in collectives.axes(entry)]
+        named = [a for entry in spec if entry is not None for a in meshes.axes(entry)]
         if not meshes.is_spec(spec) or len(spec) > len(shape) or set(named) - set(mesh.axis_names):
             raise ValueError(
                 f"{where} must be a PartitionSpec of at most {len(shape)} entries (its shape is "
@@ -298,8 +298,9 @@ def state_specs(
         raise TypeError(f"`state` must be a train state with `params`, `opt_state`; got {kind}.")
     specs = jax.tree.map(lambda _: P(), state)
     shard = functools.partial(fsdp_specs, mesh=mesh, axis_name=axis_name)
-    if strategy is None:  # as placed: the parameters' own layout, the optimiser's after it
-        strategy = jax.tree.map(functools.partial(_spec_of, mesh=mesh), state.params)
+    if strategy is None:  # as placed: every array's own layout, the parameters' and the rest
+        shard = functools.partial(_spec_of, mesh=mesh)
+        strategy = jax.tree.map(shard, state.params)
     elif isinstance(strategy, str):
         row, size = split_of(strategy), meshes.devices(mesh, axis_name)
 

@@ -542,3 +542,21 @@ def test_explicit_accumulator_dtype_is_used_as_it_is():
     low = jaxga.grad(loss, num_microbatches=64, accumulator_dtype=jnp.bfloat16)(w, x)
     np.testing.assert_allclose(exact, (1.0 + 63e-3) / 64, rtol=1e-5)
     assert abs(float(low) - float(exact)) > 1e-3 * float(exact)
+
+
+def test_a_loss_with_attributes_named_fun_and_options_keeps_its_own():
+    """`accumulate` copies the loss's attributes (functools.update_wrapper) before it sets
+    its own `fun` and `options`, so a callable carrying such names is not mistaken for them."""
+
+    class Loss:
+        fun, options = "the user's", "the user's"
+
+        def __call__(self, w, x):
+            return jnp.mean((x @ w) ** 2)
+
+    w, x = jnp.ones((3, 2)), jnp.arange(12.0).reshape(4, 3)
+    loss = Loss()
+    loss.__dict__.update(fun="the user's", options="the user's")
+    value, grad = jaxga.value_and_grad(loss, num_microbatches=2)(w, x)
+    want_value, want_grad = jax.value_and_grad(loss)(w, x)
+    chex.assert_trees_all_close((value, grad), (want_value, want_grad), rtol=1e-6)

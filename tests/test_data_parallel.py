@@ -19,8 +19,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxga
@@ -273,3 +274,26 @@ def test_sharding_helpers_name_bad_arguments(call, error, match):
     mesh = jax.make_mesh((1,), ("data",))
     with pytest.raises(error, match=match):
         call(mesh)
+
+
+def test_state_specs_none_keeps_every_array_where_it_lies():
+    """strategy=None (docs/distributed.md): the layout the state's arrays already have, the
+    optimiser's leaves not shaped like a parameter included (they were split over "data")."""
+    mesh = jax.make_mesh((8,), ("data",))
+
+    def init(params):
+        return {"hist": jnp.zeros(8), "split": jnp.zeros(16)}
+
+    tx = optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
+    state = jaxga.TrainState.create(params={"w": jnp.zeros((8, 16))}, tx=tx)
+    placed = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    state = state.replace(
+        params={"w": jax.device_put(state.params["w"], placed[1])},
+        opt_state={
+            "hist": jax.device_put(state.opt_state["hist"], placed[0]),
+            "split": jax.device_put(state.opt_state["split"], placed[1]),
+        },
+    )
+    specs = jaxga.sharding.state_specs(state, mesh, None)
+    assert specs.params["w"] == P("data")
+    assert specs.opt_state == {"hist": P(), "split": P("data")}

@@ -154,3 +154,21 @@ def test_bfloat16_values_are_summed_in_float32():
     m = jaxga.Mean.of(values, where=jnp.ones(4096, jnp.bfloat16))
     assert m.total.dtype == m.count.dtype == jnp.float32
     np.testing.assert_allclose(m.total, 4096 * float(values[0]), rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8, jnp.int16, jnp.int32])
+def test_narrow_integer_labels_look_up_their_own_token(dtype):
+    """A vocabulary larger than the labels' dtype holds: the one-hot compares ids in int32,
+    so no id wraps round onto another (optax's integer cross-entropy is the reference)."""
+    vocab, labels = 300, jnp.array([5, 44, 100], dtype)
+    logits = jax.random.normal(jax.random.key(0), (3, vocab)).at[:, 5 + 256].set(9.0)
+    got = jaxga.token_cross_entropy(logits, labels)
+    want = optax.softmax_cross_entropy_with_integer_labels(logits, labels.astype(jnp.int32))
+    np.testing.assert_allclose(got.value, want.mean(), rtol=1e-6)
+
+
+def test_label_smoothing_takes_a_numpy_scalar():
+    logits, labels = jnp.zeros((2, 4)), jnp.array([1, 2])
+    got = jaxga.token_cross_entropy(logits, labels, label_smoothing=np.float32(0.1))
+    want = jaxga.token_cross_entropy(logits, labels, label_smoothing=0.1)
+    np.testing.assert_allclose(got.value, want.value, rtol=1e-6)

@@ -293,3 +293,24 @@ def test_plan_names_a_batch_no_candidate_divides():
         ValueError, match=r"^No num_microbatches splits the batch: The batch size 4 "
     ):
         jaxga.plan(build, jnp.ones(3), jnp.ones((4, 3)), budget="1MiB", remat=(None,))
+
+
+def test_an_argument_left_whole_is_named_on_a_mesh_too():
+    """jaxga's own shard_map over the batch's axes (an Explicit mesh, jit's global view):
+    an argument left whole holds the whole batch's rows, and the note says so as on one
+    device."""
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def loss(p, x, y):
+        return jnp.mean((x @ p - y) ** 2)
+
+    with jax.set_mesh(mesh):
+        p = jnp.arange(3.0)
+        x = jax.device_put(jnp.ones((8, 3)), jax.P("data"))
+        y = jax.device_put(jnp.arange(8.0), jax.P("data"))
+        with pytest.raises(TypeError, match="incompatible shapes") as error:
+            jax.jit(jaxga.value_and_grad(loss, num_microbatches=2))(p, x, y)
+    assert (
+        "jaxga: not split, yet of the batch's 8 rows: args[2]; to split them too, pass "
+        "batch_argnums=(1, 2)." in error.value.__notes__
+    )
