@@ -47,6 +47,7 @@ class Accumulate:
         self.options = options
 
     def __call__(self, *args: Any, **kwargs: Any) -> engine.Accumulated:
+        """``fun(*args, **kwargs)`` accumulated over the micro-batches: an `Accumulated`."""
         return engine.run(self.fun, self.options, args, kwargs)
 
 

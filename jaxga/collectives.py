@@ -17,7 +17,20 @@ __all__ = ["axes", "find_route", "psum_varying", "varying", "varying_axes"]
 
 
 def varying_axes(x: Any) -> frozenset:
-    """Returns the mesh axes ``x`` varies over (none outside ``shard_map``)."""
+    """Returns the mesh axes ``x`` varies over (none outside ``shard_map``).
+
+    Args:
+        x: an array or a tracer.
+
+    Returns:
+        A frozenset of axis names: those of a ``shard_map`` here along which ``x`` may
+        differ between devices (JAX's varying manual axes).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> jaxga.collectives.varying_axes(jnp.ones(2))
+        frozenset()
+    """
     return jax.typeof(x).mat.varying
 
 
@@ -99,7 +112,24 @@ def psum_invariant(tree: Any, like: Any, axis_name: Any) -> Any:
 
 
 def psum_varying(tree: Any) -> Any:
-    """Returns each leaf summed over the mesh axes it varies over (bools: any device true)."""
+    """Returns each leaf summed over the mesh axes it varies over (bools: any device true).
+
+    Args:
+        tree: a pytree of arrays inside a ``shard_map``.
+
+    Returns:
+        ``tree``, each leaf invariant over every axis here: a sum of its devices' values.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+        >>> total = jax.shard_map(
+        ...     jaxga.collectives.psum_varying, mesh=mesh, in_specs=P("data"), out_specs=P()
+        ... )
+        >>> total(jnp.arange(3.0)).tolist()
+        [0.0, 1.0, 2.0]
+    """
 
     def reduce(x):
         over = tuple(sorted(varying_axes(x), key=str))  # () a no-op
@@ -152,6 +182,14 @@ def find_route(axis_name: Any, batch: Any) -> Route:
 
     ``axis_name=None`` reads them from the batch: the axes it varies over inside a
     ``shard_map``, else those its type splits its rows over (Explicit axes); ``()``: none.
+
+    Args:
+        axis_name: a mesh axis name, a tuple or list of them, ``()`` or ``None``.
+        batch: the call's batch (a pytree of arrays).
+
+    Returns:
+        A `Route`: ``kind`` (``"local"``, ``"manual"`` or ``"opened"``), ``axes`` and, to be
+        opened, the ``mesh``.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxga

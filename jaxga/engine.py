@@ -75,6 +75,8 @@ class Carry(NamedTuple):
 
 
 def fold_keys(tree: Any, index: Any, *, raw: bool = True) -> Any:
+    """``tree`` with each PRNG key folded with ``index`` (a micro-batch's, on its device):
+    typed keys, and with ``raw`` the old uint32 ones too; other leaves as they are."""
     return jax.tree.map(
         lambda x: jax.random.fold_in(x, index) if arguments.is_key(x, raw) else x, tree
     )

@@ -68,6 +68,7 @@ class Mean:
 
     @property
     def value(self) -> jax.Array:
+        """``total / count``: the mean, divided once."""
         return self.total / self.count
 
     def __add__(self, other: "Mean") -> "Mean":

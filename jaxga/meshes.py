@@ -12,7 +12,13 @@ from jaxga.memory import HOST_KINDS
 
 def axes(axis_name: Any) -> tuple[Any, ...]:
     """Returns ``axis_name``, a name or a collection of names, as a tuple of names (a set's
-    sorted: its own order may differ between processes, and every process must agree)."""
+    sorted: its own order may differ between processes, and every process must agree).
+
+    Examples:
+        >>> import jaxga
+        >>> jaxga.collectives.axes("data"), jaxga.collectives.axes(["data", "model"])
+        (('data',), ('data', 'model'))
+    """
     if isinstance(axis_name, set | frozenset):
         return tuple(sorted(axis_name, key=str))
     return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)

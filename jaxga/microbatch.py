@@ -15,6 +15,8 @@ class IndivisibleBatchError(ValueError):
 
     @classmethod
     def of(cls, size: int, num_microbatches: int, devices: int = 1, axis_name: Any = None):
+        """The error for a batch of ``size`` rows that ``num_microbatches`` × ``devices``
+        (along ``axis_name``) do not divide, every number named."""
         k, on, times = num_microbatches, "", ""
         if axis_name is not None:
             axis_name = (
@@ -27,6 +29,15 @@ class IndivisibleBatchError(ValueError):
 
 def split_microbatches(batch: Any, num_microbatches: int, *, name: str = "batch") -> Any:
     """Splits each leaf of ``batch`` into ``[k, B // k, ...]``, ``k = num_microbatches``, strided.
+
+    Args:
+        batch: a pytree of arrays with one leading size ``B``.
+        num_microbatches: ``k``, a positive int dividing ``B``.
+        name: what to call ``batch`` in an error (an argument's name).
+
+    Returns:
+        ``batch`` with each leaf ``[k, B // k, ...]``: micro-batch ``i`` holds rows ``i, i +
+        k, ...`` (each device's rows stay on it).
 
     Examples:
         >>> import jax.numpy as jnp, jaxga
@@ -65,6 +76,12 @@ def _split(x: jax.Array, k: int) -> jax.Array:
 
 def merge_microbatches(tree: Any) -> Any:
     """Undoes `jaxga.split_microbatches`: leaves `[k, B // k, ...]` back to `[B, ...]`.
+
+    Args:
+        tree: a pytree whose leaves are ``[k, B // k, ...]`` (a scan's stacked outputs).
+
+    Returns:
+        ``tree`` with each leaf ``[B, ...]``, rows in the batch's order.
 
     Examples:
         >>> import jax.numpy as jnp, jaxga

@@ -139,7 +139,21 @@ def onto(tree: Any, mesh: Mesh) -> Any:
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
-    """``put`` of all of ``tree`` replicated on ``mesh`` (`onto`: what is not on it yet)."""
+    """``tree``, every leaf replicated on every device of ``mesh`` (a `put`).
+
+    Args:
+        tree: a pytree of arrays, PRNG keys or shape structs.
+        mesh: a concrete `jax.sharding.Mesh`.
+
+    Returns:
+        ``tree`` placed with ``NamedSharding(mesh, P())``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        >>> jaxga.sharding.replicate(jnp.ones(3), mesh).sharding.spec
+        P()
+    """
     check_mesh(mesh, concrete=True)
     return put(tree, NamedSharding(mesh, P()))
 
@@ -191,6 +205,7 @@ def _optimizer_leaves(state: Any) -> list[bool]:
 
 
 def check_select(select: Any, name: str) -> Any:
+    """``select`` (an argument called ``name``), checked: a bool or a function of (path, leaf)."""
     if not (callable(select) or isinstance(select, bool)):
         raise TypeError(f"`{name}` must be a bool or a function of (path, leaf); got {select!r}.")
     return select
@@ -235,7 +250,21 @@ def offload(
 
 
 def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:
-    """The spec splitting the largest axis of ``shape`` that ``size`` devices divide, or ``P()``."""
+    """The spec splitting the largest axis of ``shape`` that ``size`` devices divide, or ``P()``.
+
+    Args:
+        shape: an array's shape.
+        size: the number of devices along ``axis_name``.
+        axis_name: the mesh axis (or axes) to split over.
+
+    Returns:
+        A `PartitionSpec` naming ``axis_name`` at that axis (the first of equal sizes).
+
+    Examples:
+        >>> import jaxga
+        >>> jaxga.sharding.fsdp_spec((6, 16), 4)
+        P(None, 'data')
+    """
     size = _checks.positive_int(size, "size")
     dims = [i for i, n in enumerate(shape) if n >= size and n % size == 0]
     dim = max(dims, key=lambda i: (shape[i], -i), default=None)
@@ -243,7 +272,22 @@ def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:
 
 
 def fsdp_specs(tree: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
-    """[`fsdp_spec`][jaxga.sharding.fsdp_spec] of every leaf of `tree` over `mesh`'s `axis_name`."""
+    """[`fsdp_spec`][jaxga.sharding.fsdp_spec] of every leaf of `tree` over `mesh`'s `axis_name`.
+
+    Args:
+        tree: a pytree of arrays or shape structs.
+        mesh: a mesh with ``axis_name``.
+        axis_name: the mesh axis (or axes) to split over.
+
+    Returns:
+        A tree of `PartitionSpec`s shaped as ``tree``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> mesh = jax.make_mesh((1,), ("data",))
+        >>> jaxga.sharding.fsdp_specs({"w": jnp.ones((4, 2))}, mesh)
+        {'w': P('data',)}
+    """
     check_mesh(mesh, axis_name)
     size = meshes.devices(mesh, axis_name)
     return jax.tree.map(lambda x: fsdp_spec(jnp.shape(x), size, axis_name), tree)
@@ -283,6 +327,17 @@ def state_specs(
     state: Any, mesh: Mesh, strategy: Any = "data_parallel", *, axis_name: Any = "data"
 ) -> Any:
     """A train state's PartitionSpecs under ``strategy``: a name in `STRATEGIES` or param specs.
+
+    Args:
+        state: a train state with ``params``, ``opt_state`` and ``tx`` (a Flax ``TrainState``).
+        mesh: the mesh the state is laid out on.
+        strategy: a name in `STRATEGIES`; a tree of `PartitionSpec`s shaped as the
+            parameters (the optimiser's leaves shaped like a parameter follow it, the others
+            split as `fsdp_specs` splits them); or ``None``, every array as it is laid out.
+        axis_name: the batch's mesh axis (or axes), which the named strategies split over.
+
+    Returns:
+        A tree of `PartitionSpec`s shaped as ``state`` (``P()`` for what is not split).
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, jaxga
@@ -390,7 +445,17 @@ def check_nnx_strategy(strategy: Any) -> str | None:
 def state_shardings(
     state: Any, mesh: Mesh, strategy: Any = "data_parallel", *, axis_name: Any = "data"
 ) -> Any:
-    """[`state_specs`][jaxga.sharding.state_specs] as `NamedSharding`s on `mesh`."""
+    """[`state_specs`][jaxga.sharding.state_specs] as `NamedSharding`s on `mesh`: the same
+    arguments; a tree of shardings shaped as ``state``, for `jax.device_put` or a jit's
+    ``out_shardings``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, jaxga
+        >>> mesh = jax.make_mesh((1,), ("data",))
+        >>> state = jaxga.TrainState.create(params={"w": jnp.zeros(4)}, tx=optax.sgd(0.1))
+        >>> jaxga.sharding.state_shardings(state, mesh).params["w"].spec
+        P()
+    """
     specs = state_specs(state, mesh, strategy, axis_name=axis_name)
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=meshes.is_spec)
 
