@@ -177,6 +177,7 @@ def canonical_convolutions(fun: Callable[..., Any]) -> Callable[..., Any]:
         True
     """
 
+    @functools.wraps(fun)  # its name and __wrapped__: a jit of it is named as fun's
     def rewritten(*args: Any, **kwargs: Any) -> Any:
         closed, shapes = jax.make_jaxpr(fun, return_shape=True)(*args, **kwargs)
         closed = core.ClosedJaxpr(rewrite_jaxpr(closed.jaxpr), closed.consts)
@@ -187,7 +188,6 @@ def canonical_convolutions(fun: Callable[..., Any]) -> Callable[..., Any]:
         ]
         return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
-    rewritten.__wrapped__ = fun
     return rewritten
 
 
@@ -256,16 +256,30 @@ def canonical_backward(fun: Callable[..., Any]) -> Callable[..., Any]:
         True
     """
 
+    @functools.wraps(fun)  # its name and __wrapped__: a jit of it is named as fun's
     def rewritten(*args: Any) -> Any:
         converted, consts = jax.closure_convert(canonical_convolutions(fun), *args)
         forward = functools.partial(_forward, converted)
         return with_vjp(forward, _backward)(tuple(consts), args)
 
-    rewritten.__wrapped__ = fun
     return rewritten
 
 
 def check_option(value: Any, name: str = "canonical_convolutions") -> Option:
+    """Returns ``value`` if it is a ``canonical_convolutions`` option; raises if not.
+
+    Args:
+        value: the option given: ``True``, ``False`` or ``"auto"``.
+        name: the argument's name, for the error.
+
+    Returns:
+        ``value``; raises ``ValueError`` for anything else (``1`` and ``None`` included).
+
+    Examples:
+        >>> import jaxga.convolution as c
+        >>> c.check_option("auto"), c.check_option(False)
+        ('auto', False)
+    """
     if not any(value is v or (isinstance(value, str) and value == v) for v in OPTION_VALUES):
         raise ValueError(f"`{name}` must be True, False or 'auto'; got {value!r}.")
     return value
@@ -276,7 +290,10 @@ def rewrites(option: Option, backend: str | None = None) -> bool:
 
     Args:
         option: ``True``, ``False`` or ``"auto"``.
-        backend: the platform; default: ``jax.default_backend()``.
+        backend: the platform; default: ``jax.default_backend()``, the default device's at
+            trace time, not the platform a program is later compiled for (a program
+            lowered for another platform, or placed on CPU devices beside a GPU, is rewritten
+            as the default backend says; pass ``True`` or ``False`` to choose).
 
     Returns:
         ``option`` if a bool, else whether ``backend`` is ``"cpu"``.

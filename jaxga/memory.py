@@ -9,13 +9,29 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-_KINDS = ("argument", "output", "temp", "alias")  # of bytes, in XLA's memory analysis
 HOST_KINDS = ("pinned_host", "unpinned_host")  # memory kinds of host memory
+# the parameter of a shard_map equation naming the axes it makes manual, newest jax first
+_MANUAL_AXES = ("newly_manual_axes", "manual_axes", "axis_names")
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
     """The bytes XLA's compiled program for one call needs on each device, and its matmul FLOPs.
+
+    Attributes:
+        argument_bytes: the arguments' bytes on each device.
+        output_bytes: the outputs' bytes on each device.
+        temp_bytes: scratch memory, mostly the activations kept for the backward pass.
+        alias_bytes: the outputs' bytes that reuse a donated argument's buffer.
+        peak_bytes: ``argument_bytes + output_bytes + temp_bytes - alias_bytes``.
+        host_bytes: the same sum for the arrays in host memory, which the others leave out.
+        dot_flops: of matmuls and convolutions, every loop iteration counted, of the whole
+            program (all devices together: a ``shard_map``'s body once per device).
+        dot_flops_exact: False if a ``while_loop``'s body was counted once.
+        backend: the platform compiled for, e.g. ``"cpu"``: that of the devices the compiled
+            program's arguments and outputs lie on (``jax.default_backend()`` if it has none).
+        moved_bytes: copied between host and device memory a call, every loop counted, of
+            the whole program, as ``dot_flops``.
 
     Examples:
         >>> import jax.numpy as jnp, jaxga
@@ -29,7 +45,7 @@ class MemoryReport:
     alias_bytes: int  # outputs that reuse a donated argument's buffer
     peak_bytes: int  # argument_bytes + output_bytes + temp_bytes - alias_bytes
     host_bytes: int  # the same sum for the arrays in host memory, which the others leave out
-    dot_flops: int  # of matmuls and convolutions, every loop iteration counted
+    dot_flops: int  # of matmuls and convolutions, every loop iteration counted, all devices
     dot_flops_exact: bool  # False if a while_loop's body was counted once
     backend: str  # the platform compiled for, e.g. "cpu"
     moved_bytes: int = 0  # copied between host and device memory a call, every loop counted
@@ -43,15 +59,31 @@ def format_bytes(n: int) -> str:
 
 
 class DotFlops(NamedTuple):
+    """A jaxpr's matmul FLOPs, as `dot_flops` counts them: `Counts` without ``moved_bytes``.
+
+    Attributes:
+        flops: of matmuls and convolutions.
+        exact: False if a ``while_loop``'s body was counted once.
+    """
+
     flops: int  # of matmuls and convolutions
     exact: bool  # False if a while_loop's body was counted once
 
 
 class Counts(NamedTuple):
-    """What a program does, loops unrolled: its matmul FLOPs and its host-device bytes."""
+    """What a program does, loops unrolled: its matmul FLOPs and its host-device bytes.
+
+    Of the whole program, all devices together: a ``shard_map``'s body, traced at one
+    device's shapes, is counted once per device along the axes it makes manual.
+
+    Attributes:
+        flops: of matmuls and convolutions.
+        moved_bytes: copied between host and device memory (either way).
+        exact: False if a ``while_loop``'s body was counted once.
+    """
 
     flops: int  # of matmuls and convolutions
-    moved_bytes: int  # copied between host and device memory (either way), global shapes
+    moved_bytes: int  # copied between host and device memory (either way), all devices
     exact: bool  # False if a while_loop's body was counted once
 
 
@@ -72,7 +104,8 @@ def _own_flops(eqn: Any) -> int:  # of a matmul or convolution, 2 a multiply-add
 
 
 def dot_flops(jaxpr: Any) -> DotFlops:
-    """Returns the FLOPs of a (closed) jaxpr's matmuls and convolutions, loops unrolled."""
+    """Returns the FLOPs of a (closed) jaxpr's matmuls and convolutions, loops unrolled:
+    those of `program_counts`, which counts the moved bytes too."""
     counts = program_counts(jaxpr)
     return DotFlops(counts.flops, counts.exact)
 
@@ -90,11 +123,24 @@ def _space(aval: Any) -> Any:
     return getattr(aval, "memory_space", None)
 
 
+def _times(eqn: Any) -> int:
+    """How many times ``eqn``'s inner jaxprs run: a scan's length; a ``shard_map``'s body
+    once per device along the axes it makes manual (the product of their sizes); else 1."""
+    if eqn.primitive.name == "scan":
+        return eqn.params["length"]
+    if eqn.primitive.name != "shard_map":
+        return 1
+    manual = next((eqn.params[name] for name in _MANUAL_AXES if name in eqn.params), ())
+    return math.prod(eqn.params["mesh"].shape[axis] for axis in manual)
+
+
 def program_counts(jaxpr: Any) -> Counts:
     """Returns a (closed) jaxpr's `Counts`: the FLOPs of its matmuls and convolutions and the
-    bytes its ``device_put``s copy between host and device memory (of the arrays' global
-    shapes; not the copies XLA adds itself), loops unrolled (a ``cond`` counted by its
-    costliest branch), the dead code XLA drops left out.
+    bytes its ``device_put``s copy between host and device memory (not the copies XLA adds
+    itself), loops unrolled (a ``cond`` counted by its costliest branch), the dead code XLA
+    drops left out; of all devices together: a ``shard_map``'s body, at one device's shapes,
+    counted once per device along its manual axes (a batch split over devices counts as the
+    whole batch in the program without it).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -113,7 +159,7 @@ def program_counts(jaxpr: Any) -> Counts:
         used.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
         inner = [program_counts(j) for j in jex_core.jaxprs_in_params(eqn.params)]
         exact = exact and eqn.primitive.name != "while" and all(count.exact for count in inner)
-        times = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+        times = _times(eqn)
         if eqn.primitive.name == "cond":  # one of its branches runs: the costliest of each
             most = max(c.flops for c in inner), max(c.moved_bytes for c in inner)
             inner = [Counts(*most, all(c.exact for c in inner))]
@@ -129,18 +175,49 @@ def _host_bytes(pairs: Any) -> int:
     return sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x, s in on_host)
 
 
-def _sizes(compiled: Any, stats: Any) -> tuple[list[int], list[int]]:
-    device = [int(getattr(stats, f"{kind}_size_in_bytes")) for kind in _KINDS]
-    host = [int(getattr(stats, f"host_{kind}_size_in_bytes", 0)) for kind in _KINDS]
+class _Bytes(NamedTuple):
+    """A compiled program's bytes in one memory, the device's or the host's, by XLA's kind."""
+
+    argument: int
+    output: int
+    temp: int
+    alias: int  # of the outputs, reusing a donated argument's buffer
+
+    @property
+    def peak(self) -> int:
+        return self.argument + self.output + self.temp - self.alias
+
+
+class _Sizes(NamedTuple):
+    """A compiled program's bytes in device memory and in host memory."""
+
+    device: _Bytes
+    host: _Bytes
+
+
+def _sizes(compiled: Any, stats: Any) -> _Sizes:
+    device = _Bytes(*(int(getattr(stats, f"{kind}_size_in_bytes")) for kind in _Bytes._fields))
+    host = _Bytes(
+        *(int(getattr(stats, f"host_{kind}_size_in_bytes", 0)) for kind in _Bytes._fields)
+    )
     if any(host):
-        return device, host
+        return _Sizes(device, host)
     compiled = getattr(compiled, "compiled", compiled)  # nnx.jit's holds jax's
     args = zip(jax.tree.leaves(compiled.args_info), jax.tree.leaves(compiled.input_shardings))
     inputs = list(args)
     output = _host_bytes((x, x.sharding) for x in jax.tree.leaves(compiled.out_info))
     donated = _host_bytes((x, s) for x, s in inputs if x.donated)  # XLA aliases them to outputs
-    host = [_host_bytes(inputs), output, 0, min(donated, output)]  # counted as the device's
-    return [d - h for d, h in zip(device, host)], host
+    host = _Bytes(_host_bytes(inputs), output, 0, min(donated, output))  # counted as the device's
+    return _Sizes(_Bytes(*(d - h for d, h in zip(device, host))), host)
+
+
+def _platform(compiled: Any) -> str:
+    """The platform ``compiled`` runs on: its arguments' or outputs' devices', e.g. ``"cpu"``;
+    ``jax.default_backend()`` if it has neither."""
+    compiled = getattr(compiled, "compiled", compiled)  # nnx.jit's holds jax's
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    devices = [device for sharding in shardings for device in sharding.device_set]
+    return devices[0].platform if devices else jax.default_backend()
 
 
 def memory_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
@@ -180,13 +257,12 @@ def memory_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryRe
             raise
         raise TypeError(mistake) from None  # a static argument may be either, if it traces
     compiled = traced.lower().compile()
-    stats, backend = compiled.memory_analysis(), jax.default_backend()
+    stats, backend = compiled.memory_analysis(), _platform(compiled)
     if stats is None:
         raise ValueError(f"The {backend} backend gives no memory analysis of `fn`.")
     counts = program_counts(getattr(traced, "traced", traced).jaxpr)  # nnx.jit: flax's Traced
     device, host = _sizes(compiled, stats)
-    named = {f"{kind}_bytes": n for kind, n in zip(_KINDS, device)}  # argument_bytes, ...
+    named = {f"{kind}_bytes": n for kind, n in device._asdict().items()}  # argument_bytes, ...
     named |= {"dot_flops": counts.flops, "dot_flops_exact": counts.exact}
-    named |= {"moved_bytes": counts.moved_bytes}
-    peak, host_peak = (sum(sizes[:3]) - sizes[3] for sizes in (device, host))  # ... - alias
-    return MemoryReport(**named, peak_bytes=peak, host_bytes=host_peak, backend=backend)
+    named |= {"moved_bytes": counts.moved_bytes, "backend": backend}
+    return MemoryReport(**named, peak_bytes=device.peak, host_bytes=host.peak)

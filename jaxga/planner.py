@@ -57,7 +57,24 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One configuration that [`plan`][jaxga.plan] considered, and its verdict."""
+    """One configuration that [`plan`][jaxga.plan] considered, and its verdict.
+
+    Attributes:
+        num_microbatches: k, the micro-batches per step.
+        microbatch_size: the examples per micro-batch.
+        remat: the remat value handed to ``build``.
+        report: the compiled step's `MemoryReport`; None if build raised IndivisibleBatchError.
+        fits: whether ``report.peak_bytes`` is within the budget.
+        reason: why it was not chosen; ``""`` if it was.
+        strategy: handed to ``build`` if ``plan`` searched strategies; else None.
+        offload: handed to ``build`` if ``plan`` searched offload; else None.
+        stream: handed to ``build`` if ``plan`` searched stream; else None.
+
+    Examples:
+        >>> from jaxga.planner import Candidate
+        >>> str(Candidate(4, 8, "full", None, False, "indivisible", offload=True))
+        "4 micro-batch(es) of 8, remat 'full', offload True"
+    """
 
     num_microbatches: int  # k, the micro-batches per step
     microbatch_size: int  # the examples per micro-batch
@@ -77,7 +94,14 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan(Candidate):
-    """The `Candidate` that [`plan`][jaxga.plan] chose, with the search; ``print`` it.
+    """The `Candidate` that [`plan`][jaxga.plan] chose (its fields), with the search; ``print`` it.
+
+    Attributes:
+        budget: each device's budget, in bytes.
+        batch_size: the examples per step.
+        candidates: the [`Candidate`][jaxga.planner.Candidate]s built, in the order built.
+        num_skipped: those not built: the search stopped at the first fit, or skipped them.
+        step: what ``build`` returned for the chosen configuration.
 
     Examples:
         >>> import jax.numpy as jnp, jaxga
@@ -198,7 +222,7 @@ class _Config(NamedTuple):
     num_microbatches: int
     microbatch_size: int
     remat: Any
-    keywords: dict[str, Any]  # the searched axes given to build: strategy, offload
+    keywords: dict[str, Any]  # the searched axes given to build: strategy, offload, stream
 
 
 class _Built(NamedTuple):
@@ -244,12 +268,8 @@ def chosen_index(candidates: list[Candidate], budget: int, streams: Sequence[Any
             f" the smallest peak, {format_bytes(peak)} ({peak} bytes), has {smallest}.",
             tuple(candidates),
         )
-    return min(fitting, key=lambda i: _rank(candidates[i], streams))
-
-
-def _rank(candidate: Candidate, streams: Sequence[Any]) -> tuple[int, int]:
-    """Where ``candidate`` comes in the search: its ``stream`` value's place, then its k."""
-    return list(streams).index(candidate.stream), candidate.num_microbatches
+    place = {stream: i for i, stream in enumerate(streams)}  # then the fewest micro-batches
+    return min(fitting, key=lambda i: (place[candidates[i].stream], candidates[i].num_microbatches))
 
 
 class _Line(NamedTuple):

@@ -21,8 +21,21 @@ _UNSTACKED = (
 
 
 class Remat(NamedTuple):
+    """A row of `REMAT`: how a named remat setting rematerialises a scan over layers.
+
+    Attributes:
+        policy: the ``jax.checkpoint`` policy, what each layer keeps; None for no checkpoint.
+        segments: the checkpointed segments of layers, 1 (each layer) or ``"sqrt"`` (√L).
+
+    Examples:
+        >>> import jax
+        >>> from jaxga.remat import REMAT
+        >>> REMAT["sqrt"].policy is jax.checkpoint_policies.nothing_saveable, REMAT["sqrt"].segments
+        (True, 'sqrt')
+    """
+
     policy: Callable[..., Any] | None  # what each layer keeps
-    segments: int | str
+    segments: int | str  # 1, or "sqrt"
 
 
 _cp = jax.checkpoint_policies
@@ -34,6 +47,9 @@ REMAT: dict[str, Remat] = {  # least to most recomputation
     "full": Remat(_cp.nothing_saveable, 1),  # each layer's input
     "sqrt": Remat(_cp.nothing_saveable, "sqrt"),  # the inputs of √L segments of layers
 }
+"""The named remat settings, least recomputation first: each name's `Remat` (what each
+layer keeps, and in how many segments). ``jaxga.plan(remat=...)`` defaults to its names;
+`remat_options` turns one into ``remat_scan``'s keywords."""
 _PER_LAYER = [name for name, row in REMAT.items() if row.segments == 1]  # checkpoint_policy's
 _FACTORIES = {f: name for name, f in vars(_cp).items() if name.startswith(("save_", "offload_"))}
 
@@ -67,6 +83,20 @@ def checkpoint_policy(policy: Policy) -> Callable[..., Any] | None:
 
 
 def remat_options(name: str) -> dict[str, Any]:
+    """Returns the [`remat_scan`][jaxga.remat_scan] keywords a name of `REMAT` stands for.
+
+    Args:
+        name: a name of `REMAT`, e.g. ``"dots"`` or ``"sqrt"``.
+
+    Returns:
+        ``{"policy": ..., "segments": ...}``: the per-layer policy's name (one that
+        [`checkpoint_policy`][jaxga.checkpoint_policy] takes) and the segments.
+
+    Examples:
+        >>> from jaxga.remat import remat_options
+        >>> remat_options("sqrt"), remat_options("dots")
+        ({'policy': 'full', 'segments': 'sqrt'}, {'policy': 'dots', 'segments': 1})
+    """
     if not isinstance(name, str) or name not in REMAT:
         raise ValueError(f"`name`={name!r} is not a remat name; expected one of {list(REMAT)}.")
     policy = next(n for n in _PER_LAYER if REMAT[n].policy is REMAT[name].policy)
@@ -74,6 +104,20 @@ def remat_options(name: str) -> dict[str, Any]:
 
 
 def stack_length(stacked_params: Any) -> int:
+    """Returns the number of layers L in stacked parameters: their leaves' leading size.
+
+    Args:
+        stacked_params: a pytree of arrays, each with the same leading layer axis L.
+
+    Returns:
+        L; raises ``ValueError`` for a list of per-layer trees (not stacked), leaves whose
+        leading sizes differ, or no array leaves.
+
+    Examples:
+        >>> import jax.numpy as jnp, jaxga
+        >>> jaxga.remat.stack_length({"w": jnp.ones((4, 3, 3)), "b": jnp.ones((4, 3))})
+        4
+    """
     layers = stacked_params if isinstance(stacked_params, list | tuple) else ()
     structures = {jax.tree.structure(p) for p in layers}
     if len(layers) > 1 and len(structures) == 1 and structures.pop().num_nodes > 1:
@@ -88,6 +132,22 @@ def stack_length(stacked_params: Any) -> int:
 
 
 def resolve_segments(segments: int | str, num_layers: int) -> int:
+    """Returns the number of checkpointed segments ``segments`` stands for with L layers.
+
+    Args:
+        segments: a positive int that divides ``num_layers``, or ``"sqrt"``: the divisor of
+            ``num_layers`` nearest √L (the smaller of two as near).
+        num_layers: L, the number of layers.
+
+    Returns:
+        The number of segments; raises ``ValueError`` for a count that does not divide L,
+        naming the divisors nearest it.
+
+    Examples:
+        >>> import jaxga
+        >>> jaxga.remat.resolve_segments("sqrt", 12), jaxga.remat.resolve_segments(4, 12)
+        (3, 4)
+    """
     divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
     if segments == "sqrt":  # the divisor nearest √L
         if not divisors:
@@ -169,7 +229,9 @@ def remat_scan(
         policy: each layer's policy, see [`checkpoint_policy`][jaxga.checkpoint_policy].
         segments: 1 (per layer), a divisor s of L (s checkpointed segments) or ``"sqrt"``.
         unroll: run the layers (of a segment) without a loop; only with ``policy="none"``/None.
-        canonical_convolutions: the backward's convolutions in NHWC/HWIO; reverse mode only.
+        canonical_convolutions: the backward's convolutions in NHWC/HWIO (reverse mode only):
+            True, False (the default) or ``"auto"``, on CPU backends only (see
+            ``jaxga.convolution.rewrites``).
         stream: fetch each layer's slice of ``stacked_params`` (which may live in host memory,
             ``pinned_host``) to the device in the forward pass and again in the backward
             pass, and write each layer's gradient where its parameters live as the backward

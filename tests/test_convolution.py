@@ -201,6 +201,19 @@ def test_auto_rewrites_on_cpu_backends_only():
     assert options.canonical_convolutions == "auto"
 
 
+@pytest.mark.parametrize(
+    "rewrite", [convolution.canonical_convolutions, convolution.canonical_backward]
+)
+def test_a_rewritten_function_keeps_its_name_and_a_jit_of_it_is_named_so(rewrite):
+    def conv_loss(w, x):
+        return jnp.sum(jax.lax.conv(x, w, (1, 1), "SAME") ** 2)
+
+    rewritten = rewrite(conv_loss)
+    assert rewritten.__name__ == "conv_loss" and rewritten.__wrapped__ is conv_loss
+    lowered = jax.jit(rewritten).lower(jnp.ones((4, 3, 3, 3)), jnp.ones((2, 3, 8, 8)))
+    assert re.search(r"module @jit_conv_loss\b", lowered.as_text())
+
+
 def test_a_constant_output_comes_back_as_an_array():
     def constant(w):
         return 1.0

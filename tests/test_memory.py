@@ -12,9 +12,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import jaxga
-from jaxga.memory import dot_flops
+from jaxga.memory import dot_flops, program_counts
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 
@@ -170,6 +172,48 @@ def test_while_loop_is_flagged_and_cond_counts_its_costliest_branch():
 def test_doctest_style_dot_flops_accepts_open_and_closed_jaxprs():
     closed = jax.make_jaxpr(lambda a: a @ a)(jnp.ones((3, 3)))
     assert dot_flops(closed) == dot_flops(closed.jaxpr) == (54, True)
+
+
+def _offloaded_layers(ws, x):  # matmuls, and the carry's trip to host memory and back
+    def body(x, w):
+        x = jax.device_put(jnp.tanh(x @ w), jax.memory.Space.Host)
+        return jax.device_put(x, jax.memory.Space.Device), None
+
+    return jax.lax.scan(body, x, ws)[0]
+
+
+@pytest.mark.parametrize("axes", ["a", ("a", "b")])
+def test_a_shard_map_over_the_batch_counts_as_the_program_without_it(axes):
+    """A shard_map's body is traced at one device's shapes: counted once per device along
+    its manual axes, it does what the program over the whole batch does (it read half)."""
+    ws, x = jnp.ones((3, 4, 4)), jnp.ones((8, 4))
+    whole = program_counts(jax.make_jaxpr(_offloaded_layers)(ws, x))
+    mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+    names = set(axes) if isinstance(axes, tuple) else {axes}
+    split = jax.shard_map(
+        _offloaded_layers, mesh=mesh, in_specs=(P(), P(axes)), out_specs=P(axes), axis_names=names
+    )
+    assert whole == (2 * 3 * 8 * 4 * 4, 3 * 2 * 8 * 4 * 4, True)
+    assert program_counts(jax.make_jaxpr(split)(ws, x)) == whole
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_a_step_on_a_mesh_reports_the_flops_of_the_step_on_one_device(axis_type):
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    w, x = jnp.ones((4, 4)), jnp.ones((8, 4))
+    one = jaxga.memory_report(jaxga.grad(loss, num_microbatches=2), w, x)
+    with jax.set_mesh(jax.make_mesh((2,), ("data",), axis_types=(axis_type,))):
+        step = jaxga.grad(loss, num_microbatches=2, axis_name="data")
+        two = jaxga.memory_report(step, w, jax.device_put(x, P("data")))
+    assert two.dot_flops == one.dot_flops == 2 * (2 * 8 * 4 * 4)  # forward, weight gradient
+
+
+def test_backend_is_the_compiled_programs_platform():
+    placed = jaxga.memory_report(jnp.tanh, jax.device_put(jnp.ones(3), jax.devices()[0]))
+    assert placed.backend == jax.devices()[0].platform
+    assert jaxga.memory_report(lambda: None).backend == jax.default_backend()  # no devices
 
 
 def test_a_model_is_a_function_to_report_on():

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxga
 from jaxga._checks import check_arity
-from jaxga.remat import REMAT, remat_options, resolve_segments, stack_length
+from jaxga.remat import REMAT, Remat, remat_options, resolve_segments, stack_length
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 
@@ -202,6 +202,11 @@ def test_remat_table_orders_names_from_least_to_most_recomputation():
         assert jaxga.checkpoint_policy(options["policy"]) is row.policy
         assert options["segments"] == row.segments
     assert remat_options("sqrt") == {"policy": "full", "segments": "sqrt"}
+
+
+@pytest.mark.parametrize("helper", [Remat, remat_options, stack_length, resolve_segments])
+def test_the_remat_helpers_examples_use_are_documented_with_an_example(helper):
+    assert ">>>" in (helper.__doc__ or ""), f"{helper.__name__} has no runnable example"
 
 
 @pytest.mark.parametrize(
