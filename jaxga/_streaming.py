@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxga.memory import HOST_KINDS
+from jaxga.meshes import HOST_KINDS
 
 _HOST = jax.memory.Space.Host
 _DEVICE = jax.memory.Space.Device

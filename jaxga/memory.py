@@ -9,7 +9,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-HOST_KINDS = ("pinned_host", "unpinned_host")  # memory kinds of host memory
+from jaxga.meshes import HOST_KINDS
+
 # the parameter of a shard_map equation naming the axes it makes manual, newest jax first
 _MANUAL_AXES = ("newly_manual_axes", "manual_axes", "axis_names")
 

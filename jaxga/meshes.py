@@ -7,7 +7,7 @@ import jax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxga.memory import HOST_KINDS
+HOST_KINDS = ("pinned_host", "unpinned_host")  # memory kinds of host memory
 
 
 def axes(axis_name: Any) -> tuple[Any, ...]:
