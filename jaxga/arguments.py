@@ -134,10 +134,6 @@ def shape_and_dtype(x: Any) -> str:
     return f"{x!r} of type {type(x).__name__}"
 
 
-def _is_value(x: Any) -> bool:
-    return hasattr(x, "dtype") or isinstance(x, int | float | bool | complex)
-
-
 def _check_leaves(tree: Any, ok: Callable[[Any], bool], *, said: str, expected: str) -> None:
     """Raises for the first leaf not ``ok`` of ``{"args": {i: arg}}`` or ``{"aux": aux}``."""
     for path, leaf in tree_flatten_with_path(tree)[0]:
@@ -348,7 +344,7 @@ def parse_output(out: Any, options: Options, old_state: tuple[Any, ...], *, rows
             f"{called_as} returned a jaxga.Mean whose count has {got}; expected a scalar."
         )
     expected = "arrays or numbers"
-    _check_leaves({"aux": aux}, _is_value, said=f"{called_as} returned", expected=expected)
+    _check_leaves({"aux": aux}, _checks.is_value, said=f"{called_as} returned", expected=expected)
     items = max(rows, 1)  # without a batch, each micro-batch counts once
     mean = out if isinstance(out, Mean) else Mean(out * items, jnp.float32(items))
     state = (state,) if options.single_state else state
