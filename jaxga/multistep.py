@@ -146,6 +146,19 @@ def _accumulate(
     ), keep
 
 
+def _group_size(every_k: Any, gradient_step: jax.Array) -> jax.Array:
+    """The group size ``every_k`` says (an int, or a schedule of ``gradient_step``), checked:
+    an int scalar; >= 1 where it can be read (traced, a smaller one is taken as 1)."""
+    k = jnp.asarray(every_k(gradient_step) if callable(every_k) else every_k)
+    said = "The `every_k` schedule must return an int scalar >= 1; got"
+    if k.shape != () or not jnp.issubdtype(k.dtype, jnp.integer):
+        traced = isinstance(k, jax.core.Tracer)  # a tracer's repr says nothing: its type
+        got = f"a traced {k.dtype}{list(k.shape)}" if traced else repr(k)
+        raise TypeError(f"{said} {got}.")
+    check_value(k >= 1, said + " {!r}.", k)
+    return k
+
+
 def update(
     grads: Any,
     state: MultiStepsState,
@@ -165,13 +178,7 @@ def update(
     end_group = _checks.scalar(end_group, "end_group", (jnp.bool_,), "a bool")
     with jax.named_scope("accumulate"):
         group, keep = _accumulate(grads, state, params, weight, should_skip)
-    k = jnp.asarray(every_k(state.gradient_step) if callable(every_k) else every_k)  # group size
-    said = "The `every_k` schedule must return an int scalar >= 1; got"
-    if k.shape != () or not jnp.issubdtype(k.dtype, jnp.integer):
-        traced = isinstance(k, jax.core.Tracer)  # a tracer's repr says nothing: its type
-        got = f"a traced {k.dtype}{list(k.shape)}" if traced else repr(k)
-        raise TypeError(f"{said} {got}.")
-    check_value(k >= 1, said + " {!r}.", k)  # traced: taken as 1
+    k = _group_size(every_k, state.gradient_step)
     done = (keep & (group.mini_step >= jnp.maximum(k, 1))) | (end_group & (group.mini_step > 0))
     apply = done & (group.weight_sum > 0)  # a group without weight holds no items
     inner = optax.with_extra_args_support(inner)
