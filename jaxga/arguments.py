@@ -51,6 +51,7 @@ def _items(value: Any) -> tuple[Any, ...]:
 
 
 def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:
+    """``value``, the argument ``name`` (an int or several), as distinct non-negative ints."""
     got = repr(value) if shown is None else shown
     values = _items(value)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
@@ -63,6 +64,7 @@ def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:
 def make_options(
     argnums: Any, *, batch_argnums: Any, rng_argnums: Any, state_argnums: Any, **others: Any
 ) -> Options:
+    """The `Options` of these positions (checked: distinct, none named twice) and ``others``."""
     items = _items(argnums)
     diff = tuple(a.argnum if isinstance(a, nnx.DiffState) else a for a in items)
     named = {
@@ -89,12 +91,14 @@ def make_options(
 
 
 def check_unroll(unroll: Any) -> int | bool:
+    """``unroll``, checked: a bool or a positive int, as ``lax.scan``'s."""
     if isinstance(unroll, bool):
         return unroll
     return _checks.positive_int(unroll, "unroll", "a bool or a positive int, as lax.scan's")
 
 
 def check_state_reduction(value: Any) -> Any:
+    """``state_reduction``, checked: ``"mean"`` or a function ``(x, axes) -> x``."""
     if isinstance(value, str) and value == "mean":
         return value
     signature = '"mean" or a function `(x, axes) -> x` of each state leaf'
@@ -150,6 +154,7 @@ def _unnamed_leaves(options: Options, i: int, arg: Any) -> list[Any]:
 
 
 def rng_positions(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
+    """The positions of ``args`` holding PRNG keys: ``rng_argnums`` checked, else found."""
     if options.rng_argnums is not None:
         given = {"args": {i: args[i] for i in options.rng_argnums}}
         _check_leaves(given, is_key, said="`rng_argnums` names", expected="a PRNG key")
@@ -263,6 +268,7 @@ def check_kwargs(fun: Any, kwargs: dict[str, Any]) -> None:
 
 
 def check_primals(primals: tuple[Any, ...], argnums: tuple[int, ...]) -> None:
+    """Raises unless every leaf of the differentiated ``primals`` is a float."""
     given = {"args": dict(zip(argnums, primals))}
     _check_leaves(given, is_inexact, said="`argnums` differentiates", expected="floats")
 
