@@ -35,13 +35,37 @@ def numeric(leaf: Any, where: str) -> None:
         raise TypeError(f"{where} must hold numbers or bools; got dtype {leaf.dtype}.")
 
 
+def is_value(x: Any) -> bool:
+    """Whether ``x`` is an array (it has a dtype) or a Python number."""
+    return hasattr(x, "dtype") or isinstance(x, int | float | complex)
+
+
+_NOT_ARRAY = "`{where}` must be {expected}; got {got}."
+
+
+def array_leaves(tree: Any, name: str, message: str = _NOT_ARRAY) -> list[tuple[Any, Any]]:
+    """``tree``'s leaves with their paths, each an array or a number of a dtype JAX has, or a
+    `TypeError` naming the first that is not: ``message`` formatted with its ``where``
+    (``name`` and the leaf's path), ``expected`` and ``got``."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for path, leaf in leaves:
+        where = f"{name}{jax.tree_util.keystr(path)}"
+        if not is_value(leaf):
+            expected = "an array or a number" if path else "a pytree of arrays"
+            got = f"{leaf!r:.60} of type {type(leaf).__name__}"
+            raise TypeError(message.format(where=where, expected=expected, got=got))
+        numeric(leaf, f"`{where}`")
+    return leaves
+
+
 def _wrong(name: str, expected: str, value: Any, error: type = TypeError) -> Exception:
     return error(f"`{name}` must be {expected}; got {value!r} of type {type(value).__name__}.")
 
 
-def positive_int(value: Any, name: str, expected: str = "a positive int", low: int = 1) -> int:
+def positive_int(value: Any, name: str, expected: str = "a positive int") -> int:
+    """``value`` as an int >= 1, or an error naming ``name`` and saying ``expected``."""
     is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if not is_int or value < low:
+    if not is_int or value < 1:
         raise _wrong(name, expected, value, ValueError if is_int else TypeError)
     return int(value)
 

@@ -51,6 +51,7 @@ def _items(value: Any) -> tuple[Any, ...]:
 
 
 def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:
+    """``value``, the argument ``name`` (an int or several), as distinct non-negative ints."""
     got = repr(value) if shown is None else shown
     values = _items(value)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
@@ -63,6 +64,7 @@ def as_positions(name: str, value: Any, shown: Any = None) -> tuple[int, ...]:
 def make_options(
     argnums: Any, *, batch_argnums: Any, rng_argnums: Any, state_argnums: Any, **others: Any
 ) -> Options:
+    """The `Options` of these positions (checked: distinct, none named twice) and ``others``."""
     items = _items(argnums)
     diff = tuple(a.argnum if isinstance(a, nnx.DiffState) else a for a in items)
     named = {
@@ -89,12 +91,14 @@ def make_options(
 
 
 def check_unroll(unroll: Any) -> int | bool:
+    """``unroll``, checked: a bool or a positive int, as ``lax.scan``'s."""
     if isinstance(unroll, bool):
         return unroll
     return _checks.positive_int(unroll, "unroll", "a bool or a positive int, as lax.scan's")
 
 
 def check_state_reduction(value: Any) -> Any:
+    """``state_reduction``, checked: ``"mean"`` or a function ``(x, axes) -> x``."""
     if isinstance(value, str) and value == "mean":
         return value
     signature = '"mean" or a function `(x, axes) -> x` of each state leaf'
@@ -134,10 +138,6 @@ def shape_and_dtype(x: Any) -> str:
     return f"{x!r} of type {type(x).__name__}"
 
 
-def _is_value(x: Any) -> bool:
-    return hasattr(x, "dtype") or isinstance(x, int | float | bool | complex)
-
-
 def _check_leaves(tree: Any, ok: Callable[[Any], bool], *, said: str, expected: str) -> None:
     """Raises for the first leaf not ``ok`` of ``{"args": {i: arg}}`` or ``{"aux": aux}``."""
     for path, leaf in tree_flatten_with_path(tree)[0]:
@@ -154,6 +154,7 @@ def _unnamed_leaves(options: Options, i: int, arg: Any) -> list[Any]:
 
 
 def rng_positions(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
+    """The positions of ``args`` holding PRNG keys: ``rng_argnums`` checked, else found."""
     if options.rng_argnums is not None:
         given = {"args": {i: args[i] for i in options.rng_argnums}}
         _check_leaves(given, is_key, said="`rng_argnums` names", expected="a PRNG key")
@@ -267,6 +268,7 @@ def check_kwargs(fun: Any, kwargs: dict[str, Any]) -> None:
 
 
 def check_primals(primals: tuple[Any, ...], argnums: tuple[int, ...]) -> None:
+    """Raises unless every leaf of the differentiated ``primals`` is a float."""
     given = {"args": dict(zip(argnums, primals))}
     _check_leaves(given, is_inexact, said="`argnums` differentiates", expected="floats")
 
@@ -321,7 +323,9 @@ def _check_alone(out: Any, options: Options) -> None:
 
 
 def parse_output(out: Any, options: Options, old_state: tuple[Any, ...], *, rows: int) -> Output:
-    aux, state = None, ()
+    """What ``fun`` returned for one micro-batch, checked and taken apart: its `Mean`, aux and
+    new state (cast as ``old_state``); the errors name it as ``options.called_as`` says."""
+    aux, state, called_as = None, (), options.called_as
     if options.state_argnums:
         out, state = _pair(out, options, "state")
     if options.has_aux and options.state_argnums:
@@ -331,45 +335,52 @@ def parse_output(out: Any, options: Options, old_state: tuple[Any, ...], *, rows
         out, aux = _pair(out, options, "aux")
     _check_alone(out, options)
     if modules.holds_graph_node((out, aux)):
-        raise TypeError("`fun` returned an NNX graph node in its value or aux; expected arrays.")
+        raise TypeError(
+            f"{called_as} returned an NNX graph node in its value or aux; expected arrays."
+        )
     total, count = (out.total, out.count) if isinstance(out, Mean) else (out, 1)
     if not (is_inexact(total) and jnp.shape(total) == ()):
         what = "Mean.total has" if isinstance(out, Mean) else "it returned"
         raise TypeError(
-            f"`fun` must return a float scalar or a Mean; {what} {shape_and_dtype(total)}."
+            f"{called_as} must return a float scalar or a Mean; {what} {shape_and_dtype(total)}."
         )
     if jnp.shape(count) != () or not jnp.issubdtype(jnp.result_type(count), jnp.number):
         got = shape_and_dtype(jnp.asarray(count))
-        raise TypeError(f"`fun` returned a jaxga.Mean whose count has {got}; expected a scalar.")
+        raise TypeError(
+            f"{called_as} returned a jaxga.Mean whose count has {got}; expected a scalar."
+        )
     expected = "arrays or numbers"
-    _check_leaves({"aux": aux}, _is_value, said="`fun` returned", expected=expected)
+    _check_leaves({"aux": aux}, _checks.is_value, said=f"{called_as} returned", expected=expected)
     items = max(rows, 1)  # without a batch, each micro-batch counts once
     mean = out if isinstance(out, Mean) else Mean(out * items, jnp.float32(items))
     state = (state,) if options.single_state else state
-    return Output(mean, aux, cast_like(state, old_state, "returned a new_state"))
+    new_state = cast_like(state, old_state, "returned a new_state", called_as=called_as)
+    return Output(mean, aux, new_state)
 
 
 class StateStructureError(TypeError):
     """A new state (threaded through the micro-batches) not shaped as the one given."""
 
 
-def _structure_error(new: Any, old: Any, what: str) -> StateStructureError:
+def _structure_error(new: Any, old: Any, what: str, called_as: str) -> StateStructureError:
     if isinstance(new, Mapping) and isinstance(old, Mapping) and set(new) != set(old):
         extra = sorted(set(new) - set(old), key=str)
         missing = sorted(set(old) - set(new), key=str)
         return StateStructureError(
-            f"`fun` {what} with extra keys {extra} and missing keys {missing}."
+            f"{called_as} {what} with extra keys {extra} and missing keys {missing}."
         )
     got, given = jax.tree.structure(new), jax.tree.structure(old)
-    return StateStructureError(f"`fun` {what} with tree structure {got}; expected {given}.")
+    return StateStructureError(f"{called_as} {what} with tree structure {got}; expected {given}.")
 
 
-def cast_like(new: Any, old: Any, what: str) -> Any:
+def cast_like(new: Any, old: Any, what: str, *, called_as: str = FUN) -> Any:
+    """``new`` cast leaf by leaf to ``old``'s dtypes, or a `StateStructureError` saying that
+    ``called_as`` ``what`` (a verb phrase) shaped otherwise."""
     if jax.tree.structure(new) != jax.tree.structure(old):
         pairs = zip(new, old) if isinstance(new, tuple) and isinstance(old, tuple) else ()
         for n, o in [*pairs, (new, old)]:  # the one state of several that differs, else all
             if jax.tree.structure(n) != jax.tree.structure(o):
-                raise _structure_error(n, o, what)
+                raise _structure_error(n, o, what, called_as)
 
     def cast(path, n, o):
         n, dtype = jnp.asarray(n), jnp.result_type(o)
@@ -377,7 +388,7 @@ def cast_like(new: Any, old: Any, what: str) -> Any:
         same_kind = n.dtype == dtype or (numeric and jnp.can_cast(n.dtype, dtype, "same_kind"))
         if n.shape != jnp.shape(o) or not same_kind:
             raise StateStructureError(
-                f"`fun` {what} whose leaf {keystr(path)} has {shape_and_dtype(n)}; it was "
+                f"{called_as} {what} whose leaf {keystr(path)} has {shape_and_dtype(n)}; it was "
                 f"given {shape_and_dtype(jnp.asarray(o))}: state keeps its shape and dtype kind."
             )
         return n.astype(dtype)

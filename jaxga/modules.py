@@ -21,10 +21,12 @@ def is_module(x: Any) -> bool:
 
 
 def holds_graph_node(tree: Any) -> bool:
+    """Whether ``tree`` is or holds a Flax NNX graph node."""
     return any(map(is_graph_node, jax.tree.leaves(tree, is_leaf=is_graph_node)))
 
 
 def holds_module(tree: Any) -> bool:
+    """Whether ``tree`` is or holds a module (`is_module`)."""
     return any(map(is_module, jax.tree.leaves(tree, is_leaf=is_module)))
 
 
@@ -68,10 +70,12 @@ def take_apart(arg: Any, where: str, wrt: Any) -> Any:
 
 
 def diff_of(parts: Any) -> Any:
+    """``parts`` with each `Part` replaced by its differentiated state."""
     return jax.tree.map(lambda x: x.diff if isinstance(x, Part) else x, parts)
 
 
 def rest_of(parts: Any) -> Any:
+    """``parts`` with each `Part` replaced by its threaded NNX state; other leaves: None."""
     return jax.tree.map(lambda x: x.rest if isinstance(x, Part) else None, parts)
 
 
@@ -96,6 +100,7 @@ def new_rest(merged: Any, parts: Any, wrt: Any) -> Any:
 
 
 def write_back(parts: Any, rest: Any) -> None:
+    """Updates each NNX module of ``parts`` in place with its new threaded state in ``rest``."""
     leaves, treedef = jax.tree.flatten(parts)
     for x, r in zip(leaves, treedef.flatten_up_to(rest)):
         if _is_nnx(x):
@@ -120,6 +125,7 @@ def specs_of(tree: Any) -> Any:
 
 
 def check_unshared(parts: dict[int, Any]) -> None:
+    """Raises if two of ``parts`` (``args[i]``'s) share an NNX Variable."""
     owner: dict[int, str] = {}
     for path, x in jax.tree_util.tree_flatten_with_path(parts)[0]:  # parts[i]: args[i]
         where = f"args{jax.tree_util.keystr(path)}"

@@ -41,16 +41,12 @@ class MultiStepsState(NamedTuple):
 
 
 def _check_arrays(tree: Any, name: str, like: Any) -> None:
+    """Raises unless ``tree`` holds arrays (`_checks.array_leaves`) shaped as ``like``'s."""
     expected, got = jax.tree.structure(like), jax.tree.structure(tree)
     if got != expected:
         raise TypeError(f"`{name}` must have the params' tree structure, {expected}; got {got}.")
-    for (path, leaf), a in zip(jax.tree.leaves_with_path(tree), jax.tree.leaves(like)):
+    for (path, leaf), a in zip(_checks.array_leaves(tree, name), jax.tree.leaves(like)):
         where = f"{name}{jax.tree_util.keystr(path)}"
-        if not hasattr(leaf, "dtype") and not isinstance(leaf, int | float | complex):
-            expected = "an array or a number" if path else "a pytree of arrays"
-            got = f"{leaf!r:.60} of type {type(leaf).__name__}"
-            raise TypeError(f"`{where}` must be {expected}; got {got}.")
-        _checks.numeric(leaf, f"`{where}`")
         if jnp.shape(leaf) != jnp.shape(a):
             raise ValueError(f"`{where}` must have shape {jnp.shape(a)}; got {jnp.shape(leaf)}.")
 
@@ -118,7 +114,8 @@ def _accumulate(
 ) -> tuple[MultiStepsState, jax.Array]:
     """``state`` with ``grads`` added at ``weight``, and whether they were (not skipped)."""
     got = "none after weighted calls" if weight is None else "one after unweighted calls"
-    mixed = (state.mini_step > 0) & (state.weighted != (weight is not None))  # traced: weighs 1
+    # traced, a mixed group is not refused: an unweighted call weighs 1, a weighted one its weight
+    mixed = (state.mini_step > 0) & (state.weighted != (weight is not None))
     check_value(~mixed, f"`weight` must be given to all calls of a group or none; got {got}.")
     w = 1.0 if weight is None else weight
     w = _checks.scalar(w, "weight", (jnp.integer, jnp.floating), "an int or float scalar")
@@ -149,6 +146,19 @@ def _accumulate(
     ), keep
 
 
+def _group_size(every_k: Any, gradient_step: jax.Array) -> jax.Array:
+    """The group size ``every_k`` says (an int, or a schedule of ``gradient_step``), checked:
+    an int scalar; >= 1 where it can be read (traced, a smaller one is taken as 1)."""
+    k = jnp.asarray(every_k(gradient_step) if callable(every_k) else every_k)
+    said = "The `every_k` schedule must return an int scalar >= 1; got"
+    if k.shape != () or not jnp.issubdtype(k.dtype, jnp.integer):
+        traced = isinstance(k, jax.core.Tracer)  # a tracer's repr says nothing: its type
+        got = f"a traced {k.dtype}{list(k.shape)}" if traced else repr(k)
+        raise TypeError(f"{said} {got}.")
+    check_value(k >= 1, said + " {!r}.", k)
+    return k
+
+
 def update(
     grads: Any,
     state: MultiStepsState,
@@ -168,11 +178,7 @@ def update(
     end_group = _checks.scalar(end_group, "end_group", (jnp.bool_,), "a bool")
     with jax.named_scope("accumulate"):
         group, keep = _accumulate(grads, state, params, weight, should_skip)
-    k = jnp.asarray(every_k(state.gradient_step) if callable(every_k) else every_k)  # group size
-    message = "The `every_k` schedule must return an int scalar >= 1; got {!r}."
-    if k.shape != () or not jnp.issubdtype(k.dtype, jnp.integer):
-        raise TypeError(message.format(k))
-    check_value(k >= 1, message, k)  # traced: taken as 1
+    k = _group_size(every_k, state.gradient_step)
     done = (keep & (group.mini_step >= jnp.maximum(k, 1))) | (end_group & (group.mini_step > 0))
     apply = done & (group.weight_sum > 0)  # a group without weight holds no items
     inner = optax.with_extra_args_support(inner)

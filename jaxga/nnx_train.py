@@ -20,7 +20,7 @@ from jaxga import (
     steps,
 )
 from jaxga.accumulation import Accumulate
-from jaxga.memory import HOST_KINDS
+from jaxga.steps import check_on_device
 
 
 def nnx_loss(graphdef: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
@@ -70,7 +70,9 @@ class NNXTrainStep(steps.JittedStep):
     advance in every micro-batch, and are folded with the device on a mesh) or a PRNG key
     (`fold_in(key, g)` in global micro-batch `g`), handed to the loss as its third argument.
     `num_real_microbatches`, `end_group` and `step.plan`: as for a
-    [`jaxga.TrainStep`][jaxga.TrainStep].
+    [`jaxga.TrainStep`][jaxga.TrainStep]. `optimizer.step` counts the updates that ran, not
+    the calls (a call counting no items, unweighed, leaves it), as `nnx.Optimizer` does;
+    a `jaxga.TrainStep`'s `state.step` counts calls.
 
     Examples:
         >>> import jaxga
@@ -178,16 +180,10 @@ def _check_variables(model: Any, optimizer: Any, options: steps.StepOptions) -> 
     """Raises unless `_check_wrt`, and ``model``'s variables lie on the device but where
     ``options.stream`` takes them in host memory (or ``offload`` picks)."""
     _check_wrt(model, optimizer)
-    if options.stream or callable(options.offload):
-        return
-    for path, leaf in jax.tree.leaves_with_path(nnx.as_pure(nnx.state(model))):
-        if (kind := getattr(getattr(leaf, "sharding", None), "memory_kind", None)) in HOST_KINDS:
-            fix = (
-                "pass stream=True (its loss fetching it layer by layer with "
-                "jaxga.remat_scan(stream=True)), or move it to the device with jax.device_put"
-            )
-            got = f"`model`{jax.tree_util.keystr(path)} is in host memory ({kind})"
-            raise ValueError(f"{got}; expected on the device: {fix}.")
+    variables = nnx.as_pure(nnx.state(model))  # every one taken as a parameter
+    check_on_device(
+        variables, name="model", params=None, offload=options.offload, stream=options.stream
+    )
 
 
 def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[..., Any]:
@@ -237,7 +233,7 @@ class _NNX(NamedTuple):
         optimiser state in ``state``."""
         tx, parts = nnx.merge(self.graphdef, state)[1].tx, (self.opt_state, self.params)
         return skeleton.OptimizerAccess(
-            tx, self.updated, *parts, self.replaced, static=self.graphdef
+            tx, self.updated, *parts, self.rebuild, static=self.graphdef
         )
 
     def updated(self, state: Any, grads: Any, **extra: Any) -> Any:
@@ -257,7 +253,7 @@ class _NNX(NamedTuple):
         model, optimizer, *_ = nnx.merge(self.graphdef, state)
         return nnx.as_pure(nnx.state(model, optimizer.wrt))
 
-    def replaced(self, state: Any, params: Any, opt_state: Any) -> Any:
+    def rebuild(self, state: Any, params: Any, opt_state: Any) -> Any:
         """``state`` with these pure ``params`` and ``opt_state``, as ``optimizer.update``
         writes them."""
         model, optimizer, *streams = nnx.merge(self.graphdef, state, copy=True)
@@ -335,7 +331,8 @@ def nnx_train_step(
         mesh: split the batch over this mesh's `axis_name`; the model stays where its
             variables' sharding metadata put it (replicated where it says nothing), and the
             gradient is reduced once per step.
-        axis_name: the batch's mesh axis (or axes); `None`: `"data"`.
+        axis_name: the batch's mesh axis (or axes); `None`: `"data"`; without a `mesh`, a
+            one-device mesh of it (as for `make_train_step`).
         strategy: the state's layout on `mesh`: `None`, as the variables' sharding metadata
             says; or `"data_parallel"`, `"zero1"`, `"fsdp"`, `"zero3"` for the variables whose
             metadata names no axis (as for `make_train_step`; docs/distributed.md).
@@ -365,7 +362,9 @@ def nnx_train_step(
             else `True`, else `"layers"`, as `make_train_step`'s.
 
     Returns:
-        A [`jaxga.NNXTrainStep`][jaxga.NNXTrainStep].
+        A [`jaxga.NNXTrainStep`][jaxga.NNXTrainStep]; its `metrics`: `loss`, `count`,
+        `grad_norm`, `learning_rate` (NaN without `inject_hyperparams`), `applied`, and with
+        `has_aux`, `aux`.
 
     Examples:
         >>> import jax.numpy as jnp, optax, jaxga, flax.nnx as nnx
@@ -379,7 +378,6 @@ def nnx_train_step(
         _checks.check_arity(loss, "loss", 2, "`loss(model, batch)` or `loss(model, batch, rngs)`")
     except TypeError:
         _checks.check_arity(loss, "loss", 3, "`loss(model, batch)` or `loss(model, batch, rngs)`")
-    axis_name = "data" if axis_name is None else axis_name
     options = steps.step_options(
         num_microbatches,
         mesh=mesh,

@@ -122,7 +122,7 @@ def _learning_rate(rate: Callable[[Any], Any], opt_state: Any) -> jax.Array:
 
 
 def tx_args(
-    options: StepOptions, tx: Any, acc: Accumulated, end_group: Any, opt_state: Any = ()
+    options: StepOptions, tx: Any, acc: Accumulated, end_group: Any, opt_state: Any
 ) -> dict[str, Any]:
     """What the step passes to ``tx.update`` besides the gradient: ``weight``, ``end_group``;
     ``weight=None`` weighs a `jaxga.MultiSteps` at the top of ``tx`` or inside (a chain)."""
@@ -155,7 +155,7 @@ class OptimizerAccess(NamedTuple):
     static: Hashable = None  # what besides `tx` decides `update` (the layer probe's cache key)
 
 
-class Kind(Protocol):
+class StepKind(Protocol):
     """What `train_step` needs of a step's kind (`train._Flax`, `nnx_train._NNX`)."""
 
     def specs(self, state: Any, layout: sharding.MeshLayout) -> Any:
@@ -192,9 +192,9 @@ def optimize(
 
 
 def train_step(
-    kind: Kind, options: StepOptions, state: Any, batch: Any, end_group: Any
+    kind: StepKind, options: StepOptions, state: Any, batch: Any, end_group: Any
 ) -> tuple[Any, Metrics]:
-    """One train step of ``state`` (traced) on ``batch``; ``kind`` (a `Kind`) takes the model
+    """One train step of ``state`` (traced) on ``batch``; ``kind`` (a `StepKind`) takes the model
     apart and puts it back. With ``options.stream``, the leaves in host memory stay there:
     ``True`` fetches them whole for the update; ``"layers"`` leaves the streamed stacks and
     their optimiser-state mirrors where they lie (`_layerwise.streamed_leaves`). Returns the
@@ -207,7 +207,7 @@ def train_step(
     if layout is not None:  # the strategy's layout, or the metadata's
         specs = kind.specs(state, layout)
         state = sharding.place(layout.mesh, state, specs)
-    acc, updated = kind.accumulate(state, batch, specs)
+    acc, updated = _accumulated(kind, state, batch, specs)
     if options.stream is True:  # the update on the device, whole
         acc, updated = acc._replace(grads=on_device(acc.grads)), on_device(updated)
     new, metrics = optimize(options, kind.optimizer(updated), acc, updated, end_group)
@@ -219,3 +219,15 @@ def train_step(
     if options.has_aux:
         metrics["aux"] = acc.aux
     return sharding.offload(new, select=options.offload, keep=keep), metrics
+
+
+def _accumulated(kind: StepKind, state: Any, batch: Any, specs: Any) -> tuple[Accumulated, Any]:
+    """``kind.accumulate(state, batch, specs)``; JAX's error for a collective over an axis no
+    map binds gets a note naming the step's ``axis_name``."""
+    try:
+        return kind.accumulate(state, batch, specs)
+    except NameError as e:
+        if "axis name" in str(e):
+            fix = "pass the step's axis_name=NAME (without a `mesh`: a one-device mesh of it)"
+            e.add_note(f"jaxga: a named axis needs a mesh: {fix}.")
+        raise

@@ -102,13 +102,10 @@ def check_arrays(tree: Any, name: str, empty_ok: bool = False) -> None:
     kinds = {type(v).__name__ for v in variables if isinstance(v, nnx.Variable)}
     if name == "params" and (others := kinds - {"Param"}):
         raise ValueError(f"`params` holds {sorted(others)} besides nnx.Param: {split}.")
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    leaves = _checks.array_leaves(tree, name, "{where} is {got}; expected an array.")
     if not leaves and not empty_ok:
-        raise ValueError(f"`{name}` must be a pytree holding the parameter arrays; got {tree!r}.")
-    for path, x in leaves:
-        if not (hasattr(x, "dtype") or isinstance(x, int | float | complex)):
-            where = f"{name}{jax.tree_util.keystr(path)}"
-            raise TypeError(f"{where} is {x!r} of type {type(x).__name__}; expected an array.")
+        got = f"{tree!r:.60}"
+        raise ValueError(f"`{name}` must be a pytree holding the parameter arrays; got {got}.")
 
 
 def copy(x: Any) -> Any:

@@ -39,23 +39,33 @@ def check_end_group(end_group: Any) -> jax.Array | None:
     return _checks.scalar(end_group, "end_group", (jnp.bool_,), "a bool")
 
 
-def check_on_device(state: Any, *, offload: Any = False, stream: bool = False) -> None:
-    """Raises if a leaf of ``state`` is in host memory where the step does not take it: under
-    ``params`` unless ``stream`` (or ``offload`` picks leaves itself); elsewhere unless
-    ``offload``."""
-    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+_STREAM_FIX = (
+    "pass stream=True (its loss fetching it layer by layer with "
+    "jaxga.remat_scan(stream=True)), or move it to the device with jax.device_put"
+)
+_OFFLOAD_FIX = "pass offload=True, or move it back with jaxga.sharding.offload(state, 'device')"
+
+
+def check_on_device(
+    tree: Any,
+    *,
+    name: str = "state",
+    params: str | None = "params",
+    offload: Any = False,
+    stream: bool = False,
+) -> None:
+    """Raises if a leaf of ``tree`` (the argument ``name``) is in host memory where the step
+    does not take it: a parameter (under the field ``params``; ``None``: every leaf, a model's
+    variables) unless ``stream``; another leaf unless ``offload`` (a function: any leaf)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
         kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
-        param = getattr(path[0], "name", None) == "params" if path else False
+        param = params is None or (bool(path) and getattr(path[0], "name", None) == params)
         if kind not in HOST_KINDS or callable(offload) or (stream if param else offload):
             continue
-        where = f"`state`{jax.tree_util.keystr(path)}"
-        fix = "pass offload=True, or move it back with jaxga.sharding.offload(state, 'device')"
-        if param:
-            fix = (
-                "pass stream=True (its loss fetching it layer by layer with "
-                "jaxga.remat_scan(stream=True)), or move it to the device with jax.device_put"
-            )
-        raise ValueError(f"{where} is in host memory ({kind}): {fix}.")
+        where = f"`{name}`{jax.tree_util.keystr(path)} is in host memory ({kind})"
+        if params is None:  # a model: every variable is expected on the device
+            where += "; expected on the device"
+        raise ValueError(f"{where}: {_STREAM_FIX if param else _OFFLOAD_FIX}.")
 
 
 def signature(tree: Any) -> tuple[Any, ...]:
@@ -82,8 +92,9 @@ class StepOptions:
         unroll: the micro-batch loop's `lax.scan` `unroll`.
         compiler_options: the XLA options the step compiles with (`None` filled in).
         layout: the mesh, the batch's axis and the state's layout, or `None` without a mesh.
-        model_state_fields: the train state's model-state field(s); `None`: jaxga.TrainState's.
-        rng_field: the train state's key field; `None`: jaxga.TrainState's (or none).
+        model_state_fields: (Flax) the train state's model-state field(s); `None`:
+            jaxga.TrainState's.
+        rng_field: (Flax) the train state's key field; `None`: jaxga.TrainState's (or none).
         memory_budget: with `"auto"`, the bytes a device may use.
         has_aux: (NNX) whether the loss returns `(loss, aux)`, given back as `metrics["aux"]`.
         aux: (NNX) how each aux leaf combines over the micro-batches (`jaxga.accumulate`'s).
@@ -99,15 +110,15 @@ class StepOptions:
         4
     """
 
-    num_microbatches: int
+    num_microbatches: int | str
     accumulator_dtype: Any
     donate: bool
     offload: bool | Callable[[Any, Any], bool]
     unroll: int | bool
     compiler_options: Mapping[str, Any]
     layout: sharding.MeshLayout | None = None
-    model_state_fields: str | tuple[str, ...] | None = None
-    rng_field: str | None = None
+    model_state_fields: str | tuple[str, ...] | None = None  # Flax's TrainState only
+    rng_field: str | None = None  # Flax's TrainState only
     memory_budget: int | None = None
     has_aux: bool = False
     aux: Any = None
@@ -127,7 +138,13 @@ def step_options(
     pipeline_axis: Any,
     **options: Any,
 ) -> StepOptions:
-    """Both train steps' arguments, checked once: their `StepOptions` (the layout built)."""
+    """Both train steps' arguments, checked once: their `StepOptions` (the layout built).
+    ``axis_name`` without a ``mesh``: a one-device mesh of it (a loss's collectives over it
+    bind); ``None``: ``"data"``."""
+    if mesh is None and axis_name is not None:
+        names = meshes.axes(axis_name)
+        mesh = jax.make_mesh((1,) * len(names), names, devices=jax.local_devices()[:1])
+    axis_name = "data" if axis_name is None else axis_name
     layout = layouts.mesh_layout(
         mesh, axis_name, strategy, reduce_once=reduce_once, pipeline_axis=pipeline_axis
     )
@@ -219,6 +236,21 @@ def accumulator(
         **roles,
     )
     return Accumulate(accumulated.fun, accumulated.options._replace(called_as=called_as))
+
+
+def _over_budget(over: list[planner.Candidate], budget: int) -> planner.InfeasibleBudgetError:
+    """The error when no candidate of ``over`` (every stream's) fits: the smallest peak."""
+    smallest = min((c for c in over if c.report), key=_peak_bytes)
+    peak = smallest.report.peak_bytes
+    return planner.InfeasibleBudgetError(
+        f"No configuration fits the memory budget of {format_bytes(budget)} ({budget} bytes);"
+        f" the smallest peak, {format_bytes(peak)} ({peak} bytes), has {smallest}.",
+        tuple(over),
+    )
+
+
+def _peak_bytes(candidate: planner.Candidate) -> int:
+    return candidate.report.peak_bytes
 
 
 class JittedStep:
@@ -340,8 +372,8 @@ class JittedStep:
                 break
             except planner.InfeasibleBudgetError as e:
                 over += e.candidates
-                if stream == streams[-1]:  # the smallest peak of them all, in its message
-                    planner.chosen_index(over, budget)
+                if stream == streams[-1]:  # none of any stream fits
+                    raise _over_budget(over, budget) from None
         plan = dataclasses.replace(plan, candidates=(*over, *plan.candidates))
         _LOG.info(
             f"jaxga: planned {plan.num_microbatches} micro-batch(es) of {plan.microbatch_size} "

@@ -28,6 +28,9 @@ class TrainStep(steps.JittedStep):
     `state.apply_gradients` (`jaxga.MultiSteps` ends its group early). With `"auto"`,
     `step.plan` is the last call's.
 
+    `state.step` counts the step's calls, a call counting no items too (the key the loss gets
+    is folded with it); `nnx_train_step`'s `optimizer.step` counts updates instead.
+
     Examples:
         >>> import jax.numpy as jnp, optax, jaxga
         >>> def loss(params, batch, model_state, rng):
@@ -44,7 +47,7 @@ class TrainStep(steps.JittedStep):
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
     ) -> tuple[Any, ...]:
         if steps.is_traced(state):  # inside a jit: inlined, with the enclosing jit's options
-            return state, batch, num_real_microbatches, end_group
+            return state, batch, num_real_microbatches, steps.check_end_group(end_group)
         self._once(state, _check_state, state, self.options.offload, self.options.stream)
         layout = self.options.layout
         return self._laid_out(
@@ -73,17 +76,22 @@ class TrainStep(steps.JittedStep):
         return self._run((state, batch, num_real_microbatches), {"end_group": end_group})
 
 
-def _check_state(state: Any, offload: Any = None, stream: bool = False) -> None:
-    """Raises unless ``state`` is a Flax TrainState, on the device but where ``offload`` and
-    ``stream`` keep leaves in host memory (``offload`` None: not checked)."""
+def _check_type(state: Any) -> None:
+    """Raises unless ``state`` is a Flax TrainState."""
     if not isinstance(state, train_state.TrainState):
         nnx_model = modules.is_graph_node(state) or isinstance(state, nnx.State)
         hint = "; for a Flax NNX model use jaxga.nnx_train_step" if nnx_model else ""
         got = f"{type(state).__name__}{hint}"
         raise TypeError(f"`state` must be a flax.training.train_state.TrainState; got {got}.")
+
+
+def _check_state(state: Any, offload: Any, stream: bool | str) -> None:
+    """Raises unless ``state`` is a Flax TrainState, on the device but where ``offload`` and
+    ``stream`` keep leaves in host memory (`steps.check_on_device`)."""
+    _check_type(state)
     if offload or stream:  # some leaves may live in host memory
         steps.check_on_device(state, offload=offload, stream=stream)
-    elif offload is not None:
+    else:
         steps.check_on_device(state)
 
 
@@ -116,12 +124,8 @@ class _Flax(NamedTuple):
         except TypeError as e:
             if isinstance(e, StateStructureError):
                 e.add_note(f"jaxga: {fields.describe(state)}.")
-            elif rng is None:
+            elif rng is None and "NoneType" in str(e):  # plausibly the key the loss used
                 e.add_note(f"jaxga: the loss was given rng=None, as {fields.describe(state)}.")
-            raise
-        except NameError as e:  # JAX's error for a collective over an axis no map binds
-            fix = "pass make_train_step(..., axis_name=NAME)"
-            e.add_note(f"jaxga: a named axis needs a mesh: {fix}.")
             raise
         return acc, updated
 
@@ -129,15 +133,17 @@ class _Flax(NamedTuple):
         """``state.tx``, ``state``'s own ``apply_gradients``, its params and opt_state."""
         method = _apply_gradients(state)
         check = functools.partial(_check_takes, state)  # outside apply_update's try
-        fields = operator.attrgetter("opt_state"), operator.attrgetter("params"), self.replaced
+        fields = operator.attrgetter("opt_state"), operator.attrgetter("params"), self.rebuild
         update = functools.partial(_applied, method)
         return skeleton.OptimizerAccess(state.tx, update, *fields, check=check, static=method)
 
     def put_back(self, given: Any, new: Any, acc: Accumulated) -> Any:
         fields = state_fields(given, self.options.model_state_fields, self.options.rng_field)
+        # `step` counts calls, whatever apply_gradients did to it: it adds 1 where the update
+        # ran, none where a call counting nothing skipped it (unweighed); NNX's counts updates
         return fields.write(new.replace(step=given.step + 1), acc.state)
 
-    def replaced(self, state: Any, params: Any, opt_state: Any) -> Any:
+    def rebuild(self, state: Any, params: Any, opt_state: Any) -> Any:
         """``state`` with these ``params`` and ``opt_state``."""
         return state.replace(params=params, opt_state=opt_state)
 
@@ -201,7 +207,7 @@ def _applied(method: Callable[..., Any], state: Any, grads: Any, **extra: Any) -
 
 def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[..., Any]:
     def train_step(state: Any, batch: Any, num_real: Any = None, end_group: Any = None) -> tuple:
-        _check_state(state)
+        _check_type(state)
         return skeleton.train_step(_Flax(loss, options, num_real), options, state, batch, end_group)
 
     return train_step
@@ -297,9 +303,6 @@ def make_train_step(
     """
     _check_no_optimizer(num_microbatches, *unexpected)
     _checks.check_arity(loss, "loss", 4, "`loss(params, batch, model_state, rng)`")
-    if mesh is None and axis_name is not None:
-        mesh = jax.make_mesh((1,), (axis_name,), devices=jax.local_devices()[:1])
-    axis_name = "data" if axis_name is None else axis_name
     fields, key = check_field_names(model_state_fields, rng_field)
     options = steps.step_options(
         num_microbatches,

@@ -943,3 +943,11 @@ def test_a_call_of_weight_zero_is_not_looked_at():
     updates, state = tx.update(jnp.array([jnp.nan, 5.0]), state, params, weight=0.0)
     assert bool(tx.has_updated(state))
     chex.assert_trees_all_close(updates, jnp.array([-1.0, -2.0]))
+
+
+def test_a_traced_schedule_of_the_wrong_type_is_named_by_its_type():
+    params = jnp.zeros(3)
+    tx = jaxga.MultiSteps(optax.sgd(0.1), lambda step: step * 2.5)  # a traced float
+    said = r"^The `every_k` schedule must return an int scalar >= 1; got a traced float32\[\]\."
+    with pytest.raises(TypeError, match=said):
+        jax.jit(tx.update)(params, tx.init(params), params)

@@ -302,3 +302,48 @@ def test_indivisible_batch_on_a_mesh_in_the_global_view_names_all_numbers():
     step = jaxga.nnx_train_step(lambda m, x: jnp.mean(m(x) ** 2), 4, mesh=mesh, reduce_once=False)
     with pytest.raises(IndivisibleBatchError, match=r"num_microbatches=4 × 1 devices = 4"):
         step(model, optimizer, jnp.ones((6, 3)))
+
+
+def test_a_loss_returning_a_vector_is_named_as_the_step_calls_it():
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = jaxga.nnx_train_step(lambda m, x: m(x), 2)
+    with pytest.raises(TypeError, match=r"^`loss\(model, batch\)` must return a float scalar"):
+        step(model, optimizer, jnp.ones((4, 3)))
+
+
+def test_axis_name_without_a_mesh_binds_the_axis_in_both_steps():
+    """`axis_name` alone: a one-device mesh of it, in both steps (steps.step_options), so that
+    a loss's `pmean` over it runs; without it, JAX's NameError gets jaxga's note."""
+    batch = jax.random.normal(jax.random.key(0), (8, 3))
+
+    def pmeaned(model, x):
+        return jax.lax.pmean(jnp.mean(model(x) ** 2), "data")
+
+    def plain(model, x):
+        return jnp.mean(model(x) ** 2)
+
+    def run(loss, **options):
+        model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        metrics = jaxga.nnx_train_step(loss, 2, donate=False, **options)(model, optimizer, batch)
+        return metrics["loss"], nnx.state(model, nnx.Param)
+
+    chex.assert_trees_all_close(run(pmeaned, axis_name="data"), run(plain), rtol=1e-6)
+    step = jaxga.nnx_train_step(pmeaned, 2, axis_name="data")
+    assert step.options.layout is not None and step.options.layout.mesh.shape == {"data": 1}
+    with pytest.raises(NameError) as error:
+        run(pmeaned)
+    assert "axis_name=NAME" in "".join(error.value.__notes__)
+
+    def flax_loss(params, x, model_state, rng):
+        model = nnx.merge(graphdef, params)
+        return pmeaned(model, x), model_state
+
+    graphdef, params = nnx.split(nnx.Linear(3, 1, rngs=nnx.Rngs(0)), nnx.Param)
+    state = jaxga.TrainState.create(params=params, tx=optax.sgd(0.1))
+    flax_step = jaxga.make_train_step(flax_loss, 2, axis_name="data", donate=False)
+    new, metrics = flax_step(state, batch)
+    chex.assert_trees_all_close(
+        (metrics["loss"], nnx.State(new.params)), run(pmeaned, axis_name="data"), rtol=1e-6
+    )

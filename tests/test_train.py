@@ -915,3 +915,68 @@ def test_applied_follows_optax_multisteps_too():
         params = optax.apply_updates(params, updates)
         assert bool(metrics["applied"]) == bool(tx.has_updated(opt_state))
     chex.assert_trees_all_close(state.params, params, rtol=1e-6)
+
+
+# ------------------------------------------------- a train step's loss, named as the step calls it
+
+
+def test_a_train_step_names_its_loss_not_fun_and_notes_rng_none_only_where_it_explains():
+    def vector(params, batch, model_state, rng):
+        return batch * params, model_state
+
+    def new_state(params, batch, model_state, rng):
+        return jnp.mean(batch * params), {"x": 1.0}
+
+    def uses_key(params, batch, model_state, rng):
+        return jnp.mean(batch * params * jax.random.normal(rng, (3,))), model_state
+
+    flax_state = train_state.TrainState.create(apply_fn=None, params=jnp.ones(3), tx=optax.sgd(0.1))
+    called_as = r"^`loss\(params, batch, model_state, rng\)` "
+    with pytest.raises(TypeError, match=called_as + "must return a float scalar or a Mean") as e:
+        jaxga.make_train_step(vector, 2)(flax_state, jnp.ones((4, 3)))
+    assert not [n for n in getattr(e.value, "__notes__", []) if "rng=None" in n]
+    ours = jaxga.TrainState.create(params=jnp.ones(3), tx=optax.sgd(0.1))
+    with pytest.raises(TypeError, match=called_as + r"returned a new_state with extra keys"):
+        jaxga.make_train_step(new_state, 2)(ours, jnp.ones((4, 3)))
+    with pytest.raises(TypeError, match="NoneType") as e:  # the key was None: noted
+        jaxga.make_train_step(uses_key, 2)(flax_state, jnp.ones((4, 3)))
+    assert [n for n in e.value.__notes__ if "the loss was given rng=None" in n]
+
+
+def test_a_flax_step_inside_a_jit_checks_end_group():
+    def loss(params, batch, model_state, rng):
+        return jnp.mean((batch * params) ** 2), model_state
+
+    step = jaxga.make_train_step(loss, 2, donate=False)
+    state = jaxga.TrainState.create(params=jnp.ones(3), tx=optax.sgd(0.1))
+
+    def in_jit(end_group):
+        return jax.jit(lambda s, b: step(s, b, end_group=end_group))(state, jnp.ones((4, 3)))
+
+    with pytest.raises(TypeError, match=r"^`end_group` must be a bool; got 3\."):
+        in_jit(3)
+    new, _ = in_jit(True)  # a bool, concrete or traced, passes
+    _, metrics = jax.jit(lambda s, b, e: step(s, b, end_group=e))(state, jnp.ones((4, 3)), True)
+    assert int(new.step) == 1 and bool(metrics["applied"])
+
+
+def test_state_step_counts_calls_and_nnx_optimizer_step_counts_updates():
+    """As documented (TrainStep, NNXTrainStep): a call counting nothing, unweighed, updates
+    nothing; Flax's `state.step` counts it, NNX's `optimizer.step` does not."""
+    batch = {"x": jnp.ones((4, 3)), "m": jnp.zeros(4)}
+
+    def loss(params, batch, model_state, rng):
+        return jaxga.Mean.of((batch["x"] @ params) ** 2, where=batch["m"]), model_state
+
+    state = jaxga.TrainState.create(params=jnp.ones(3), tx=optax.sgd(0.1))
+    new, metrics = jaxga.make_train_step(loss, 2)(state, batch)
+    assert int(new.step) == 1 and not bool(metrics["applied"])
+    chex.assert_trees_all_equal(new.params, jnp.ones(3))
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def nnx_loss(model, batch):
+        return jaxga.Mean.of(model(batch["x"])[:, 0] ** 2, where=batch["m"])
+
+    metrics = jaxga.nnx_train_step(nnx_loss, 2)(model, optimizer, batch)
+    assert int(optimizer.step[...]) == 0 and not bool(metrics["applied"])
