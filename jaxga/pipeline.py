@@ -3,7 +3,7 @@ streamed through them, in one SPMD program: the checks and the public functions.
 is a row of `SCHEDULES`, run as `jaxga.pipeline_schedules.pipelined` says."""
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,7 @@ def pipeline_order(stacked_params: Any, stages: int, repeats: int = 1) -> Any:
         >>> jaxga.pipeline_order(jnp.arange(8), stages=2, repeats=2).tolist()
         [0, 1, 4, 5, 2, 3, 6, 7]
     """
+    stages, repeats = positive_int(stages, "stages"), positive_int(repeats, "repeats")
     num_layers = stack_length(stacked_params)
     check_layers(num_layers, stages, repeats)
 
@@ -58,14 +59,15 @@ def check_layers(num_layers: int, stages: int, repeats: int) -> None:
 
 
 def _stage_mesh(axis_name: str, stacked_params: Any, mesh: Any) -> tuple[str, Any]:
-    """Whether the stage axis is ``"manual"`` here or to be ``"opened"``, and its mesh."""
+    """Whether the stage axis is ``"manual"`` here or to be ``"opened"`` (a `Route.kind`),
+    and its mesh."""
     context = jax.sharding.get_abstract_mesh()
     inside = tuple(sorted(meshes.manual_axes(context), key=str))  # a shard_map's axes
     if inside and axis_name not in inside and meshes.devices(context, inside) == 1:
         raise ValueError(_NESTED_ON_ONE.format(axis=axis_name, inside=inside))
-    kind = meshes.axis_kind(axis_name, context)
-    if kind == "manual" or (kind and mesh is None):
-        return kind, context
+    route_kind = meshes.axis_kind(axis_name, context)
+    if route_kind == "manual" or (route_kind and mesh is None):
+        return route_kind, context
     if mesh is not None:
         if axis_name not in mesh.axis_names:
             got = f"{axis_name!r} is not an axis of `mesh` {mesh.axis_names}"
@@ -92,6 +94,14 @@ _NESTED_ON_ONE = (
 )
 
 
+class Checked(NamedTuple):
+    """A pipeline's arguments checked (`stages_of`): what `pipelined` takes before its inputs."""
+
+    stages: Stages  # what every stage runs
+    route_kind: str  # the stage axis ``"manual"`` here, or to be ``"opened"`` (`Route.kind`'s)
+    mesh: Any  # the mesh of the stage axis
+
+
 def stages_of(
     layer_fn: Callable[..., Any],
     stacked_params: Any,
@@ -105,7 +115,7 @@ def stages_of(
     schedule: str = "gpipe",
     head_fn: Callable[..., Any] | None = None,
     embed_fn: Callable[..., Any] | None = None,
-) -> tuple[Stages, str, Any]:
+) -> Checked:
     """A pipeline's arguments checked: its `Stages`, whether the stage axis is
     ``"manual"`` here or to be ``"opened"``, and the mesh."""
     repeats = positive_int(repeats, "repeats")
@@ -121,18 +131,19 @@ def stages_of(
         raise ValueError(f"`repeats`={got}.")
     signature = "layer_fn(params_of_one_layer, x" + (", key) -> x" if rng is not None else ") -> x")
     check_arity(layer_fn, "layer_fn", 2 if rng is None else 3, signature)
-    kind, mesh = _stage_mesh(axis_name, stacked_params, mesh)
+    route_kind, mesh = _stage_mesh(axis_name, stacked_params, mesh)
     m = positive_int(num_microbatches, "num_microbatches")
     plan = Schedule(mesh.shape[axis_name], m, repeats, schedule)
     grouped = plan.manual and repeats > 1  # micro-batches go round in groups of S
     if m < plan.stages or (grouped and m % plan.stages):
         need = f"{'a multiple of' if grouped else 'at least'} the S={plan.stages} stages"
         raise ValueError(f"`num_microbatches`={m}; it must be {need} (and divide x's rows).")
-    if kind == "manual":
+    if route_kind == "manual":
         _check_split(stacked_params, axis_name)
-    layers = stack_length(stacked_params) * (plan.stages if kind == "manual" else 1)  # L
+    layers = stack_length(stacked_params) * (plan.stages if route_kind == "manual" else 1)  # L
     check_layers(layers, plan.stages, repeats)
-    return Stages(layer_fn, policy, plan, axis_name, head_fn, embed_fn), kind, mesh
+    stages = Stages(layer_fn, policy, plan, axis_name, head_fn, embed_fn)
+    return Checked(stages, route_kind, mesh)
 
 
 def _check_split(stacked_params: Any, axis_name: str) -> None:
@@ -217,8 +228,9 @@ def pipeline_scan(
     """
     options = {"num_microbatches": num_microbatches, "axis_name": axis_name, "policy": policy}
     options |= {"schedule": schedule, "repeats": repeats, "rng": rng, "mesh": mesh}
-    stages, kind, mesh = stages_of(layer_fn, stacked_params, **options)
-    return pipelined(stages, kind, mesh, Inputs(stacked_params, None, x, None, rng))
+    checked = stages_of(layer_fn, stacked_params, **options)
+    inputs = Inputs(stacked_params, None, x, None, rng)
+    return pipelined(checked.stages, checked.route_kind, checked.mesh, inputs)
 
 
 def pipeline_loss(
@@ -266,7 +278,13 @@ def pipeline_loss(
             is not differentiated (token ids, say).
 
     Returns:
-        A `jaxga.Mean`: the totals and counts of every micro-batch, summed.
+        A `jaxga.Mean`: the totals and counts of every micro-batch, summed (by the 1F1B
+        schedules, in the dtype of ``head_fn``'s total, at least float32). Inside a
+        ``shard_map`` over ``axis_name``: with ``"1f1b"`` and ``"interleaved_1f1b"``, that
+        on every stage (a ``psum`` over the stages, after the ticks); with ``"gpipe"`` and
+        ``"circular"``, that on the last stage alone, and on the others ``head_fn`` of what
+        `pipeline_scan` returns there (the stage's input): no collective over the stages.
+        `jaxga.value_and_grad` reads the last stage's, once; elsewhere, read it there.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxga
@@ -295,9 +313,9 @@ def pipeline_loss(
         y = pipeline_scan(layer_fn, stacked_params, x, **options)
         return checked_mean(head_fn, head_params, y, targets)
     heads = {"head_fn": head_fn, "embed_fn": embed_fn}
-    stages, kind, mesh = stages_of(layer_fn, stacked_params, **heads, **options)
+    checked = stages_of(layer_fn, stacked_params, **heads, **options)
     inputs = Inputs(stacked_params, head_params, x, targets, rng, embed=embed_params)
-    return pipelined(stages, kind, mesh, inputs)
+    return pipelined(checked.stages, checked.route_kind, checked.mesh, inputs)
 
 
 def _parts(params: Any, embed_fn: Callable[..., Any] | None) -> tuple[Any, Any, Any]:

@@ -3,6 +3,7 @@ says what every stage runs at every tick; its runner, `autodiff_ticks` (JAX diff
 the loop) or `manual_ticks` (a VJP a tick, with the loss head: a stage keeps a ring of
 inputs), behind one custom VJP and ``shard_map`` (`pipelined`)."""
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxga import collectives, meshes
+from jaxga._checks import positive_int
 from jaxga.convolution import with_vjp
 from jaxga.loss import Mean
 from jaxga.microbatch import IndivisibleBatchError, merge_microbatches, split_microbatches
@@ -42,7 +44,8 @@ class Work(NamedTuple):
     slot: jax.Array  # where the stage keeps the work's input: its ring's entry
 
 
-class Schedule(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Schedule:
     """A pipeline's timing: the row ``name`` of `SCHEDULES` at S ``stages``, m
     ``microbatches`` and r ``repeats`` (the chunks of layers a stage holds).
 
@@ -52,12 +55,34 @@ class Schedule(NamedTuple):
     chunk starts), else m (stage 0 keeps them until then). Stage ``s`` runs item ``t - s``
     forward at tick ``t`` and, with a manual backward, item ``t - lag - (S - 1 - s)``
     backward, chunks in reverse. Every row idles `bubble` of its time.
+
+    Attributes:
+        stages: S, the size of the stage axis.
+        microbatches: m, the micro-batches streamed through the stages.
+        repeats: r, the chunks of layers each stage holds (1: one).
+        name: the schedule, a key of `SCHEDULES`: ``"gpipe"``, ``"circular"``,
+            ``"1f1b"`` or ``"interleaved_1f1b"``.
+
+    Examples:
+        >>> from jaxga.pipeline import Schedule
+        >>> plan = Schedule(4, 8, 1, "gpipe")  # S = 4 stages, m = 8 micro-batches
+        >>> plan.ticks, round(plan.bubble, 3)
+        (11, 0.273)
+        >>> work = plan.forward(5, 2)  # stage 2 at tick 5: micro-batch 3
+        >>> int(work.microbatch), int(work.chunk), bool(work.valid)
+        (3, 0, True)
     """
 
     stages: int
     microbatches: int
     repeats: int
     name: str = "circular"
+
+    def __post_init__(self) -> None:
+        for field in ("stages", "microbatches", "repeats"):
+            positive_int(getattr(self, field), field)
+        if self.name not in SCHEDULES:
+            raise ValueError(f"`name` must be one of {tuple(SCHEDULES)}; got {self.name!r}.")
 
     @property
     def manual(self) -> bool:
@@ -71,6 +96,8 @@ class Schedule(NamedTuple):
 
     @property
     def ticks(self) -> int:
+        """The loop's length: ``m · r + S - 1`` forward ticks, and `lag` more with a manual
+        backward (its last backward passes)."""
         return self.microbatches * self.repeats + self.stages - 1 + self.lag
 
     @property
@@ -81,8 +108,9 @@ class Schedule(NamedTuple):
 
     @property
     def sends(self) -> list[tuple[int, int]]:
-        """Each stage to the next, and the last to the first where micro-batches go round."""
-        wrap = self.repeats > 1 or not self.manual
+        """Each stage to the next, and the last to the first where micro-batches go round
+        (r > 1: their next chunk)."""
+        wrap = self.repeats > 1
         return [(s, (s + 1) % self.stages) for s in range(self.stages - 1 + wrap)]
 
     @property
@@ -187,7 +215,7 @@ class _AutodiffCarry(NamedTuple):
     """What `autodiff_ticks`' loop carries from tick to tick."""
 
     held: Any  # from the stage before: this stage's input at the next tick
-    stored: Any  # stage 0's: what came round, ``[m, ...]``, kept for its next chunk
+    stored: Any  # stage 0's: what came round, ``[m, ...]``, kept for its next chunk; r = 1: None
     outputs: Any  # the last stage's outputs so far, ``[m, ...]``
 
 
@@ -197,7 +225,7 @@ def autodiff_ticks(stages: Stages, inputs: Inputs, *, everywhere: bool = True) -
     return their input ``x``: no collective but the ``ppermute``s, forward or backward).
     A bubble tick runs the layers on a real micro-batch, never on what the stage holds
     (zeros, NaN, garbage), and drops the result; not in a ``cond``, which would keep the
-    weights at every tick of the backward. Stage 0 keeps what comes round."""
+    weights at every tick of the backward. With r > 1, stage 0 keeps what comes round."""
     schedule, axis = stages.schedule, stages.axis
     stage, last = jax.lax.axis_index(axis), schedule.stages - 1
     xs = split_rows(inputs.x, schedule.microbatches, "x")
@@ -206,20 +234,26 @@ def autodiff_ticks(stages: Stages, inputs: Inputs, *, everywhere: bool = True) -
         functools.partial(run_stage, stages), policy=jax.checkpoint_policies.nothing_saveable
     )
 
+    goes_round = schedule.repeats > 1  # else nothing comes back to stage 0, nor is kept
+
     def tick(carry: _AutodiffCarry, t: jax.Array) -> tuple[_AutodiffCarry, None]:
         held, stored, outputs = carry
         work = schedule.forward(t, stage)
-        first = select(work.chunk == 0, take(xs, work.microbatch), take(stored, work.microbatch))
+        first = take(xs, work.microbatch)
+        if goes_round:
+            first = select(work.chunk == 0, first, take(stored, work.microbatch))
         given = select(work.valid, select(stage == 0, first, held), take(xs, work.microbatch))
         out = run(inputs.params, given, work, inputs.key)
         done = work.valid & (stage == last) & (work.chunk == schedule.repeats - 1)
         outputs = written(outputs, work.microbatch, out, done)
-        passed = jax.lax.ppermute(out, axis, schedule.sends)  # stage S - 1's goes round to 0
-        back = schedule.forward(t, last)  # what stage 0 got: kept for its next chunk
-        stored = written(stored, back.microbatch, passed, (stage == 0) & back.valid)
+        passed = jax.lax.ppermute(out, axis, schedule.sends)  # r > 1: S - 1's goes round to 0
+        if goes_round:
+            back = schedule.forward(t, last)  # what stage 0 got: kept for its next chunk
+            stored = written(stored, back.microbatch, passed, (stage == 0) & back.valid)
         return _AutodiffCarry(passed, stored, outputs), None
 
-    carry = _AutodiffCarry(take(zeros, 0), zeros, zeros if everywhere else _on_stages(stages, xs))
+    stored = zeros if goes_round else None
+    carry = _AutodiffCarry(take(zeros, 0), stored, zeros if everywhere else _on_stages(stages, xs))
     outputs = jax.lax.scan(tick, carry, jnp.arange(schedule.ticks))[0].outputs
     if everywhere:
         outputs = jax.lax.psum(select(stage == last, outputs, zeros), axis)
@@ -244,11 +278,13 @@ def _zeros_varying(tree: Any, axis: str) -> Any:
 
 
 def _head_step(stages: Stages, split: Inputs, y: Any, j: jax.Array) -> tuple:
-    """Micro-batch ``j``'s loss (a `Mean`) and its gradients (the head's, ``y``'s)."""
+    """Micro-batch ``j``'s loss (a `Mean`, its total and count in the dtype they are summed
+    in: the total's, at least float32) and its gradients (the head's, ``y``'s)."""
 
     def total(head_params: Any, y: Any) -> tuple:
         mean = checked_mean(stages.head_fn, head_params, y, take(split.targets, j))
-        return jnp.asarray(mean.total, jnp.float32), jax.lax.stop_gradient(mean.count)
+        dtype = jnp.result_type(mean.total, jnp.float32)
+        return jnp.asarray(mean.total, dtype), jax.lax.stop_gradient(jnp.asarray(mean.count, dtype))
 
     here = _on_stages(stages, split.head)
     (total, count), grads = jax.value_and_grad(total, (0, 1), has_aux=True)(here, y)
@@ -298,15 +334,15 @@ class _TickCarry(NamedTuple):
     arrived: Any  # the activation stage s - 1 passed on
     returned: Any  # the cotangent stage s + 1 passed back
     saved: Any  # the ring of inputs kept for the backward passes, ``[ring, ...]``
-    mean: Mean  # the loss sums so far
     grads: Inputs  # the gradient sums so far
 
 
 def _tick(stages: Stages, split: Inputs, carry: _TickCarry, t: jax.Array) -> tuple:
     """Tick ``t`` of `manual_ticks` (``split``: its inputs, in micro-batches): the forward
     and the backward the `Schedule` gives the stage, the loss head between them on the last
-    stage; activations and cotangents passed on."""
-    arrived, returned, saved, mean, grads = carry
+    stage; activations and cotangents passed on. Its output: the tick's loss (a `Mean`,
+    zeros but at the head), summed after the loop in the head's dtype."""
+    arrived, returned, saved, grads = carry
     schedule, s, key = stages.schedule, jax.lax.axis_index(stages.axis), split.key
     last, final = schedule.stages - 1, schedule.repeats - 1
     f, b = schedule.forward(t, s), schedule.backward(t, s)
@@ -327,7 +363,7 @@ def _tick(stages: Stages, split: Inputs, carry: _TickCarry, t: jax.Array) -> tup
     grads = _input_grads(stages, split, grads, dh, b)
     arrived = jax.lax.ppermute(y, stages.axis, schedule.sends)
     returned = jax.lax.ppermute(dh, stages.axis, [(j, i) for i, j in schedule.sends])
-    return _TickCarry(arrived, returned, saved, mean + micro_mean, grads), None
+    return _TickCarry(arrived, returned, saved, grads), micro_mean
 
 
 def manual_ticks(stages: Stages, inputs: Inputs) -> tuple[Mean, Inputs]:
@@ -338,7 +374,6 @@ def manual_ticks(stages: Stages, inputs: Inputs) -> tuple[Mean, Inputs]:
     xs = split_rows(inputs.x, schedule.microbatches, "x")
     targets = split_rows(inputs.targets, schedule.microbatches, "targets")
     split = inputs._replace(x=xs, targets=targets)
-    zero = _zeros_varying(jnp.zeros((), jnp.float32), axis)
     embedded = stages.embed_fn is not None  # then x's rows go in; no gradient for them
     grads = Inputs(
         *(_zeros_varying(x, axis) for x in (inputs.params, inputs.head)),
@@ -350,11 +385,11 @@ def manual_ticks(stages: Stages, inputs: Inputs) -> tuple[Mean, Inputs]:
     stack_input = functools.partial(_stack_input, stages, split, schedule.forward(0, 0), True)
     one = _zeros_varying(jax.eval_shape(stack_input), axis)  # one micro-batch's input
     saved = jax.tree.map(lambda a: jnp.broadcast_to(a, (schedule.ring, *a.shape)), one)
-    carry = _TickCarry(one, one, saved, Mean(zero, zero), grads)
-    tick = functools.partial(_tick, stages, split)
-    _, _, _, mean, grads = jax.lax.scan(tick, carry, jnp.arange(schedule.ticks))[0]
+    tick, start = functools.partial(_tick, stages, split), _TickCarry(one, one, saved, grads)
+    end, means = jax.lax.scan(tick, start, jnp.arange(schedule.ticks))  # a loss a tick
+    grads = end.grads
     x_grads = None if embedded else merge_microbatches(grads.x)
-    mean = jax.lax.psum(mean, axis)  # from the last stage
+    mean = jax.lax.psum(jax.tree.map(jnp.sum, means), axis)  # from the last stage
     summed = (grads.head, x_grads, grads.embed)  # from the last stage, or stage 0; kept
     like = (inputs.head, None if embedded else inputs.x, inputs.embed)  # where they vary
     head_grads, x_grads, embed_grads = collectives.psum_invariant(summed, like, axis)
@@ -378,22 +413,22 @@ def _recomputed(run: Callable[..., Any], inputs: Inputs, dy: Any) -> tuple[Input
     return (Inputs(d_params, None, d_x, None, None),)
 
 
-def pipelined(stages: Stages, kind: str, mesh: Any, inputs: Inputs) -> Any:
+def pipelined(stages: Stages, route_kind: str, mesh: Any, inputs: Inputs) -> Any:
     """The pipeline on ``inputs``: its runner behind one custom VJP, in ``shard_map``s over
-    the stage axis alone if ``kind`` is ``"opened"``. A manual backward's runner gives the
-    gradients with the loss, which the VJP scales; an opened autodiff runner's backward runs
-    the forward again in its own ``shard_map`` (JAX cannot yet carry a nested ``shard_map``'s
-    residuals out of it)."""
+    the stage axis alone if ``route_kind`` (a `Route.kind`) is ``"opened"``. A manual
+    backward's runner gives the gradients with the loss, which the VJP scales; an opened
+    autodiff runner's backward runs the forward again in its own ``shard_map`` (JAX cannot
+    yet carry a nested ``shard_map``'s residuals out of it)."""
     axis, manual = stages.axis, stages.schedule.manual
     run = functools.partial(manual_ticks if manual else autodiff_ticks, stages)
-    if kind == "manual":  # jaxga's loop counts this loss once over the stages
+    if route_kind == "manual":  # jaxga's loop counts this loss once over the stages
         collectives.note_stage_axis(axis)
-    if kind == "manual" and not manual:  # JAX differentiates the ticks where they are
+    if route_kind == "manual" and not manual:  # JAX differentiates the ticks where they are
         return run(inputs, everywhere=False)  # the output stays on the last stage
     specs = Inputs(params=P(axis), head=P(), x=P(), targets=P(), key=P(), embed=P())
 
     def shard(fun: Callable[..., Any], in_specs: tuple, out_specs: Any) -> Callable[..., Any]:
-        if kind == "manual":
+        if route_kind == "manual":
             return fun
         names = {"in_specs": in_specs, "out_specs": out_specs, "axis_names": {axis}}
         return jax.shard_map(fun, mesh=mesh, **names)
