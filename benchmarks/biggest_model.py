@@ -212,10 +212,11 @@ def decoder_layer(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     return x + (jax.nn.silu(h @ w["w1"]) * (h @ w["w3"])) @ w["w2"]
 
 
-def loss_for(remat: str, stream: bool = False) -> Callable[..., jaxga.Mean]:
+def loss_for(remat: str, stream: bool = False, prefetch: bool = True) -> Callable[..., jaxga.Mean]:
     """The token-weighted next-token loss, its layers a ``remat_scan`` with remat ``remat``
-    (``stream``: each layer fetched from host memory, ``remat_scan(stream=True)``)."""
-    options = remat_options(remat) | ({"stream": True} if stream else {})
+    (``stream``: each layer fetched from host memory, ``remat_scan(stream=True)``, one layer
+    ahead if ``prefetch``)."""
+    options = remat_options(remat) | ({"stream": True, "prefetch": prefetch} if stream else {})
 
     def loss(params: dict[str, Any], batch: dict[str, jax.Array]) -> jaxga.Mean:
         x = params["embed"][batch["inputs"]].astype(jnp.bfloat16)
@@ -277,9 +278,9 @@ def compile_step(setting: Setting, model: Llama, card: Card, batch: int) -> Fit:
         return fit_for(multisteps.peak(stats), 0, card)
     state = jax.eval_shape(functools.partial(jaxga.TrainState.create, tx=adamw), params)
     state, batch_ = gpu.on(device, (state, abstract_batch(batch, model.seq_len)))
-    if setting.method == "jaxga streaming":
+    if setting.method in STREAMING:
         state = on_host(device, state, streamed)
-        loss = loss_for(setting.remat, stream=True)
+        loss = loss_for(setting.remat, stream=True, prefetch=STREAMING[setting.method])
         step = jaxga.make_train_step(_jaxga_loss(loss), k, stream="layers", offload=True)
     else:
         offload = setting.method == "jaxga offload=True"
@@ -398,7 +399,7 @@ def best_setting(
 ) -> tuple[Setting, Fit]:
     """The candidate remat and micro-batch of ``method`` with the smallest compiled peak at
     ``args.probe_size``, and that peak."""
-    remats = [r for r in args.remats if method != "jaxga streaming" or r in STREAMABLE]
+    remats = [r for r in args.remats if method not in STREAMING or r in STREAMABLE]
     candidates = [Setting(method, r, m) for r in remats for m in args.micro]
     model = Llama.of(args.probe_size, args.seq_len)
     peaks = {}
@@ -409,7 +410,8 @@ def best_setting(
     return best, peaks[best]
 
 
-METHODS = ("optax.MultiSteps", "jaxga resident", "jaxga offload=True", "jaxga streaming")
+STREAMING = {"jaxga streaming": True, "jaxga streaming, no prefetch": False}  # prefetch=
+METHODS = ("optax.MultiSteps", "jaxga resident", "jaxga offload=True", *STREAMING)
 FLOPS_PER_PARAM_TOKEN = {"full": 8, "sqrt": 10}  # others (saving the matmuls): 6
 STREAMABLE = [name for name, row in REMAT.items() if row.segments == 1]  # remat_scan(stream=)
 # Bytes a parameter moves a step with k micro-batches, (to the device, to the host), for a
@@ -417,6 +419,7 @@ STREAMABLE = [name for name, row in REMAT.items() if row.segments == 1]  # remat
 MOVED_EACH_WAY: dict[str, Callable[[int], tuple[tuple[int, int], tuple[int, int]]]] = {
     "jaxga offload=True": lambda k: ((8, 8), (8, 8)),  # AdamW's moments, once a step
     "jaxga streaming": lambda k: ((16 * k + 24, 8 * k + 20), (8, 8)),
+    "jaxga streaming, no prefetch": lambda k: ((16 * k + 24, 8 * k + 20), (8, 8)),
 }
 
 
@@ -426,7 +429,7 @@ class Modelled(NamedTuple):
     moved_bytes: int  # host to device plus device to host
     compute_s: float  # matmul FLOPs at the card's peak
     transfer_s: float  # the larger direction at the host link's bandwidth
-    step_s: float  # the larger of the two: transfers overlap compute
+    step_s: float  # the larger of the two (transfers overlap compute), or their sum if not
 
 
 def stack_params(model: Llama) -> int:
@@ -443,11 +446,13 @@ def modelled(setting: Setting, model: Llama, card: Card, tokens: int) -> Modelle
         setting.method, lambda k: ((0, 0), (0, 0))
     )(k)
     to_device = in_stack * stack + in_rest * (n - stack)
-    if setting.method == "jaxga streaming":  # the backward's last prefetch: a layer unused
+    if STREAMING.get(setting.method):  # the backward's last prefetch: a layer unused
         to_device += 4 * k * stack // model.layers
     to_host = out_stack * stack + out_rest * (n - stack)
     transfer = max(to_device, to_host) / card.link
-    return Modelled(to_device + to_host, compute, transfer, max(compute, transfer))
+    waits = STREAMING.get(setting.method) is False  # each layer waits for its copy: no overlap
+    step = compute + transfer if waits else max(compute, transfer)
+    return Modelled(to_device + to_host, compute, transfer, step)
 
 
 def billions(size: int | None, seq_len: int) -> float:
@@ -461,7 +466,7 @@ def row(card: Card, found: Largest, args: argparse.Namespace) -> str:
     cost = modelled(s, model, card, args.batch * args.seq_len)
     peak = f"{fit.peak_bytes / GiB:8.2f} {fit.host_bytes / GiB:8.2f}" if fit else " " * 17
     beyond = f"{nxt.peak_bytes / GiB:.1f} / {nxt.host_bytes / GiB:.1f}" if nxt else "-"
-    return (f"{card.name:10} {s.method:19} {s.remat:5} {s.micro:5d} {model.layers:3d} "
+    return (f"{card.name:10} {s.method:28} {s.remat:5} {s.micro:5d} {model.layers:3d} "
             f"{model.dim:6d} {billions(found.size, args.seq_len):7.2f}B {peak} "
             f"{cost.moved_bytes / GiB:7.1f} {cost.step_s:7.2f}  {beyond}")  # fmt: skip
 
@@ -472,14 +477,14 @@ def table(results: dict[str, dict[str, Largest]], args: argparse.Namespace) -> l
         f"compiled for described GPUs (XLA target configs; nothing ran): Llama-shaped, "
         f"sequence {args.seq_len}, {args.batch} sequences a step "
         f"({args.batch * args.seq_len:,} tokens), AdamW, f32 master weights and moments",
-        f"{'card':10} {'method':19} {'remat':5} {'micro':>5} {'L':>3} {'d':>6} {'params':>8} "
+        f"{'card':10} {'method':28} {'remat':5} {'micro':>5} {'L':>3} {'d':>6} {'params':>8} "
         f"{'peak GiB':>8} {'host GiB':>8} {'moved':>7} {'model s':>7}  next size: peak / host GiB",
     ]
     for card in CARDS.values():
         for method in METHODS:
             found = results[card.name].get(method)
             if found is None:
-                lines.append(f"{card.name:10} {method:19} not built")
+                lines.append(f"{card.name:10} {method:28} not built")
             else:
                 lines.append(row(card, found, args))
     lines.append(

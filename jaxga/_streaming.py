@@ -91,21 +91,26 @@ def _fetched(stacked: Any, index: Any) -> Any:
     )
 
 
-def _prefetching_scan(
+def _layer_scan(
     body: Callable[..., Any], carry: Any, stacked: Any, xs: Any, first: Any, *, reverse: bool
 ) -> tuple[Any, Any, Any]:
     """``lax.scan`` of ``body(carry, layer, x) -> (carry, y)`` over ``stacked``'s layers in
-    order (last to first if ``reverse``), each layer's slice fetched one iteration ahead of
-    its use, so that the copy overlaps the layer before it; ``first`` is the first layer's,
-    already fetched. Returns the carry, the ``y``s and the slice fetched last: the last
-    layer's again (the first of a pass the other way) at the end of a forward pass, the
-    first layer's at the end of a reverse one (fetched with no layer left to use it)."""
+    order (last to first if ``reverse``), each layer's slice fetched to the device: one
+    iteration ahead of its use, so that the copy overlaps the layer before it, if ``first``
+    (the first layer's slice, already fetched) is given; where it is used if ``first`` is
+    None. Returns the carry, the ``y``s and the slice fetched last (None if ``first`` is):
+    the last layer's again (the first of a pass the other way) at the end of a forward
+    pass, the first layer's at the end of a reverse one (fetched with no layer left to use
+    it)."""
     n = jax.tree.leaves(stacked)[0].shape[0]
     ahead = -1 if reverse else 1
 
     def scanned(state: tuple[Any, Any], slices: tuple[Any, Any]) -> tuple[Any, Any]:
         carry, layer = state
         index, x = slices
+        if layer is None:  # not prefetched: fetched here, the layer waiting for its copy
+            carry, y = body(carry, _fetched(stacked, index), x)
+            return (carry, None), y
         following = _fetched(stacked, jnp.clip(index + ahead, 0, n - 1))  # in flight meanwhile
         carry, y = body(carry, layer, x)
         return (carry, following), y
@@ -115,20 +120,23 @@ def _prefetching_scan(
     return carry, ys, last
 
 
-def _forward(layer: Callable[..., Any], consts: Any, stacked: Any, x: Any) -> tuple[Any, Any]:
-    """The layers on ``x``, each prefetched: the output, and the residuals of the backward
-    pass (each layer's input, the last layer's slice)."""
+def _forward(
+    layer: Callable[..., Any], prefetch: bool, consts: Any, stacked: Any, x: Any
+) -> tuple[Any, Any]:
+    """The layers on ``x``, each fetched (ahead if ``prefetch``): the output, and the
+    residuals of the backward pass (each layer's input, the last layer's slice or None)."""
 
     def body(carry: Any, params: Any, _: None) -> tuple[Any, Any]:
         return layer(params, carry, *consts), carry
 
-    first = _fetched(stacked, 0)
-    y, inputs, last = _prefetching_scan(body, x, stacked, None, first, reverse=False)
+    first = _fetched(stacked, 0) if prefetch else None
+    y, inputs, last = _layer_scan(body, x, stacked, None, first, reverse=False)
     return y, (inputs, last)
 
 
 def _backward(layer: Callable[..., Any], saved: Any, grad_y: Any) -> tuple[Any, Any, Any]:
-    """The reverse scan: each layer prefetched, its vjp taken, its gradient written home."""
+    """The reverse scan: each layer fetched (ahead if the forward pass handed on a layer), its
+    vjp taken, its gradient written home."""
     consts, stacked, (inputs, last) = saved
 
     def body(carry: tuple[Any, Any], params: Any, x: Any) -> tuple[Any, Any]:
@@ -139,7 +147,7 @@ def _backward(layer: Callable[..., Any], saved: Any, grad_y: Any) -> tuple[Any, 
         return (grad_x, grad_consts), placed_like(grad_params, stacked)
 
     zeros = tuple(jnp.zeros_like(c) if _inexact(c) else None for c in consts)
-    carry, grads, _ = _prefetching_scan(body, (grad_y, zeros), stacked, inputs, last, reverse=True)
+    carry, grads, _ = _layer_scan(body, (grad_y, zeros), stacked, inputs, last, reverse=True)
     grad_x, grad_consts = carry
     return grad_consts, grads, grad_x
 
@@ -148,7 +156,7 @@ def _inexact(x: Any) -> bool:  # a value with a gradient (an int or a key has no
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any) -> Any:
+def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any, *, prefetch: bool = True) -> Any:
     """``for p in stacked: x = layer(p, x)``, each layer's slice fetched to the device in the
     forward and the backward pass, its gradient written where ``stacked``'s leaf lives.
 
@@ -156,6 +164,9 @@ def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any) -> Any:
         layer: ``layer(params_of_one_layer, x) -> x``, checkpointed as the caller wants.
         stacked: the layers' parameters, leading axis L; leaves on the device or in host memory.
         x: the carry.
+        prefetch: fetch each layer one iteration ahead of its use (the copy overlaps the
+            layer before it; two layers on the device, one more moved a pass forward and
+            back), or where it is used.
 
     Returns:
         The last layer's output, like ``x``.
@@ -168,7 +179,7 @@ def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any) -> Any:
     """
     one = jax.tree.map(lambda leaf: on_device(leaf[0]), stacked)  # a layer's slice, for tracing
     converted, consts = jax.closure_convert(layer, one, x)  # closed-over values differentiated too
-    forward = functools.partial(_forward, converted)
+    forward = functools.partial(_forward, converted, prefetch)
 
     @jax.custom_vjp
     def run(consts: tuple[Any, ...], stacked: Any, x: Any) -> Any:

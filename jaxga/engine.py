@@ -168,7 +168,9 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
             i: modules.new_rest(args[i], parts, options.filters.get(i))
             for i, parts in call.parts.items()
         }
-        module_state = arguments.cast_like(module_state, threaded.modules, "left its modules")
+        module_state = arguments.cast_like(
+            module_state, threaded.modules, "left its modules", called_as=options.called_as
+        )
         stage_axes += [axis for axis in once if axis not in stage_axes]
         total, count = collectives.counted_once(output.mean, stage_axes, call.route)
         count = jax.lax.stop_gradient(count.astype(call.sum_dtype))

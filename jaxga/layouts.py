@@ -1,22 +1,72 @@
 """A train step on a mesh: its `MeshLayout`, checked, and the one wiring of both steps' loss
 onto the mesh (`on_mesh`: the batch placed, the engine told where the parameters lie)."""
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, collectives, meshes
 from jaxga.accumulation import Accumulate
 from jaxga.engine import Accumulated
 from jaxga.microbatch import IndivisibleBatchError
 from jaxga.sharding import (
-    MeshLayout,
-    batch_specs,
     check_mesh,
     check_strategy,
+    is_laid_out,
+    offload,
     place,
+    put,
     split_of,
+    state_shardings,
 )
+
+
+class MeshLayout(NamedTuple):
+    """Where a train step runs: a mesh, the batch's axis on it, and the state's layout."""
+
+    mesh: Mesh
+    axis_name: Any
+    strategy: Any  # a name of STRATEGIES, a tree of the parameters' PartitionSpecs, or None
+    reduce_once: bool = True  # False: the loop in jit's global view, JAX reducing each time
+    pipeline_axis: str | None = None  # a pipeline's stage axis: manual in the loop too
+
+    @property
+    def loop_axes(self) -> Any:
+        """The engine's ``axis_name``: the batch's axis, or ``()`` for jit's global view."""
+        return self.axis_name if self.reduce_once else ()
+
+
+def batch_specs(batch: Any, layout: MeshLayout) -> Any:
+    """Each leaf of ``batch`` split over ``layout``'s batch axis (its rows)."""
+    return jax.tree.map(lambda _: P(layout.axis_name), batch)
+
+
+def _committed(x: Any) -> Any:
+    """``x`` committed where it lies (its memory kind kept: streamed parameters stay)."""
+    return jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x
+
+
+def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Callable) -> Any:
+    """``state`` ``put`` where a step keeps it (concrete): on the mesh, offloaded as asked."""
+    if layout is not None:  # laid out already if its step and first parameter are
+        mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
+        first = jax.tree.leaves(state.params)[:1]
+        specs = jax.tree.leaves(strategy, is_leaf=meshes.is_spec)[:1]  # a tree of specs
+        if isinstance(strategy, str):
+            row, size = split_of(strategy), meshes.devices(mesh, axis_name)
+            specs = [row.spec("params", jnp.shape(x), size, axis_name) or P() for x in first]
+        wanted = [NamedSharding(mesh, spec) for spec in [P(), *specs]]
+        if not all(map(is_laid_out, [state.step, *first], wanted)):
+            state = put(state, state_shardings(state, mesh, strategy, axis_name=axis_name))
+    elif offload_state:
+        first = jax.tree.leaves(state)[0]
+        if not getattr(first, "committed", True):
+            state = jax.tree.map(_committed, state)  # as the step returns it
+    return offload(state, select=offload_state) if offload_state else state
 
 
 def on_mesh(

@@ -206,7 +206,7 @@ class _NNX(NamedTuple):
     num_real: Any
     key: Any  # `rngs` given as a PRNG key, or None
 
-    def specs(self, state: Any, layout: sharding.MeshLayout) -> Any:
+    def specs(self, state: Any, layout: layouts.MeshLayout) -> Any:
         """As the metadata, or the strategy, says; the rest as it is."""
         mesh, axis_name = layout.mesh, layout.axis_name
         return sharding.nnx_state_specs(state, mesh, layout.strategy, axis_name=axis_name)
@@ -265,7 +265,7 @@ class _NNX(NamedTuple):
         return new  # the step's state: the model, optimizer (and streams), updated
 
 
-def _on_mesh(accumulated: Accumulate, layout: sharding.MeshLayout, model: Any, wrt: Any, *args):
+def _on_mesh(accumulated: Accumulate, layout: layouts.MeshLayout, model: Any, wrt: Any, *args):
     """``accumulated(model, *args)`` (`layouts.on_mesh`), told where the parameters it
     differentiates (``wrt`` of ``model``) lie: as the strategy says, the gradients as the
     optimiser state; without one, where they are (their types, their metadata)."""

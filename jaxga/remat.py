@@ -219,6 +219,7 @@ def remat_scan(
     unroll: bool = False,
     canonical_convolutions: bool | str = False,
     stream: bool = False,
+    prefetch: bool = True,
 ) -> Any:
     """Computes ``for p in stacked_params: x = layer_fn(p, x)``, rematerialised, in a ``lax.scan``.
 
@@ -238,6 +239,11 @@ def remat_scan(
             produces it; with ``segments=1``, no ``unroll`` and no ``canonical_convolutions``.
             Each layer's input is kept, and the layer recomputed under ``policy`` in the
             backward. Bit for bit the resident scan's result and gradients (docs/streaming.md).
+        prefetch: with ``stream=True``, fetch each layer one iteration ahead of its use, so
+            that the copy overlaps the layer before it (the default: two layers' slices on
+            the device, and one layer more moved a pass forward and back); False fetches
+            each where it is used, every layer waiting for its copy (less host memory on
+            the H100, docs/streaming.md).
 
     Returns:
         The last layer's output, like ``x``.
@@ -250,6 +256,8 @@ def remat_scan(
         >>> jaxga.remat_scan(lambda w, x: jnp.tanh(x @ w), w, x, stream=True).shape
         (2, 4)
     """
+    if not check_bool(prefetch, "prefetch") and not check_bool(stream, "stream"):
+        raise ValueError("`prefetch`=False applies to stream=True; got stream=False.")
     if check_bool(stream, "stream"):
         _check_stream(segments, unroll, canonical_convolutions)
     elif convolution.rewrites(canonical_convolutions):  # XLA:CPU, see docs/gpus.md
@@ -271,7 +279,8 @@ def remat_scan(
     if save is not None:  # inside a scan the loop keeps XLA from merging recomputation
         one_layer = jax.checkpoint(one_layer, policy=save, prevent_cse=False)
     if stream:
-        return streamed_scan(functools.partial(_carry_of, one_layer), stacked_params, x)
+        layer = functools.partial(_carry_of, one_layer)
+        return streamed_scan(layer, stacked_params, x, prefetch=prefetch)
     layers = functools.partial(jax.lax.scan, one_layer, unroll=unroll)  # (x, params) -> (x, None)
     if num_segments == 1:
         return layers(x, stacked_params)[0]

@@ -1,7 +1,6 @@
 """Train states and batches on a mesh: layouts (ZeRO-1, FSDP...); the loop is the engine's."""
 
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -64,7 +63,8 @@ _SPACES = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Devi
 _MOVED: dict[Any, list[bool]] = {}  # offload's leaves to move, by tree structure
 
 
-def _is_laid_out(x: Any, sharding: NamedSharding) -> bool:
+def is_laid_out(x: Any, sharding: NamedSharding) -> bool:
+    """Whether ``x`` lies on ``sharding``'s mesh as ``sharding`` lays it out."""
     now = getattr(x, "sharding", None)  # None: a host array or a bare shape struct
     on_mesh = isinstance(now, NamedSharding) and now.mesh == sharding.mesh
     return on_mesh and now.is_equivalent_to(sharding, x.ndim)
@@ -103,7 +103,7 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
 
     def rows(path, x):
         on_devices = isinstance(x, jax.Array) and x.ndim > 0  # global rows: keep or reshard
-        if on_devices and (_is_laid_out(x, sharding) or not x.is_fully_addressable):
+        if on_devices and (is_laid_out(x, sharding) or not x.is_fully_addressable):
             return jax.device_put(x, sharding)
         shape = np.shape(x)
         if not shape or shape[0] % shards:
@@ -469,47 +469,3 @@ def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
         return x if spec is None else move(x, NamedSharding(mesh, spec))
 
     return jax.tree.map(one, specs, tree, is_leaf=lambda x: x is None or meshes.is_spec(x))
-
-
-class MeshLayout(NamedTuple):
-    """Where a train step runs: a mesh, the batch's axis on it, and the state's layout."""
-
-    mesh: Mesh
-    axis_name: Any
-    strategy: Any  # a name of STRATEGIES, a tree of the parameters' PartitionSpecs, or None
-    reduce_once: bool = True  # False: the loop in jit's global view, JAX reducing each time
-    pipeline_axis: str | None = None  # a pipeline's stage axis: manual in the loop too
-
-    @property
-    def loop_axes(self) -> Any:
-        """The engine's ``axis_name``: the batch's axis, or ``()`` for jit's global view."""
-        return self.axis_name if self.reduce_once else ()
-
-
-def batch_specs(batch: Any, layout: MeshLayout) -> Any:
-    """Each leaf of ``batch`` split over ``layout``'s batch axis (its rows)."""
-    return jax.tree.map(lambda _: P(layout.axis_name), batch)
-
-
-def _committed(x: Any) -> Any:
-    """``x`` committed where it lies (its memory kind kept: streamed parameters stay)."""
-    return jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x
-
-
-def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Callable) -> Any:
-    """``state`` ``put`` where a step keeps it (concrete): on the mesh, offloaded as asked."""
-    if layout is not None:  # laid out already if its step and first parameter are
-        mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
-        first = jax.tree.leaves(state.params)[:1]
-        specs = jax.tree.leaves(strategy, is_leaf=meshes.is_spec)[:1]  # a tree of specs
-        if isinstance(strategy, str):
-            row, size = split_of(strategy), meshes.devices(mesh, axis_name)
-            specs = [row.spec("params", jnp.shape(x), size, axis_name) or P() for x in first]
-        wanted = [NamedSharding(mesh, spec) for spec in [P(), *specs]]
-        if not all(map(_is_laid_out, [state.step, *first], wanted)):
-            state = put(state, state_shardings(state, mesh, strategy, axis_name=axis_name))
-    elif offload_state:
-        first = jax.tree.leaves(state)[0]
-        if not getattr(first, "committed", True):
-            state = jax.tree.map(_committed, state)  # as the step returns it
-    return offload(state, select=offload_state) if offload_state else state

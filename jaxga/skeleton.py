@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxga import collectives, sharding
+from jaxga import collectives, layouts, sharding
 from jaxga._layerwise import StreamError, streamed_leaves, updated_by_layer
 from jaxga._streaming import global_norm, layerwise, on_device, placed_like
 from jaxga.engine import Accumulated
@@ -158,7 +158,7 @@ class OptimizerAccess(NamedTuple):
 class StepKind(Protocol):
     """What `train_step` needs of a step's kind (`train._Flax`, `nnx_train._NNX`)."""
 
-    def specs(self, state: Any, layout: sharding.MeshLayout) -> Any:
+    def specs(self, state: Any, layout: layouts.MeshLayout) -> Any:
         """``state``'s specs on ``layout``'s mesh."""
 
     def accumulate(self, state: Any, batch: Any, specs: Any) -> tuple[Accumulated, Any]:

@@ -116,7 +116,7 @@ class StepOptions:
     offload: bool | Callable[[Any, Any], bool]
     unroll: int | bool
     compiler_options: Mapping[str, Any]
-    layout: sharding.MeshLayout | None = None
+    layout: layouts.MeshLayout | None = None
     model_state_fields: str | tuple[str, ...] | None = None  # Flax's TrainState only
     rng_field: str | None = None  # Flax's TrainState only
     memory_budget: int | None = None
@@ -181,7 +181,7 @@ def step_options(
     )
 
 
-def _check_stream(stream: Any, layout: sharding.MeshLayout | None, k: Any) -> bool | str:
+def _check_stream(stream: Any, layout: layouts.MeshLayout | None, k: Any) -> bool | str:
     """``stream`` (False, True, "layers"; "auto" with ``k`` "auto"), checked: not on a mesh yet."""
     if stream == "auto" and k != "auto":
         raise ValueError(
@@ -310,13 +310,13 @@ class JittedStep:
         num_real: Any,
         *,
         end_group: Any,
-        layout: sharding.MeshLayout | None = None,
+        layout: layouts.MeshLayout | None = None,
         extra: tuple[Any, ...] = (),
     ) -> tuple[Any, ...]:
         """What a subclass's ``_arguments`` ends with, the jitted function's arguments:
-        ``static``, ``state`` laid out (`sharding.lay_out` on ``layout``, offloaded as the
+        ``static``, ``state`` laid out (`layouts.lay_out` on ``layout``, offloaded as the
         step says), ``batch``, ``num_real`` and ``end_group`` checked, then ``extra``."""
-        state = sharding.lay_out(state, layout, offload_state=self.options.offload)
+        state = layouts.lay_out(state, layout, offload_state=self.options.offload)
         real = check_num_real(num_real, self.options.num_microbatches)
         return (*static, state, batch, real, check_end_group(end_group), *extra)
 

@@ -15,7 +15,7 @@ from jaxga import _checks, _streaming, layouts, meshes, modules, planner, shardi
 from jaxga.accumulation import Accumulate
 from jaxga.arguments import StateStructureError
 from jaxga.engine import Accumulated
-from jaxga.sharding import MeshLayout
+from jaxga.layouts import MeshLayout
 from jaxga.state import TrainState, check_field_names, state_fields
 from jaxga.steps import Metrics, StepOptions
 

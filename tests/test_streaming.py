@@ -15,6 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxga
+from jaxga.memory import program_counts
 
 DEVICE = jax.devices()[0]
 HOST = jax.sharding.SingleDeviceSharding(DEVICE, memory_kind="pinned_host")
@@ -456,3 +457,37 @@ def test_the_streamed_norm_is_optaxs_for_narrow_and_complex_stacks(dtype):
     want = optax.tree.norm({"w": stack})
     assert got.dtype == want.dtype
     np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=1e-2)
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_prefetching_changes_no_bit_and_moves_one_layer_more(policy):
+    """remat_scan(stream=True) fetches each layer one iteration ahead (the default) or where
+    it is used (prefetch=False): the same loss and gradients bit for bit (the resident
+    scan's); forward and back, prefetching moves the two stacks and one layer more (the
+    backward's last fetch, with no layer left to use it), read from the traced program."""
+    params, x, shift = jax.device_put(stacked_params(), HOST), carry(), jnp.full((DIM,), 0.01)
+
+    def grad_of(prefetch):
+        def of(params, x, shift):
+            def layer(p, c):
+                return block(p, {"h": c["h"] + shift, "sum": c["sum"]})
+
+            out = jaxga.remat_scan(layer, params, x, policy=policy, stream=True, prefetch=prefetch)
+            return jnp.mean(jnp.sin(out["h"])) + jnp.mean(out["sum"] ** 2)
+
+        return jax.jit(jax.value_and_grad(of, argnums=(0, 1, 2)))
+
+    expected = jax.jit(
+        jax.value_and_grad(functools.partial(loss, stream=False, policy=policy), argnums=(0, 1, 2))
+    )(stacked_params(), x, shift)
+    stack = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    layer = stack // jax.tree.leaves(params)[0].shape[0]
+    for prefetch, fetched in [(True, 2 * stack + layer), (False, 2 * stack)]:
+        assert_equal(grad_of(prefetch)(params, x, shift), expected)
+        counts = program_counts(jax.make_jaxpr(grad_of(prefetch))(params, x, shift))
+        assert counts.moved_bytes == fetched + stack  # and each layer's gradient written home
+
+
+def test_prefetch_false_needs_stream():
+    with pytest.raises(ValueError, match=r"`prefetch`=False applies to stream=True"):
+        jaxga.remat_scan(block, stacked_params(), carry(), prefetch=False)
