@@ -489,7 +489,8 @@ def table(results: dict[str, dict[str, Largest]], args: argparse.Namespace) -> l
                 lines.append(row(card, found, args))
     lines.append(
         "moved: GiB host<->device a step; model s: modelled step time, max(compute at the "
-        "card's bf16 peak, transfers at its PCIe link), a model, not a measurement"
+        "card's bf16 peak, transfers at its PCIe link) (their sum with no prefetch: each layer "
+        "waits for its copy), a model, not a measurement"
     )
     return lines
 

@@ -84,7 +84,9 @@ def float_dtype(value: Any, name: str = "accumulator_dtype") -> jnp.dtype | None
     raise TypeError(f"`{name}` must be a floating dtype (jnp.float32...) or None; got {got}.")
 
 
-def sum_dtype_for(dtype: jnp.dtype | None, leaf_dtype: Any) -> jnp.dtype:
+def grad_sum_dtype(dtype: jnp.dtype | None, leaf_dtype: Any) -> jnp.dtype:
+    """The dtype a gradient of ``leaf_dtype`` is summed in: ``accumulator_dtype`` (``dtype``)
+    if given, else at least float32 (not `Call.sum_dtype`, the loss totals' and counts')."""
     return jnp.promote_types(jnp.float32, leaf_dtype) if dtype is None else jnp.dtype(dtype)
 
 

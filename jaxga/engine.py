@@ -208,7 +208,7 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
         return collectives.when(real, step, carry, batches, otherwise=skip)
 
     def grad_dtype(x):
-        return _checks.sum_dtype_for(options.accumulator_dtype, jnp.result_type(x))
+        return _checks.grad_sum_dtype(options.accumulator_dtype, jnp.result_type(x))
 
     zero = jnp.zeros((), call.sum_dtype)
     init = Carry(

@@ -94,7 +94,8 @@ def _init(params: Any, *, inner: Any, accumulator_dtype: Any, should_skip: Any) 
         raise TypeError(f"`should_skip_update_fn` must return (a bool, a report); got {out}.")
 
     def zeros(leaf: Any) -> jax.Array:  # an accumulator: at least float32, or accumulator_dtype
-        return jnp.zeros_like(leaf, _checks.sum_dtype_for(accumulator_dtype, jnp.result_type(leaf)))
+        dtype = _checks.grad_sum_dtype(accumulator_dtype, jnp.result_type(leaf))
+        return jnp.zeros_like(leaf, dtype)
 
     return MultiStepsState(
         mini_step=jnp.int32(0),
