@@ -12,6 +12,9 @@ from jaxga import modules
 
 
 def leading_size(tree: Any, name: str, axis: str) -> int | None:
+    """The one leading size of ``tree``'s leaves (None without leaves), or an error naming
+    the leaf (``name`` and its path) that is not an array with a leading ``axis`` axis or
+    differs from the others."""
     sizes = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         where = f"{name}{jax.tree_util.keystr(path)}"

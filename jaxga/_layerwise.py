@@ -108,7 +108,8 @@ def split_update(
         state: a train state (a Flax TrainState, an NNX model and optimizer's state).
         grads: the gradient, leaves like ``access.params(state)``'s.
         kinds: `leaf_kinds` of ``state``'s params and optimiser state.
-        extra: ``update``'s keywords (``weight``, ``end_group``).
+        extra: ``update``'s keywords (``weight``, ``end_group``; and ``counted``, which
+            `skeleton`'s update takes to keep each layer's slices where nothing counted).
 
     Returns:
         The updated state; its optimiser-state leaves that mirror no parameter from the
@@ -249,7 +250,10 @@ def check_elementwise(
         _PROBED[key] = None
 
 
-_PROBED: dict[Any, None] = {}  # the keys of the probes `check_elementwise` passed
+# The keys of the probes `check_elementwise` passed: module-level because the probe runs
+# inside a trace, where no step object is at hand, and its verdict holds across retraces
+# and steps; bounded (64 keys, each holding its tx and parameter signature alive).
+_PROBED: dict[Any, None] = {}
 
 
 def _probe_key(access: "OptimizerAccess", state: Any, kinds: Any, extra: Any) -> Any:

@@ -106,7 +106,8 @@ def check_state_reduction(value: Any) -> Any:
 
 
 def check_num_real(value: Any, num_microbatches: int) -> Any:
-    """An int32 count, checked where it can be read: not traced (`docs/architecture.md`'s rule)."""
+    """An int32 count, checked where it can be read; traced and outside ``1..k``, 0: no
+    micro-batch counted, a `Mean` of no item (0 / 0: a NaN loss and gradients)."""
     name, expected = "num_real_microbatches", "an int scalar or None"
     bad = f"`{name}` must be in 1..{num_microbatches} (num_microbatches); got {{}}."
     if value is None:
@@ -117,8 +118,8 @@ def check_num_real(value: Any, num_microbatches: int) -> Any:
         n = np.asarray(value)
         if n.shape != () or n.dtype.kind not in "iu":
             raise TypeError(f"`{name}` must be {expected}; got {value!r:.60}.")
-    check_value((n >= 1) & (n <= num_microbatches), bad, n)
-    return jnp.asarray(n, jnp.int32)  # one compiled step for every count
+    ok = check_value((n >= 1) & (n <= num_microbatches), bad, n)
+    return jnp.where(ok, jnp.asarray(n, jnp.int32), 0)  # one compiled step for every count
 
 
 def is_key(x: Any, raw: bool = True) -> bool:
@@ -203,6 +204,11 @@ def _rows_and_route(options: Options, args: tuple[Any, ...]) -> tuple[int, colle
     for i, size in zip(options.batch_argnums, rows):
         if not size:  # None: no leaves
             raise ValueError(f"`batch_argnums` names args[{i}], with no array leaves or rows.")
+    if len(set(rows)) > 1:
+        sizes = ", ".join(f"args[{i}] {n}" for i, n in zip(options.batch_argnums, rows))
+        raise ValueError(
+            f"The arguments `batch_argnums` names must have one batch size; got {sizes}."
+        )
     rows = rows[0] if rows else 0
     route = collectives.find_route(options.axis_name, [args[i] for i in options.batch_argnums])
     devices = collectives.axis_size(route)
@@ -250,9 +256,16 @@ def note_unsplit(error: Exception, fun: Any, options: Options, args: tuple, rows
         )
 
 
+_KEYWORDS = {  # accumulate's own, which a user may pass to `fun` by mistake
+    *("argnums", "batch_argnums", "num_microbatches", "num_real_microbatches", "axis_name"),
+    *("has_aux", "aux", "state_argnums", "state_reduction", "rng_argnums", "unroll"),
+    *("accumulator_dtype", "canonical_convolutions"),
+}
+
+
 def check_kwargs(fun: Any, kwargs: dict[str, Any]) -> None:
     """Raises for a keyword of jaxga's (``num_real_microbatches``...) that ``fun`` does not take."""
-    ours = sorted(set(kwargs) & {*Options._fields, "aux"})
+    ours = sorted(set(kwargs) & _KEYWORDS)
     if not ours:
         return
     try:
@@ -289,6 +302,7 @@ _FUN_PAIRS = {  # what `fun` returns as a pair: the option asking for it, the pa
 _STEP_PAIRS = {  # a train step's loss: the error when it does not return its pair
     "state": "{called_as} must return a pair (loss, new_model_state); got {got}.",
     "aux": "With has_aux=True, {called_as} must return (loss, aux); got {got}.",
+    "aux_state": "{called_as} must return ((loss, aux), new_model_state); got {got}.",
 }
 
 

@@ -199,7 +199,8 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
         return new, micro.aux
 
     def skip(types: Any, carry: Carry, batches: tuple) -> tuple[Carry, Any]:  # nothing counted
-        return carry._replace(index=carry.index + 1), jax.tree.map(collectives.zeros_of, types[1])
+        _, aux_types = types  # the step's (Carry, aux)
+        return carry._replace(index=carry.index + 1), jax.tree.map(collectives.zeros_of, aux_types)
 
     def body(carry: Carry, batches: tuple) -> tuple[Carry, Any]:
         if options.num_real_microbatches is None:

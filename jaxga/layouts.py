@@ -51,7 +51,9 @@ def _committed(x: Any) -> Any:
 
 
 def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Callable) -> Any:
-    """``state`` ``put`` where a step keeps it (concrete): on the mesh, offloaded as asked."""
+    """``state`` ``put`` where a step keeps it (concrete): on the mesh, offloaded as asked.
+    With a ``layout``, ``state`` is a Flax train state (its ``step`` and ``params`` read);
+    an NNX step passes None and lays its model out itself."""
     if layout is not None:  # laid out already if its step and first parameter are
         mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
         first = jax.tree.leaves(state.params)[:1]

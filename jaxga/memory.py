@@ -2,7 +2,9 @@
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any, NamedTuple
 
 import jax
@@ -10,6 +12,10 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jaxga.meshes import HOST_KINDS
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # lower case
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*(\d+\.?\d*|\.\d+)(e[+-]?\d{1,4})?\s*([a-z]*)\s*", re.IGNORECASE)
 
 # the parameter of a shard_map equation naming the axes it makes manual, newest jax first
 _MANUAL_AXES = ("newly_manual_axes", "manual_axes", "axis_names")
@@ -50,6 +56,34 @@ class MemoryReport:
     dot_flops_exact: bool  # False if a while_loop's body was counted once
     backend: str  # the platform compiled for, e.g. "cpu"
     moved_bytes: int = 0  # copied between host and device memory a call, every loop counted
+
+
+def parse_bytes(value: int | str, *, name: str = "budget") -> int:
+    """Returns a byte count given as an int or a string such as ``"512MiB"`` or ``"2GB"``.
+
+    Args:
+        value: bytes, or a number and a unit: ``B``, ``KB``...``TB`` or ``KiB``...``TiB``.
+        name: the argument's name, for errors.
+
+    Returns:
+        The number of bytes, rounded down, an int in ``[0, 2**63)``.
+
+    Examples:
+        >>> import jaxga
+        >>> jaxga.parse_bytes("512MiB"), jaxga.parse_bytes("1.5GiB"), jaxga.parse_bytes("2GB")
+        (536870912, 1610612736, 2000000000)
+    """
+    if isinstance(value, bool) or not isinstance(value, int | np.integer | str):
+        raise TypeError(f"`{name}` must be an int number of bytes or a string; got {value!r}.")
+    size = value
+    if isinstance(value, str):
+        match = _SIZE.fullmatch(value)
+        if match is None or match[3].lower() not in _UNITS:
+            raise ValueError(f"`{name}`={value!r} is not a size such as '512MiB' or '1.5GB'.")
+        size = Fraction(match[1] + (match[2] or "")) * _UNITS[match[3].lower()]
+    if not 0 <= size < 2**63:  # XLA counts bytes in int64
+        raise ValueError(f"`{name}` must be a number of bytes in [0, 2**63); got {value!r}.")
+    return int(size)
 
 
 def format_bytes(n: int) -> str:

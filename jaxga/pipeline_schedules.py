@@ -60,8 +60,8 @@ class Schedule:
         stages: S, the size of the stage axis.
         microbatches: m, the micro-batches streamed through the stages.
         repeats: r, the chunks of layers each stage holds (1: one).
-        name: the schedule, a key of `SCHEDULES`: ``"gpipe"``, ``"circular"``,
-            ``"1f1b"`` or ``"interleaved_1f1b"``.
+        name: the schedule, a key of `SCHEDULES`: ``"gpipe"``, ``"circular"`` (the
+            default), ``"1f1b"`` or ``"interleaved_1f1b"``.
 
     Examples:
         >>> from jaxga.pipeline import Schedule

@@ -3,9 +3,7 @@
 import dataclasses
 import functools
 import itertools
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from fractions import Fraction
 from typing import Any, NamedTuple
 
 import jax
@@ -15,44 +13,14 @@ from jax.sharding import PartitionSpec as P
 from jaxga import meshes
 from jaxga._checks import check_arity, check_bool, leading_size, positive_int
 from jaxga.arguments import as_positions
-from jaxga.memory import HOST_KINDS, MemoryReport, format_bytes, memory_report
+from jaxga.memory import MemoryReport, format_bytes, memory_report, parse_bytes
+from jaxga.meshes import HOST_KINDS
 from jaxga.microbatch import IndivisibleBatchError
 from jaxga.remat import REMAT
 from jaxga.sharding import check_strategy
 
 _SEARCHED = ("strategy", "offload", "stream")  # plan's axes given to build as keywords
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # lower case
-_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _TOLERANCE = 0.05  # of the budget: a count predicted further over it is not built
-_SIZE = re.compile(r"\s*(\d+\.?\d*|\.\d+)(e[+-]?\d{1,4})?\s*([a-z]*)\s*", re.IGNORECASE)
-
-
-def parse_bytes(value: int | str, *, name: str = "budget") -> int:
-    """Returns a byte count given as an int or a string such as ``"512MiB"`` or ``"2GB"``.
-
-    Args:
-        value: bytes, or a number and a unit: ``B``, ``KB``...``TB`` or ``KiB``...``TiB``.
-        name: the argument's name, for errors.
-
-    Returns:
-        The number of bytes, rounded down, an int in ``[0, 2**63)``.
-
-    Examples:
-        >>> import jaxga
-        >>> jaxga.parse_bytes("512MiB"), jaxga.parse_bytes("1.5GiB"), jaxga.parse_bytes("2GB")
-        (536870912, 1610612736, 2000000000)
-    """
-    if isinstance(value, bool) or not isinstance(value, int | jnp.integer | str):
-        raise TypeError(f"`{name}` must be an int number of bytes or a string; got {value!r}.")
-    size = value
-    if isinstance(value, str):
-        match = _SIZE.fullmatch(value)
-        if match is None or match[3].lower() not in _UNITS:
-            raise ValueError(f"`{name}`={value!r} is not a size such as '512MiB' or '1.5GB'.")
-        size = Fraction(match[1] + (match[2] or "")) * _UNITS[match[3].lower()]
-    if not 0 <= size < 2**63:  # XLA counts bytes in int64
-        raise ValueError(f"`{name}` must be a number of bytes in [0, 2**63); got {value!r}.")
-    return int(size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +222,17 @@ def _build_one(
     return _Built(Candidate(k, size, remat, report, fits, reason, **keywords), step)
 
 
+def over_budget(candidates: Sequence[Candidate], budget: int) -> InfeasibleBudgetError:
+    """The error when no candidate fits ``budget``, naming the one of smallest peak."""
+    smallest = min((c for c in candidates if c.report), key=lambda c: c.report.peak_bytes)
+    peak = smallest.report.peak_bytes
+    return InfeasibleBudgetError(
+        f"No configuration fits the memory budget of {format_bytes(budget)} ({budget} bytes);"
+        f" the smallest peak, {format_bytes(peak)} ({peak} bytes), has {smallest}.",
+        tuple(candidates),
+    )
+
+
 def chosen_index(candidates: list[Candidate], budget: int, streams: Sequence[Any] = (None,)) -> int:
     """The index of the fitting candidate first in the search order (``streams``' order,
     then the fewest micro-batches); raises if none fits."""
@@ -261,13 +240,7 @@ def chosen_index(candidates: list[Candidate], budget: int, streams: Sequence[Any
         raise ValueError(f"No num_microbatches splits the batch: {candidates[0].reason}")
     fitting = [i for i, c in enumerate(candidates) if c.fits]  # as built: in order for each k
     if not fitting:
-        smallest = min((c for c in candidates if c.report), key=lambda c: c.report.peak_bytes)
-        peak = smallest.report.peak_bytes
-        raise InfeasibleBudgetError(
-            f"No configuration fits the memory budget of {format_bytes(budget)} ({budget} bytes);"
-            f" the smallest peak, {format_bytes(peak)} ({peak} bytes), has {smallest}.",
-            tuple(candidates),
-        )
+        raise over_budget(candidates, budget)
     place = {stream: i for i, stream in enumerate(streams)}  # then the fewest micro-batches
     return min(fitting, key=lambda i: (place[candidates[i].stream], candidates[i].num_microbatches))
 

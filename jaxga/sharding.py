@@ -234,7 +234,11 @@ def offload(
     if callable(select):
         moved = [bool(select(path, x)) for path, x in flat]
     else:  # the rule above, cached by tree structure
-        moved = _MOVED.get(treedef) or _MOVED.setdefault(treedef, _optimizer_leaves(state))
+        if treedef not in _MOVED:
+            if len(_MOVED) >= 64:  # a bound: a Flax TrainState's structure holds its tx
+                _MOVED.pop(next(iter(_MOVED)))  # and apply_fn, kept alive by the key
+            _MOVED[treedef] = _optimizer_leaves(state)
+        moved = _MOVED[treedef]
         moved = [m and bool(select) for m in moved]
     if keep is not None:
         moved = [m and not k for m, k in zip(moved, jax.tree.leaves(keep), strict=True)]
@@ -354,9 +358,10 @@ def state_specs(
     specs = jax.tree.map(lambda _: P(), state)
     shard = functools.partial(fsdp_specs, mesh=mesh, axis_name=axis_name)
     if strategy is None:  # as placed: every array's own layout, the parameters' and the rest
-        shard = functools.partial(_spec_of, mesh=mesh)
-        strategy = jax.tree.map(shard, state.params)
-    elif isinstance(strategy, str):
+        where = functools.partial(_spec_of, mesh=mesh)
+        params, opt_state = jax.tree.map(where, state.params), jax.tree.map(where, state.opt_state)
+        return specs.replace(params=params, opt_state=opt_state)
+    if isinstance(strategy, str):
         row, size = split_of(strategy), meshes.devices(mesh, axis_name)
 
         def by_row(role: str, tree: Any) -> Any:  # P(): what the row does not split

@@ -49,7 +49,9 @@ def apply_update(
 
     if always:
         zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))  # not a constant
-        grads = layerwise(lambda g: jnp.where(counted, g, zero), acc.grads)  # streamed: by layer
+        grads = layerwise(  # streamed: by layer; each gradient keeps its dtype
+            lambda g: jnp.where(counted, g, zero.astype(g.dtype)), acc.grads
+        )
         return updated(state, grads)
     if keeps:
         return updated(state, acc.grads, counted=counted)
@@ -87,17 +89,31 @@ def _selecting(
     return _selected(counted, functools.partial(update, **extra), state, grads)
 
 
+def _groups_ended(opt_state: Any) -> list[jax.Array]:
+    """Whether each MultiSteps in ``opt_state`` ran its inner optimiser in this call: a
+    `jaxga.MultiSteps`' ``applied``; an `optax.MultiSteps`' (its ``gradient_transformation()``
+    in a chain), optax's own rule: a group just ended, ``mini_step`` back to 0."""
+
+    def optax_state(x: Any) -> bool:
+        return isinstance(x, optax.MultiStepsState)
+
+    theirs = [x for x in jax.tree.leaves(opt_state, is_leaf=optax_state) if optax_state(x)]
+    ended = [(s.mini_step == 0) & (s.gradient_step > 0) for s in theirs]
+    return [s.applied for s in states_in(opt_state)] + ended
+
+
 def metrics(
     acc: Accumulated, tx: Any, opt_state: Any, options: "StepOptions", *, always: bool
 ) -> Metrics:
     """The step's metrics; ``applied``: whether the update ran (``always``, or items counted)
     and applied: ``tx.has_updated(opt_state)`` if ``tx`` has one, else whether every
-    `jaxga.MultiSteps` it holds ran its inner optimiser."""
+    MultiSteps it holds (a chain's: `_groups_ended`) ran its inner optimiser, else whether
+    items counted."""
     counted = acc.mean.count > 0
     if (has_updated := getattr(tx, "has_updated", None)) is not None:
         applied = has_updated(opt_state)
-    elif held := [s.applied for s in states_in(opt_state)]:  # in `tx` (a chain): the
-        applied = jnp.all(jnp.stack(held))  # calls that ran its inner optimiser
+    elif held := _groups_ended(opt_state):
+        applied = jnp.all(jnp.stack(held))
     else:
         applied = counted
     return {

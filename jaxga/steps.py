@@ -14,7 +14,8 @@ from jaxga import _checks, layouts, meshes, planner, sharding
 from jaxga.accumulation import OPTION_CHECKS, Accumulate, accumulate, check_options
 from jaxga.arguments import check_num_real
 from jaxga.compiler import compiler_options
-from jaxga.memory import HOST_KINDS, format_bytes
+from jaxga.memory import format_bytes
+from jaxga.meshes import HOST_KINDS
 from jaxga.state import unaliased
 
 Metrics = dict[str, jax.Array]
@@ -238,21 +239,6 @@ def accumulator(
     return Accumulate(accumulated.fun, accumulated.options._replace(called_as=called_as))
 
 
-def _over_budget(over: list[planner.Candidate], budget: int) -> planner.InfeasibleBudgetError:
-    """The error when no candidate of ``over`` (every stream's) fits: the smallest peak."""
-    smallest = min((c for c in over if c.report), key=_peak_bytes)
-    peak = smallest.report.peak_bytes
-    return planner.InfeasibleBudgetError(
-        f"No configuration fits the memory budget of {format_bytes(budget)} ({budget} bytes);"
-        f" the smallest peak, {format_bytes(peak)} ({peak} bytes), has {smallest}.",
-        tuple(over),
-    )
-
-
-def _peak_bytes(candidate: planner.Candidate) -> int:
-    return candidate.report.peak_bytes
-
-
 class JittedStep:
     """A jitted train step; with `num_microbatches="auto"`, the one planned for each call.
 
@@ -373,7 +359,7 @@ class JittedStep:
             except planner.InfeasibleBudgetError as e:
                 over += e.candidates
                 if stream == streams[-1]:  # none of any stream fits
-                    raise _over_budget(over, budget) from None
+                    raise planner.over_budget(over, budget) from None
         plan = dataclasses.replace(plan, candidates=(*over, *plan.candidates))
         _LOG.info(
             f"jaxga: planned {plan.num_microbatches} micro-batch(es) of {plan.microbatch_size} "

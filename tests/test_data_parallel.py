@@ -297,3 +297,23 @@ def test_state_specs_none_keeps_every_array_where_it_lies():
     specs = jaxga.sharding.state_specs(state, mesh, None)
     assert specs.params["w"] == P("data")
     assert specs.opt_state == {"hist": P(), "split": P("data")}
+
+
+def test_state_specs_none_keeps_a_zero1_optimiser_state_split():
+    """A state laid out as "zero1" (moments split over "data", parameters replicated): with
+    strategy=None its moments keep their split, not the parameters' layout, and a train step
+    with strategy=None returns them split."""
+    mesh = jax.make_mesh((8,), ("data",))
+    state = jaxga.TrainState.create(params={"w": jnp.zeros((8, 4))}, tx=optax.adam(0.1))
+    state = jaxga.sharding.put(state, jaxga.sharding.state_shardings(state, mesh, "zero1"))
+    split, where = state.opt_state[0].mu["w"].sharding.spec, state.opt_state[0].mu["w"].sharding
+    assert split[0] == "data"
+    specs = jaxga.sharding.state_specs(state, mesh, None)
+    assert specs.params["w"] == P() and specs.opt_state[0].mu["w"] == split
+
+    def loss(params, batch, model_state, rng):
+        return jaxga.Mean.of((batch @ params["w"]) ** 2), model_state
+
+    step = jaxga.make_train_step(loss, 2, mesh=mesh, strategy=None)
+    new, _ = step(state, jnp.ones((16, 8)))
+    assert new.opt_state[0].mu["w"].sharding.is_equivalent_to(where, 2)

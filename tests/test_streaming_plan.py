@@ -262,3 +262,24 @@ def test_the_update_by_layer_refuses_a_tx_that_changes_a_stack_dtype():
     )
     with pytest.raises(ValueError, match=r"changes a stack's dtype from float32 to bfloat16"):
         step(state, batch_of(0))
+
+
+def test_the_lent_gpu_streaming_benchmark_runs_and_its_steps_agree():
+    """benchmarks/streaming_step.py --quick (the script a lent GPU runs, here on CPU): every
+    method trains from the same state, the streamed steps' loss after one update the
+    resident step's (prefetching changes no bit), and the bytes moved are the memory
+    report's, none for the resident step."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import streaming_step
+
+    rows = {row.method: row for row in streaming_step.main(["--quick"])}
+    assert list(rows) == list(streaming_step.METHODS)
+    resident = rows["resident"]
+    assert resident.moved_bytes == 0 and rows["streaming"].moved_bytes > 0
+    assert rows["offload=True"].second_loss == resident.second_loss
+    assert rows["streaming"].second_loss == rows["streaming, no prefetch"].second_loss
+    np.testing.assert_allclose(rows["streaming"].second_loss, resident.second_loss, rtol=1e-6)
+    assert all(row.seconds > 0 and row.modelled_s > 0 for row in rows.values())

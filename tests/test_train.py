@@ -980,3 +980,44 @@ def test_state_step_counts_calls_and_nnx_optimizer_step_counts_updates():
 
     metrics = jaxga.nnx_train_step(nnx_loss, 2)(model, optimizer, batch)
     assert int(optimizer.step[...]) == 0 and not bool(metrics["applied"])
+
+
+def _linear_loss(params, batch, model_state, rng):
+    y = batch["x"] @ params["w"].astype(jnp.float32)
+    return jaxga.Mean.of((y - batch["y"]) ** 2), model_state
+
+
+def _linear_batch():
+    x = jax.random.normal(jax.random.key(0), (8, 3))
+    return {"x": x, "y": x @ jnp.arange(3.0)}
+
+
+def test_a_weighted_update_keeps_each_gradients_dtype():
+    """weight=True masks the gradient of a call that counted nothing: the mask keeps a
+    bfloat16 gradient bfloat16, so Adam's moments keep the parameters' dtype, as unweighted."""
+    params = {"w": jnp.ones(3, jnp.bfloat16)}
+    states = {}
+    for weight in (False, True):
+        state = jaxga.TrainState.create(params=params, tx=optax.adam(1e-2))
+        state, _ = jaxga.make_train_step(_linear_loss, 2, weight=weight)(state, _linear_batch())
+        states[weight] = state
+    assert states[True].opt_state[0].mu["w"].dtype == jnp.bfloat16
+    chex.assert_trees_all_equal(states[True].params, states[False].params)
+    chex.assert_trees_all_equal(states[True].opt_state, states[False].opt_state)
+
+
+def test_applied_reads_an_optax_multisteps_in_a_chain():
+    """`metrics["applied"]` with optax.MultiSteps(...).gradient_transformation() (no
+    has_updated on the tx): optax's own rule, a group just ended, call by call; the
+    parameters change only then."""
+    inner = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    state = jaxga.TrainState.create(
+        params={"w": jnp.zeros(3)}, tx=optax.chain(inner.gradient_transformation())
+    )
+    step = jaxga.make_train_step(_linear_loss, 2)
+    for call in range(4):
+        before = np.asarray(state.params["w"])  # the step donates the state
+        state, metrics = step(state, _linear_batch())
+        want = bool(inner.has_updated(state.opt_state[0]))
+        assert bool(metrics["applied"]) == want == (call % 2 == 1)
+        assert bool(jnp.any(state.params["w"] != before)) == want

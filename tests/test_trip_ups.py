@@ -314,3 +314,41 @@ def test_an_argument_left_whole_is_named_on_a_mesh_too():
         "jaxga: not split, yet of the batch's 8 rows: args[2]; to split them too, pass "
         "batch_argnums=(1, 2)." in error.value.__notes__
     )
+
+
+def test_a_traced_num_real_microbatches_out_of_range_counts_nothing():
+    """Traced, a `num_real_microbatches` outside 1..k cannot raise: no micro-batch counts,
+    a Mean of no item, 0 / 0, its value and gradient NaN (never a plausible number); eagerly
+    it raises."""
+    x = jnp.arange(8.0)
+
+    def run(n):
+        def loss(w, x):
+            return jaxga.Mean.of(x * w)
+
+        return jaxga.value_and_grad(loss, num_microbatches=4, num_real_microbatches=n)(1.0, x)
+
+    for n in (0, 5, -1):
+        value, grad = jax.jit(run)(jnp.int32(n))
+        assert jnp.isnan(value) and jnp.isnan(grad)
+        with pytest.raises(ValueError, match=r"`num_real_microbatches` must be in 1\.\.4"):
+            run(n)
+    good = jax.jit(run)(jnp.int32(4))
+    chex.assert_trees_all_close(good, jax.value_and_grad(lambda w: jnp.mean(x * w))(1.0))
+
+
+def test_batch_arguments_of_different_sizes_are_named():
+    loss = jaxga.value_and_grad(
+        lambda w, x, y: jnp.mean(x * w) + jnp.mean(y), num_microbatches=2, batch_argnums=(1, 2)
+    )
+    with pytest.raises(ValueError, match=r"one batch size; got args\[1\] 8, args\[2\] 6"):
+        loss(1.0, jnp.ones(8), jnp.ones(6))
+
+
+def test_jaxgas_keywords_given_to_fun_are_accumulates_own():
+    """The keywords a call of `fun` is checked against are `jaxga.accumulate`'s own."""
+    import inspect
+
+    from jaxga.arguments import _KEYWORDS
+
+    assert set(inspect.signature(jaxga.accumulate).parameters) - {"fun"} == _KEYWORDS
