@@ -37,7 +37,7 @@ class Options(NamedTuple):
     aux: Any  # None (a Mean summed, others stacked), or kinds (auxiliary.KINDS), a prefix
     num_real_microbatches: Any = None  # None: all; else an int (or traced int) in 1..k
     canonical_convolutions: bool | str = "auto"  # True, False or "auto": on CPU backends only
-    state_reduction: Any = "mean"  # "mean" (engine.mean_over_devices) or (x, axes) -> x
+    state_reduction: Any = "mean"  # "mean" (collectives.mean_over_devices) or (x, axes) -> x
     placement: Any = None  # a train step's collectives.Placement; None: as the values lie
     called_as: str = FUN  # how errors name the function: a train step's loss is worded so
 

@@ -347,6 +347,18 @@ def zeros_like_sums(primals: Any, dtype: Callable[[Any], Any]) -> Any:
     return jax.tree.map(zero, primals)
 
 
+def mean_over_devices(x: jax.Array, axes: tuple[Any, ...], *, old: jax.Array) -> jax.Array:
+    """``state_reduction="mean"``: floats averaged over ``axes`` (the change from ``old``, the
+    value before the loop, so that a state no device changed comes back unrounded); ints
+    and keys, their max."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return old + jax.lax.pmean(x - old, axes)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = jax.lax.pmax(jax.random.key_data(x), axes)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jax.lax.pmax(x, axes)
+
+
 def reduce_after(sums: Any, like: Any, route: Route) -> Any:
     """``sums`` reduced once over a manual route's axes, but for those ``like`` varies over."""
     return psum_invariant(sums, like, route.axes) if route.kind == "manual" else sums

@@ -227,18 +227,6 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
     )
 
 
-def mean_over_devices(x: jax.Array, axes: tuple[Any, ...], *, old: jax.Array) -> jax.Array:
-    """``state_reduction="mean"``: floats averaged over ``axes`` (the change from ``old``, the
-    value before the loop, so that a state no device changed comes back unrounded); ints
-    and keys, their max."""
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        return old + jax.lax.pmean(x - old, axes)
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        data = jax.lax.pmax(jax.random.key_data(x), axes)
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-    return jax.lax.pmax(x, axes)
-
-
 def _reduce_threaded(threaded: Threaded, options: Options, call: Call) -> Threaded:
     """The threaded state replicated again over the route's axes, by `state_reduction`."""
     given = options.state_reduction
@@ -247,7 +235,9 @@ def _reduce_threaded(threaded: Threaded, options: Options, call: Call) -> Thread
         over = collectives.invariant_axes(old, call.route.axes)
         if not over:
             return x
-        return mean_over_devices(x, over, old=old) if given == "mean" else given(x, over)
+        if given == "mean":
+            return collectives.mean_over_devices(x, over, old=old)
+        return given(x, over)
 
     def callers_key(x: Any, before: Any) -> Any:  # each device folded its index into the keys
         return before if arguments.is_key(x, raw=False) else x
