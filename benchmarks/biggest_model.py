@@ -251,7 +251,9 @@ class Fit(NamedTuple):
     fits: bool
 
 
-def _jaxga_loss(loss: Callable[..., jaxga.Mean]) -> Callable[..., Any]:
+def step_loss(loss: Callable[..., jaxga.Mean]) -> Callable[..., Any]:
+    """``loss(params, batch)`` as a train step's loss: ``(params, batch, model_state, rng)``."""
+
     def train_loss(params, batch, model_state, rng):
         return loss(params, batch), model_state
 
@@ -281,10 +283,10 @@ def compile_step(setting: Setting, model: Llama, card: Card, batch: int) -> Fit:
     if setting.method in STREAMING:
         state = on_host(device, state, streamed)
         loss = loss_for(setting.remat, stream=True, prefetch=STREAMING[setting.method])
-        step = jaxga.make_train_step(_jaxga_loss(loss), k, stream="layers", offload=True)
+        step = jaxga.make_train_step(step_loss(loss), k, stream="layers", offload=True)
     else:
         offload = setting.method == "jaxga offload=True"
-        step = jaxga.make_train_step(_jaxga_loss(loss), k, offload=offload)
+        step = jaxga.make_train_step(step_loss(loss), k, offload=offload)
     with gpu.cudnn_attention():
         report = jaxga.memory_report(step, state, batch_)
     return fit_for(report.peak_bytes, report.host_bytes, card)

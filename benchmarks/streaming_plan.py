@@ -33,7 +33,7 @@ def planned(budget: str) -> jaxga.Plan:
     state = jax.eval_shape(create, bm.abstract_params(MODEL))
     state, batch = bm.gpu.on(device, (state, bm.abstract_batch(SEQUENCES, MODEL.seq_len)))
     state = bm.on_host(device, state, bm.streamed)  # the stack and the optimiser state
-    loss = bm._jaxga_loss(bm.loss_for("full", stream=True))
+    loss = bm.step_loss(bm.loss_for("full", stream=True))
     step = jaxga.make_train_step(loss, "auto", stream="auto", memory_budget=budget, offload=True)
     with bm.gpu.cudnn_attention():
         step.lower(state, batch)

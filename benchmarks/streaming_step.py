@@ -4,8 +4,10 @@ model waits for. Prepared for a lent GPU; on CPU it is a smoke test, its times s
 of a GPU's.
 
 A Llama-shaped decoder (``--size`` on ``biggest_model``'s grid), AdamW, a token-weighted
-`jaxga.Mean`, ``--sequences`` sequences a step in micro-batches of one; every method starts
-from the same parameters and takes the same batches:
+`jaxga.Mean`, ``--sequences`` sequences a step in micro-batches of ``--micro`` sequences
+(one: transfer-bound; enough that compute covers the transfers, docs/streaming.md's "When
+streaming pays": where prefetching shows); every method starts from the same parameters
+and takes the same batches:
 
 - ``resident``: ``make_train_step(loss, k)``;
 - ``offload=True``: the optimiser state in pinned host memory between steps;
@@ -20,8 +22,10 @@ step time and measured ÷ modelled, and the loss of the second step (after one u
 against the resident step's: the streamed updates are exact (``offload=True`` and
 ``prefetch`` change no bit; ``stream="layers"`` updates a layer at a time, to rounding).
 
-    python benchmarks/streaming_step.py --card "H100 80GB" --size 16     # on a lent GPU
-    JAX_PLATFORMS=cpu python benchmarks/streaming_step.py --quick        # a smoke test
+    python benchmarks/streaming_step.py --card "H100 80GB" --size 16 --micro 16  # a GPU
+    JAX_PLATFORMS=cpu python benchmarks/streaming_step.py --quick              # a smoke test
+
+An H200 has the H100's bfloat16 peak and PCIe 5.0 link: model it with ``--card "H100 80GB"``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import optax
 from _timing import time_interleaved
 
 import jaxga
+from jaxga.memory import program_counts
 
 
 class Method(NamedTuple):
@@ -106,13 +111,13 @@ class Row(NamedTuple):
 
 def measure(name: str, model: bm.Llama, args: argparse.Namespace) -> Row:
     """``name``'s step built, its bytes read, and timed over ``args.rounds`` steps."""
-    method, k = METHODS[name], args.sequences
-    loss = bm.loss_for("full", stream=bool(method.stream), prefetch=method.prefetch)
-    step = jaxga.make_train_step(bm._jaxga_loss(loss), k, stream=method.stream,
-                                 offload=method.offload)  # fmt: skip
-    batches = [batch_of(k, model.seq_len, seed) for seed in (1, 2)]
+    method, k = METHODS[name], args.sequences // args.micro
+    loss = bm.step_loss(bm.loss_for("full", stream=bool(method.stream), prefetch=method.prefetch))
+    step = jaxga.make_train_step(loss, k, stream=method.stream, offload=method.offload)
+    batches = [batch_of(args.sequences, model.seq_len, seed) for seed in (1, 2)]
     state = state_for(method, initial_params(model))
-    moved = jaxga.memory_report(step, state, batches[0]).moved_bytes
+    traced = step.trace(state, batches[0])  # no second compile: the moves are the jaxpr's
+    moved = program_counts(getattr(traced, "traced", traced).jaxpr).moved_bytes
     held = {"state": step(state, batches[0])[0]}  # the first step compiles
 
     def one_step() -> jax.Array:
@@ -121,8 +126,8 @@ def measure(name: str, model: bm.Llama, args: argparse.Namespace) -> Row:
 
     second = float(one_step())
     seconds = time_interleaved({name: one_step}, args.rounds)[name]
-    setting = bm.Setting(method.modelled_as, "full", 1)
-    modelled = bm.modelled(setting, model, bm.CARDS[args.card], k * model.seq_len)
+    setting = bm.Setting(method.modelled_as, "full", args.micro)
+    modelled = bm.modelled(setting, model, bm.CARDS[args.card], args.sequences * model.seq_len)
     return Row(name, statistics.median(seconds), moved, modelled.step_s, second)
 
 
@@ -131,37 +136,44 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--card", default="H100 80GB", choices=list(bm.CARDS))
     parser.add_argument("--size", type=int, default=16, help="biggest_model's size grid")
     parser.add_argument("--sequences", type=int, default=16, help="a step's, of 2048 tokens")
+    parser.add_argument("--micro", type=int, default=1, help="sequences a micro-batch")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="a tiny model: a smoke test")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
-    args.model = (
-        bm.Llama(layers=2, dim=128, hidden=256, seq_len=16) if args.quick
-        else bm.Llama.of(args.size)
-    )  # fmt: skip
+    args.model = bm.Llama.of(args.size)
     if args.quick:
-        args.sequences, args.rounds = 2, 1
+        args.model = bm.Llama(layers=2, dim=128, hidden=256, seq_len=16)
+        args.sequences, args.micro, args.rounds = 2, 1, 1
+    if args.sequences % args.micro:
+        parser.error(f"--sequences {args.sequences} is not divisible by --micro {args.micro}")
     return args
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
     args = parse(argv)
     model = args.model
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {model}, "
-          f"{model.num_params() / 1e9:.2f}B parameters, {args.sequences} sequences a step; "
-          f"modelled for {args.card}", file=sys.stderr)  # fmt: skip
+    device = jax.devices()[0].device_kind
+    print(
+        f"{device}, jax {jax.__version__}: {model}, {model.num_params() / 1e9:.2f}B "
+        f"parameters, {args.sequences} sequences a step, {args.micro} a micro-batch; "
+        f"modelled for {args.card}",
+        file=sys.stderr,
+    )
     rows = [measure(name, model, args) for name in METHODS]
     base = rows[0]
-    print(f"{'method':24} {'s a step':>9} {'moved GiB':>10} {'modelled s':>11} "
-          f"{'measured/modelled':>18} {'loss after one update - resident':>34}")  # fmt: skip
+    print(
+        f"{'method':24} {'s a step':>9} {'moved GiB':>10} {'modelled s':>11} "
+        f"{'measured/modelled':>18} {'loss after one update - resident':>34}"
+    )
     for r in rows:
-        print(f"{r.method:24} {r.seconds:9.3f} {r.moved_bytes / bm.GiB:10.2f} "
-              f"{r.modelled_s:11.3f} {r.seconds / r.modelled_s:18.2f} "
-              f"{r.second_loss - base.second_loss:34.3g}")  # fmt: skip
+        figures = f"{r.seconds:9.3f} {r.moved_bytes / bm.GiB:10.2f} {r.modelled_s:11.3f}"
+        ratio, diff = r.seconds / r.modelled_s, r.second_loss - base.second_loss
+        print(f"{r.method:24} {figures} {ratio:18.2f} {diff:34.3g}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                   "card_modelled": args.card, "rows": [r._asdict() for r in rows]}  # fmt: skip
+        payload = {"device": device, "jax": jax.__version__, "card_modelled": args.card}
+        payload |= {"micro": args.micro, "rows": [r._asdict() for r in rows]}
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
     return rows
 

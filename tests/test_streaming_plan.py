@@ -266,9 +266,9 @@ def test_the_update_by_layer_refuses_a_tx_that_changes_a_stack_dtype():
 
 def test_the_lent_gpu_streaming_benchmark_runs_and_its_steps_agree():
     """benchmarks/streaming_step.py --quick (the script a lent GPU runs, here on CPU): every
-    method trains from the same state, the streamed steps' loss after one update the
-    resident step's (prefetching changes no bit), and the bytes moved are the memory
-    report's, none for the resident step."""
+    method trains from the same state, each step's loss after one update the resident
+    step's (to float rounding: other programs, which a GPU may fuse otherwise; bit for bit
+    on CPU in tests/test_streaming.py), and the bytes moved are counted, none resident."""
     import sys
     from pathlib import Path
 
@@ -279,7 +279,6 @@ def test_the_lent_gpu_streaming_benchmark_runs_and_its_steps_agree():
     assert list(rows) == list(streaming_step.METHODS)
     resident = rows["resident"]
     assert resident.moved_bytes == 0 and rows["streaming"].moved_bytes > 0
-    assert rows["offload=True"].second_loss == resident.second_loss
-    assert rows["streaming"].second_loss == rows["streaming, no prefetch"].second_loss
-    np.testing.assert_allclose(rows["streaming"].second_loss, resident.second_loss, rtol=1e-6)
+    for method in ("offload=True", "streaming", "streaming, no prefetch"):  # other programs:
+        np.testing.assert_allclose(rows[method].second_loss, resident.second_loss, rtol=1e-6)
     assert all(row.seconds > 0 and row.modelled_s > 0 for row in rows.values())

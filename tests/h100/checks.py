@@ -362,3 +362,11 @@ def test_h100_a_streamed_layer_is_fetched_while_the_one_before_runs(device):
     overlapped, waited = kernels_between(True), kernels_between(False)
     assert len(overlapped) == 2 and min(overlapped) >= 1  # forward and backward loops
     assert waited == [0, 0]
+
+
+def test_h100_memory_report_names_the_platform_compiled_for(device):
+    # jaxga.MemoryReport.backend: the platform of the devices the compiled program's
+    # arguments lie on, not jax.default_backend() (the CPU, here)
+    args = gpu.on(device, (jnp.ones((8, 8)),))
+    report = jaxga.memory_report(jax.jit(jnp.tanh), *args)
+    assert jax.default_backend() == "cpu" and report.backend == "gpu"
