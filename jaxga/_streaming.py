@@ -177,7 +177,7 @@ def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any, *, prefetch: 
         >>> streamed_scan(lambda w, x: x * w, jnp.full((3, 2), 2.0), jnp.ones(2)).tolist()
         [8.0, 8.0]
     """
-    one = jax.tree.map(lambda leaf: on_device(leaf[0]), stacked)  # a layer's slice, for tracing
+    one = _fetched(stacked, 0)  # a layer's slice, for tracing
     converted, consts = jax.closure_convert(layer, one, x)  # closed-over values differentiated too
     forward = functools.partial(_forward, converted, prefetch)
 
@@ -244,7 +244,7 @@ def global_norm(tree: Any) -> jax.Array:
     def squares(leaf: Any) -> jax.Array:
         if not is_streamed(leaf):
             return jnp.sum(_squared(on_device(leaf)))
-        dtype = jnp.real(jnp.zeros((), jax.typeof(leaf).dtype)).dtype  # optax's, per leaf
+        dtype = jnp.finfo(jax.typeof(leaf).dtype).dtype  # optax's, per leaf (complex: real)
 
         def body(total: jax.Array, layer: jax.Array) -> tuple[jax.Array, None]:
             return total + jnp.sum(_squared(on_device(layer)), dtype=total.dtype), None

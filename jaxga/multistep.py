@@ -269,7 +269,8 @@ def MultiSteps(
     return MultiStepsTransformation(init, functools.partial(update, every_k=every_k, **options))
 
 
-def states_in(opt_state: Any) -> list[MultiStepsState]:
-    """The `jaxga.MultiSteps` states in ``opt_state``: its own, or inside a chain's."""
-    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MultiStepsState))
-    return [x for x in nodes if isinstance(x, MultiStepsState)]
+def states_in(opt_state: Any, kind: type = MultiStepsState) -> list[Any]:
+    """The states of type ``kind`` in ``opt_state``: its own, or inside a chain's; by default
+    `jaxga.MultiSteps`' (``optax.MultiStepsState``: optax's)."""
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kind))
+    return [x for x in nodes if isinstance(x, kind)]

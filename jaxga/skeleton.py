@@ -93,11 +93,7 @@ def _groups_ended(opt_state: Any) -> list[jax.Array]:
     """Whether each MultiSteps in ``opt_state`` ran its inner optimiser in this call: a
     `jaxga.MultiSteps`' ``applied``; an `optax.MultiSteps`' (its ``gradient_transformation()``
     in a chain), optax's own rule: a group just ended, ``mini_step`` back to 0."""
-
-    def optax_state(x: Any) -> bool:
-        return isinstance(x, optax.MultiStepsState)
-
-    theirs = [x for x in jax.tree.leaves(opt_state, is_leaf=optax_state) if optax_state(x)]
+    theirs = states_in(opt_state, optax.MultiStepsState)
     ended = [(s.mini_step == 0) & (s.gradient_step > 0) for s in theirs]
     return [s.applied for s in states_in(opt_state)] + ended
 
