@@ -4,17 +4,21 @@ The forward pass fetches each layer's slice to the device and keeps each layer's
 the backward pass, a reverse ``lax.scan`` of its own (a ``jax.custom_vjp``), fetches each
 layer again, recomputes it under its checkpoint policy, takes its ``jax.vjp`` and writes
 the layer's gradient where the layer's parameters live (host memory for host-resident
-leaves) as it is produced. Copies between memories change no bit: the result and both
+leaves) as it is produced; inside a micro-batch loop (`summing_into`), added to the
+gradient sum there instead. Copies between memories change no bit: the result and both
 gradients equal the resident scan's.
 """
 
+import contextlib
+import contextvars
 import functools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import get_opaque_trace_state
 
 from jaxga.meshes import HOST_KINDS
 
@@ -91,6 +95,98 @@ def _fetched(stacked: Any, index: Any) -> Any:
     )
 
 
+def _written(stack: jax.Array, value: jax.Array, index: Any) -> jax.Array:
+    """``stack`` with ``value`` as its layer ``index``, where ``stack`` lies (in place)."""
+    value = placed_like(value.astype(stack.dtype), stack)
+    return jax.lax.dynamic_update_index_in_dim(stack, value, index, 0)
+
+
+class Summing:
+    """A micro-batch loop's gradient sums, which a streamed scan's backward pass adds its
+    stack's gradient to, a layer at a time, as it produces it (`summing_into`).
+
+    Attributes:
+        primals: the leaves of the values the gradient is taken with respect to, as given.
+        sums: their gradient sums so far, leaf for leaf.
+        trace: the trace the gradient is taken at (`jax.extend.core.get_opaque_trace_state`).
+        claimed: leaf for leaf, whether a streamed scan's forward pass took its sum.
+        added: leaf for leaf, whether a backward pass added its gradient to its sum: the
+            gradient then returned for it is the new sum.
+    """
+
+    def __init__(self, primals: Any, sums: Any) -> None:
+        self.primals, self.treedef = jax.tree.flatten(primals)
+        self.sums = self.treedef.flatten_up_to(sums)
+        self.trace = get_opaque_trace_state()
+        self.claimed = [False] * len(self.primals)
+        self.added = [False] * len(self.primals)
+
+    def claim(self, leaf: Any) -> int | None:
+        """The position of ``leaf``'s sum, now claimed: if ``leaf`` is one of the primals
+        themselves, seen at the gradient's trace (not inside a `jax.vmap` or another
+        transformation in the loss, which could run the backward pass more than once), and
+        its sum, not claimed before, has its type; else None."""
+        if get_opaque_trace_state() != self.trace:
+            return None
+        for i, (primal, total) in enumerate(zip(self.primals, self.sums)):
+            if primal is leaf and not self.claimed[i] and _same_type(total, leaf):
+                self.claimed[i] = True
+                return i
+        return None
+
+    def added_tree(self) -> Any:
+        """``added``, a tree like the primals."""
+        return jax.tree.unflatten(self.treedef, self.added)
+
+
+def _same_type(a: Any, b: Any) -> bool:
+    """Whether ``a`` can stand for ``b``'s gradient: its shape, dtype, memory, varying axes and
+    partition spec (a mesh that one of them leaves empty, as outside a mesh, matches any)."""
+    a, b = jax.typeof(a), jax.typeof(b)
+    keys = [(x.shape, x.dtype, x.memory_space, getattr(x, "vma", None)) for x in (a, b)]
+    where = [(x.sharding.spec, x.sharding.mesh) for x in (a, b)]
+    meshes = {mesh for _, mesh in where if not mesh.empty}
+    return keys[0] == keys[1] and where[0][0] == where[1][0] and len(meshes) < 2
+
+
+_SUMMING: contextvars.ContextVar[Summing | None] = contextvars.ContextVar(
+    "jaxga_summing", default=None
+)
+
+
+@contextlib.contextmanager
+def summing_into(primals: Any, sums: Any) -> Iterator[Summing]:
+    """While a micro-batch's gradient with respect to ``primals`` is traced: a streamed scan
+    (`streamed_scan`) given one of ``primals``' leaves itself as a stack adds that leaf's
+    gradient to its sum in ``sums`` a layer at a time, in place, as its backward pass produces
+    it, and returns the new sum as the leaf's gradient (so the micro-batch's gradient of a
+    stack is never whole anywhere). Other leaves' gradients are returned as they are.
+
+    Args:
+        primals: the values the gradient is taken with respect to, as given to it.
+        sums: their gradient sums so far, a tree like ``primals``.
+
+    Yields:
+        The `Summing` record: ``added_tree()`` says which gradients returned are new sums.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxga._streaming import streamed_scan, summing_into
+        >>> def loss(w):
+        ...     return jnp.sum(streamed_scan(lambda w, x: x * w, w, jnp.ones(2)))
+        >>> w, total = jnp.full((3, 2), 2.0), jnp.full((3, 2), 10.0)
+        >>> with summing_into(w, total) as summing:
+        ...     grad = jax.grad(loss)(w)
+        >>> summing.added_tree(), grad[0].tolist()
+        (True, [14.0, 14.0])
+    """
+    token = _SUMMING.set(Summing(primals, sums))
+    try:
+        yield _SUMMING.get()
+    finally:
+        _SUMMING.reset(token)
+
+
 def _layer_scan(
     body: Callable[..., Any], carry: Any, stacked: Any, xs: Any, first: Any, *, reverse: bool
 ) -> tuple[Any, Any, Any]:
@@ -134,22 +230,51 @@ def _forward(
     return y, (inputs, last)
 
 
-def _backward(layer: Callable[..., Any], saved: Any, grad_y: Any) -> tuple[Any, Any, Any]:
+def _backward(
+    layer: Callable[..., Any], claims: list[Any], saved: Any, grad_y: Any
+) -> tuple[Any, Any, Any]:
     """The reverse scan: each layer fetched (ahead if the forward pass handed on a layer), its
-    vjp taken, its gradient written home."""
-    consts, stacked, (inputs, last) = saved
+    vjp taken, its gradient written home, or added to its sum if the forward pass claimed
+    one (``claims``: the `Summing` record and the leaves' positions in it)."""
+    consts, stacked, (inputs, last), sums = saved
+    homes, treedef = jax.tree.flatten(stacked)
 
-    def body(carry: tuple[Any, Any], params: Any, x: Any) -> tuple[Any, Any]:
-        grad_x, grad_consts = carry
+    def body(carry: tuple[Any, Any, Any], params: Any, xs: Any) -> tuple[Any, Any]:
+        (grad_x, grad_consts, sums), (x, index) = carry, xs
         _, vjp = jax.vjp(layer, params, x, *consts)
         grad_params, grad_x, *grad_c = vjp(grad_x)
         grad_consts = tuple(s if s is None else s + g for s, g in zip(grad_consts, grad_c))
-        return (grad_x, grad_consts), placed_like(grad_params, stacked)
+        grads = treedef.flatten_up_to(grad_params)
+        sums = [s if s is None else _added(s, g, index) for s, g in zip(sums, grads)]
+        ys = [placed_like(g, h) if s is None else None for g, h, s in zip(grads, homes, sums)]
+        return (grad_x, grad_consts, sums), ys
 
     zeros = tuple(jnp.zeros_like(c) if _inexact(c) else None for c in consts)
-    carry, grads, _ = _layer_scan(body, (grad_y, zeros), stacked, inputs, last, reverse=True)
-    grad_x, grad_consts = carry
-    return grad_consts, grads, grad_x
+    xs = (inputs, jnp.arange(homes[0].shape[0]))
+    carry, ys, _ = _layer_scan(body, (grad_y, zeros, sums), stacked, xs, last, reverse=True)
+    grad_x, grad_consts, sums = carry
+    for summing, positions in claims:  # their gradients are the new sums
+        for i in positions:
+            summing.added[i] = True
+    grads = [y if s is None else s for y, s in zip(ys, sums)]
+    return grad_consts, jax.tree.unflatten(treedef, grads), grad_x
+
+
+def _added(total: jax.Array, grad: jax.Array, index: Any) -> jax.Array:
+    """``total`` with ``grad`` added to its layer ``index``, where ``total`` lies (in place)."""
+    grad = jax.lax.optimization_barrier(grad)  # rounded alone, as the resident step's (no
+    return _written(total, _fetched(total, index) + grad.astype(total.dtype), index)  # fused dot)
+
+
+def _claimed(claims: list[Any], stacked: Any) -> list[Any]:
+    """The sums the current `summing_into` has for ``stacked``'s leaves (None for a leaf it
+    has none for), claimed, and recorded in ``claims`` for the backward pass."""
+    summing = _SUMMING.get()
+    if summing is None:
+        return [None] * len(jax.tree.leaves(stacked))
+    positions = [summing.claim(leaf) for leaf in jax.tree.leaves(stacked)]
+    claims[:] = [(summing, [i for i in positions if i is not None])]
+    return [None if i is None else summing.sums[i] for i in positions]
 
 
 def _inexact(x: Any) -> bool:  # a value with a gradient (an int or a key has none)
@@ -185,17 +310,20 @@ def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any, *, prefetch: 
     def run(consts: tuple[Any, ...], stacked: Any, x: Any) -> Any:
         return forward(consts, stacked, x)[0]
 
+    claims: list[Any] = []  # the sums of a micro-batch loop's `summing_into` this call adds to
+
     def run_forward(consts: tuple[Any, ...], stacked: Any, x: Any) -> tuple[Any, Any]:
         y, residuals = forward(consts, stacked, x)
-        return y, (consts, stacked, residuals)
+        return y, (consts, stacked, residuals, _claimed(claims, stacked))
 
-    run.defvjp(run_forward, functools.partial(_backward, converted))
+    run.defvjp(run_forward, functools.partial(_backward, converted, claims))
     return run(tuple(consts), stacked, x)
 
 
 def layerwise(fn: Callable[..., Any], home: Any, *others: Any) -> Any:
     """``fn(leaf, *other_leaves)`` over ``home``'s leaves; for a leaf in host memory, run on
-    the device a layer (leading index) at a time and each result written back to host memory.
+    the device a layer (leading index) at a time and each result written back to host memory
+    (over the leaf's own layer, in place, where ``fn`` keeps its dtype).
 
     Args:
         fn: an elementwise function of a leaf of ``home`` and the same leaves of ``others``.
@@ -218,10 +346,16 @@ def layerwise(fn: Callable[..., Any], home: Any, *others: Any) -> Any:
         if not jnp.ndim(leaf):
             return jax.device_put(fn(*on_device((leaf, *rest))), _HOST)
 
-        def body(_: None, slices: tuple[Any, ...]) -> tuple[None, Any]:
+        def written(stack: Any, index: jax.Array) -> tuple[Any, None]:  # over ``leaf``
+            return _written(stack, fn(*_fetched((stack, *rest), index)), index), None
+
+        def stacked(_: None, slices: tuple[Any, ...]) -> tuple[None, Any]:  # a new stack
             return None, jax.device_put(fn(*on_device(slices)), _HOST)
 
-        return jax.lax.scan(body, None, (leaf, *rest))[1]
+        layer = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (leaf, *rest)]
+        if jax.eval_shape(fn, *layer).dtype == leaf.dtype:  # in place, a layer at a time
+            return jax.lax.scan(written, leaf, jnp.arange(leaf.shape[0]))[0]
+        return jax.lax.scan(stacked, None, (leaf, *rest))[1]
 
     return jax.tree.map(one, home, *others)
 

@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, arguments, auxiliary, collectives, meshes, modules
-from jaxga._streaming import layerwise, zeros_placed_like
+from jaxga._streaming import layerwise, summing_into, zeros_placed_like
 from jaxga.arguments import Options
 from jaxga.convolution import canonical_convolutions, rewrites
 from jaxga.loss import Mean, check_value
@@ -180,18 +180,29 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
     return loss
 
 
+def _summed(total: Any, grad: Any, added: bool) -> Any:
+    """``total + grad`` (a streamed stack's a layer at a time), or ``grad`` if ``added``
+    already (`_streaming.summing_into`)."""
+    return grad if added else layerwise(lambda a, g: a + g.astype(a.dtype), total, grad)
+
+
 def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry, Any]:
     """The scan phase: this device's sums over its micro-batches (a `Carry`), and aux `[k, ...]`."""
-    grad_fn = jax.value_and_grad(loss, has_aux=True)
-    if rewrites(options.canonical_convolutions):  # XLA:CPU, see docs/gpus.md
-        grad_fn = canonical_convolutions(grad_fn)
+
+    def micro_grad(primals, batches, index, threaded, sums):  # loss, aux and sums + gradient
+        with summing_into(primals, sums) as summing:  # a streamed stack's added in its backward
+            out, grads = jax.value_and_grad(loss, has_aux=True)(primals, batches, index, threaded)
+        return out, jax.tree.map(_summed, sums, grads, summing.added_tree())
+
+    convolutions = rewrites(options.canonical_convolutions)  # XLA:CPU, see docs/gpus.md
+    grad_fn = canonical_convolutions(micro_grad) if convolutions else micro_grad
 
     def step(carry: Carry, batches: tuple) -> tuple[Carry, Any]:
         primals = collectives.inside_loop(call.primals, call.route)  # reduced after the loop
-        (total, micro), grads = grad_fn(primals, batches, carry.index, carry.threaded)
+        (total, micro), grads = grad_fn(primals, batches, carry.index, carry.threaded, carry.grads)
         new = Carry(
             index=carry.index + 1,
-            grads=layerwise(lambda a, g: a + g.astype(a.dtype), carry.grads, grads),
+            grads=grads,
             total=carry.total + total.astype(call.sum_dtype),
             count=carry.count + micro.count,
             threaded=micro.threaded,

@@ -1,0 +1,136 @@
+"""The gradient sums of a streamed stack, added in the backward pass (issue 48): inside a
+micro-batch loop, `remat_scan(stream=True)` adds each layer's gradient to its sum as the
+backward pass produces it (`_streaming.summing_into`), where it can do so exactly and once,
+and leaves the sum to the loop everywhere else; either way the gradients are the whole
+batch's, checked against `jax.value_and_grad` and against the resident loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxga
+from jaxga._streaming import summing_into
+from tests.test_streaming import HOST, assert_equal
+
+LAYERS, DIM, ROWS = 4, 8, 8
+
+
+@pytest.fixture(autouse=True)
+def highest_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def layer(w, h):
+    return jnp.tanh(h @ w)
+
+
+def stack(dtype=jnp.float32):
+    w = jax.random.normal(jax.random.key(0), (LAYERS, DIM, DIM)) / np.sqrt(DIM)
+    return w.astype(dtype)
+
+
+def inputs():
+    return jax.random.normal(jax.random.key(1), (ROWS, DIM))
+
+
+def once(w, x, stream=True):
+    """The stack used once: its gradient is added to its sum in the backward pass."""
+    return jaxga.Mean.of(jaxga.remat_scan(layer, w, x, stream=stream) ** 2)
+
+
+def twice(w, x, stream=True):
+    """The stack run twice: the first scan adds the sum, the second its gradient alone."""
+    h = jaxga.remat_scan(layer, w, x, stream=stream)
+    return jaxga.Mean.of(jaxga.remat_scan(layer, w, h, stream=stream) ** 2)
+
+
+def vmapped(w, x, stream=True):
+    """The scan under `jax.vmap`, the stack closed over: its backward pass runs per row, so
+    adding the sum there would add it once a row; it is added after the backward pass."""
+    rows = jax.vmap(lambda r: jaxga.remat_scan(layer, w, r[None], stream=stream)[0])(x)
+    return jaxga.Mean.of(rows**2)
+
+
+def also_decayed(w, x, stream=True):
+    """The stack used by the scan and, whole, by a penalty: both gradients summed."""
+    penalty = 0.01 * jnp.sum(jax.device_put(w, jax.memory.Space.Device) ** 2)
+    return jaxga.Mean.of(jaxga.remat_scan(layer, w, x, stream=stream) ** 2 + penalty)
+
+
+def whole_batch(loss, w, x):
+    """`jax.value_and_grad` of the whole batch's mean, the stack on the device, no stream."""
+    value, grad = jax.value_and_grad(lambda w: loss(w, x, stream=False).value)(w)
+    return value, grad
+
+
+def accumulated(loss, w, x, *, k, stream):
+    """`jaxga.value_and_grad` over ``k`` micro-batches, jitted."""
+    grad = jaxga.value_and_grad(lambda w, x: loss(w, x, stream=stream), num_microbatches=k)
+    return jax.jit(grad)(w, x)
+
+
+@pytest.mark.parametrize("loss", [once, twice, vmapped, also_decayed])
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_streamed_sums_are_the_whole_batch_gradient(loss, k):
+    """However the loss uses the stack, the streamed loop's gradient is the whole batch's
+    (to float32 rounding) and, where the stack is used once, the resident loop's bit for bit;
+    the gradient lives in host memory, as the stack does."""
+    w, x = stack(), inputs()
+    value, grad = accumulated(loss, jax.device_put(w, HOST), x, k=k, stream=True)
+    assert grad.sharding.memory_kind == "pinned_host"
+    want_value, want = whole_batch(loss, w, x)
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want), rtol=2e-6, atol=1e-7)
+    if loss is once:
+        assert_equal(grad, accumulated(loss, w, x, k=k, stream=False)[1])
+
+
+@pytest.mark.parametrize(
+    "loss, added", [(once, True), (twice, True), (vmapped, False), (also_decayed, True)]
+)
+def test_a_sum_is_added_in_the_backward_pass_only_where_it_is_added_once(loss, added):
+    """`summing_into` adds a stack's sum in the scan's backward pass when the scan is traced
+    at the gradient's own level (not under `jax.vmap`), and returns the new sum: the sum
+    plus this gradient, whichever way it was added."""
+    w, x = jax.device_put(stack(), HOST), inputs()
+    sums = jax.device_put(jnp.full(w.shape, 0.5), HOST)
+
+    def gradient(w, sums):
+        with summing_into(w, sums) as summing:
+            grad = jax.grad(lambda w: loss(w, x).value)(w)
+        return grad, summing.added_tree()
+
+    grad, was_added = gradient(w, sums)
+    assert was_added is added
+    plain = jax.grad(lambda w: loss(w, x).value)(w)
+    got = grad if added else sums + grad
+    np.testing.assert_allclose(np.asarray(got), np.asarray(sums + plain), rtol=2e-6, atol=1e-7)
+
+
+def test_a_sum_of_another_dtype_is_added_after_the_backward_pass():
+    """A bfloat16 stack's gradient summed in float32 (`accumulator_dtype`): the sum cannot
+    stand for the bfloat16 gradient, so the loop adds it, as the resident loop does."""
+    w, x = stack(jnp.bfloat16), inputs()
+    options = {"accumulator_dtype": jnp.float32}
+    grad = jaxga.value_and_grad(lambda w, x: once(w, x), num_microbatches=4, **options)
+    resident = jaxga.value_and_grad(
+        lambda w, x: once(w, x, stream=False), num_microbatches=4, **options
+    )
+    got = jax.jit(grad)(jax.device_put(w, HOST), x)[1]
+    assert got.dtype == jnp.bfloat16
+    assert_equal(got, jax.jit(resident)(w, x)[1])
+
+
+def test_the_loop_moves_no_gradient_of_the_stack_home():
+    """With the sum added in the backward pass, each micro-batch moves the stack forward and
+    backward and the sum in and out (4 stacks), and one layer more (the last prefetch):
+    the micro-batch's gradient never goes to host memory on its own."""
+    w, x = jax.device_put(stack(), HOST), inputs()
+    k = 4
+    grad = jaxga.value_and_grad(lambda w, x: once(w, x), num_microbatches=k)
+    moved = jaxga.memory_report(grad, w, x).moved_bytes
+    size = w.nbytes
+    once_a_call = 3 * size  # the sums' zeros written, the division's fetch and write
+    assert moved == 4 * k * size + k * size // LAYERS + once_a_call
