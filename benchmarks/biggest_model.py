@@ -24,11 +24,12 @@ beside it (1 TiB beside the 80 GB card, 256 GiB beside the 24 GB one):
 - ``jaxga streaming``: ``jaxga.make_train_step(loss, k, stream="layers", offload=True)``,
   the loss's layers ``remat_scan(..., stream=True)``: the layer stack (``params["layers"]``)
   and the whole optimiser state in pinned host memory, each layer fetched in the forward and
-  the backward pass, its gradient sums in host memory, the update a layer at a time. A
+  the backward pass, its gradient added to the gradient sums in host memory as the backward
+  pass produces it, the update a layer at a time. A
   described device has no memories, so ``SingleDeviceSharding(device,
   memory_kind="pinned_host")`` loses its memory kind; the host-resident arguments take
   ``_PinnedHost``, a sharding that keeps it, and XLA's GPU compiler then reports their bytes
-  (and the host temporaries: the gradient sums, the update's new stacks) as host bytes.
+  (and the host temporaries: the gradient sums) as host bytes.
 
 For each row the remat and micro-batch are the candidates' (``--remats``, ``--micro``)
 with the smallest compiled peak at the first size probed; a smaller peak fits a larger
@@ -44,16 +45,15 @@ parameter each way); the resident steps move nothing but the batch (left out).
 
 ``jaxga streaming`` (``MOVED_EACH_WAY``), read from the compiled program's loops, per float32
 parameter of the layer stack and step of k micro-batches: each micro-batch fetches the layer
-in the forward pass (4 bytes to the device) and again in the backward (4), writes the layer's
-gradient to host memory (4 to the host), and adds it to the gradient sum a layer at a time
-(the sum and the gradient fetched, 8 to the device; the sum written back, 4 to the host):
-16 bytes to the device and 8 to the host a micro-batch, and one layer's 4 bytes a parameter
-more to the device (each pass fetches the next layer while one runs: the backward pass's last
-fetch has no layer left to use it). Once a step: the sums' zeros
-written (4 to the host), divided by the count (4 and 4), their norm for ``grad_norm`` (4 to
-the device) and the update (parameters, gradient and two moments fetched, 16; parameters
-and moments written back, 12). In all 16k + 24 bytes (and k layers' 4) to the device and
-8k + 20 to the host.
+in the forward pass (4 bytes to the device) and again in the backward (4), where the layer's
+gradient is added to the gradient sum (the sum's layer fetched, 4 to the device; written
+back, 4 to the host): 12 bytes to the device and 4 to the host a micro-batch, and one
+layer's 4 bytes a parameter more to the device (each pass fetches the next layer while one
+runs: the backward pass's last fetch has no layer left to use it). Once a step: the sums'
+zeros written (4 to the host), divided by the count (4 and 4), their norm for
+``grad_norm`` (4 to the device) and the update (parameters, gradient and two moments
+fetched, 16; parameters and moments written back, 12). In all 12k + 24 bytes (and k
+layers' 4) to the device and 4k + 20 to the host.
 The parameters outside the stack (embedding, final norm, head) stay on the device; their
 moments move as ``offload=True``'s (8 bytes each way).
 
@@ -420,8 +420,8 @@ STREAMABLE = [name for name, row in REMAT.items() if row.segments == 1]  # remat
 # parameter of the layer stack and for one outside it (embedding, norm, head): the module doc.
 MOVED_EACH_WAY: dict[str, Callable[[int], tuple[tuple[int, int], tuple[int, int]]]] = {
     "jaxga offload=True": lambda k: ((8, 8), (8, 8)),  # AdamW's moments, once a step
-    "jaxga streaming": lambda k: ((16 * k + 24, 8 * k + 20), (8, 8)),
-    "jaxga streaming, no prefetch": lambda k: ((16 * k + 24, 8 * k + 20), (8, 8)),
+    "jaxga streaming": lambda k: ((12 * k + 24, 4 * k + 20), (8, 8)),
+    "jaxga streaming, no prefetch": lambda k: ((12 * k + 24, 4 * k + 20), (8, 8)),
 }
 
 

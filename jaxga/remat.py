@@ -236,14 +236,14 @@ def remat_scan(
         stream: fetch each layer's slice of ``stacked_params`` (which may live in host memory,
             ``pinned_host``) to the device in the forward pass and again in the backward
             pass, and write each layer's gradient where its parameters live as the backward
-            produces it; with ``segments=1``, no ``unroll`` and no ``canonical_convolutions``.
-            Each layer's input is kept, and the layer recomputed under ``policy`` in the
+            produces it (inside jaxga's micro-batch loop, added to the gradient sum there);
+            with ``segments=1``, no ``unroll`` and no ``canonical_convolutions``. Each
+            layer's input is kept, and the layer recomputed under ``policy`` in the
             backward. Bit for bit the resident scan's result and gradients (docs/streaming.md).
         prefetch: with ``stream=True``, fetch each layer one iteration ahead of its use, so
             that the copy overlaps the layer before it (the default: two layers' slices on
             the device, and one layer more moved a pass forward and back); False fetches
-            each where it is used, every layer waiting for its copy (less host memory on
-            the H100, docs/streaming.md).
+            each where it is used, every layer waiting for its copy.
 
     Returns:
         The last layer's output, like ``x``.

@@ -9,7 +9,10 @@ import sys
 from pathlib import Path
 
 import jax
+import optax
 import pytest
+
+import jaxga
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import biggest_model as bm
@@ -61,10 +64,10 @@ def test_bisection_finds_the_largest_fitting_size(monkeypatch, bytes_per_param, 
 
 @pytest.mark.parametrize("micro", [1, 2])
 def test_the_streaming_cost_model(micro):
-    """Per stack parameter, 16k + 24 bytes to the device and 8k + 20 to the host a step (k
+    """Per stack parameter, 12k + 24 bytes to the device and 4k + 20 to the host a step (k
     micro-batches), and one layer's 4 bytes a parameter to the device a micro-batch (the
     backward's last prefetch); the embedding, norm and head move their moments as
-    offload=True does."""
+    offload=True does (the program's count: the test below)."""
     model, card = bm.Llama.of(32), bm.CARDS["H100 80GB"]
     tokens, k = 128 * model.seq_len, 128 // micro
     stack = bm.stack_params(model)
@@ -73,7 +76,7 @@ def test_the_streaming_cost_model(micro):
     )
     rest = model.num_params() - stack
     cost = bm.modelled(bm.Setting("jaxga streaming", "full", micro), model, card, tokens)
-    to_device, to_host = (16 * k + 24) * stack + 8 * rest, (8 * k + 20) * stack + 8 * rest
+    to_device, to_host = (12 * k + 24) * stack + 8 * rest, (4 * k + 20) * stack + 8 * rest
     to_device += 4 * k * stack // model.layers
     assert cost.moved_bytes == to_device + to_host
     assert cost.transfer_s == to_device / card.link
@@ -83,6 +86,35 @@ def test_the_streaming_cost_model(micro):
     assert offload.moved_bytes == 16 * model.num_params()  # 8 bytes each way, as before
     resident = bm.modelled(bm.Setting("jaxga resident", "full", micro), model, card, tokens)
     assert resident.moved_bytes == 0 and resident.step_s == resident.compute_s
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_the_streaming_cost_model_counts_what_the_step_moves(prefetch, monkeypatch):
+    """The cost model's bytes moved a step are what the streamed train step of a small
+    decoder moves on CPU (`jaxga.memory_report`'s ``moved_bytes``, every copy between
+    memories in the program, each loop iteration counted), but for AdamW's step count (an
+    int32 moved in and out with ``offload=True``)."""
+    monkeypatch.setattr(bm, "VOCAB", 256)  # a small embedding and head
+    model, micro, sequences = bm.Llama(layers=4, dim=128, hidden=384, seq_len=16), 2, 8
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+
+    def placed(path, x):
+        zeros = jax.numpy.zeros(x.shape, x.dtype)
+        return jax.device_put(zeros, host) if bm.streamed(path) else zeros
+
+    params = jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype), bm.abstract_params(model))
+    state = jaxga.TrainState.create(params=params, tx=optax.adamw(3e-4, weight_decay=0.1))
+    state = jax.tree_util.tree_map_with_path(placed, state)
+    batch = jax.tree.map(
+        lambda x: jax.numpy.zeros(x.shape, x.dtype), bm.abstract_batch(sequences, model.seq_len)
+    )
+    loss = bm.step_loss(bm.loss_for("full", stream=True, prefetch=prefetch))
+    step = jaxga.make_train_step(loss, sequences // micro, stream="layers", offload=True)
+    moved = jaxga.memory_report(step, state, batch).moved_bytes
+    method = "jaxga streaming" if prefetch else "jaxga streaming, no prefetch"
+    tokens = sequences * model.seq_len
+    cost = bm.modelled(bm.Setting(method, "full", micro), model, bm.CARDS["24GB"], tokens)
+    assert moved == cost.moved_bytes + 2 * 4
 
 
 STREAMING_COMPILE = """
