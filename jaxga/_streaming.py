@@ -109,6 +109,8 @@ class Summing:
         primals: the leaves of the values the gradient is taken with respect to, as given.
         sums: their gradient sums so far, leaf for leaf.
         trace: the trace the gradient is taken at (`jax.extend.core.get_opaque_trace_state`).
+        inside: the primals' leaves as the differentiated function sees them (`enter`), and
+            its trace: where `remat_scan` asks `summed_here`.
         claimed: leaf for leaf, whether a streamed scan's forward pass took its sum.
         added: leaf for leaf, whether a backward pass added its gradient to its sum: the
             gradient then returned for it is the new sum.
@@ -118,21 +120,32 @@ class Summing:
         self.primals, self.treedef = jax.tree.flatten(primals)
         self.sums = self.treedef.flatten_up_to(sums)
         self.trace = get_opaque_trace_state()
+        self.inside: tuple[list[Any], Any] = ([], None)
         self.claimed = [False] * len(self.primals)
         self.added = [False] * len(self.primals)
 
-    def claim(self, leaf: Any) -> int | None:
-        """The position of ``leaf``'s sum, now claimed: if ``leaf`` is one of the primals
-        themselves, seen at the gradient's trace (not inside a `jax.vmap` or another
-        transformation in the loss, which could run the backward pass more than once), and
-        its sum, not claimed before, has its type; else None."""
+    def enter(self, primals: Any) -> None:
+        """Records ``primals`` as the differentiated function sees them, at its trace."""
+        self.inside = (self.treedef.flatten_up_to(primals), get_opaque_trace_state())
+
+    def position(self, leaf: Any) -> int | None:
+        """The position of ``leaf``'s sum, if a streamed scan here may add to it: ``leaf`` is
+        one of the primals themselves, seen at the gradient's trace (not inside a `jax.vmap`
+        or another transformation in the loss, which could run the backward pass more than
+        once), and its sum, not claimed before, has its type; else None."""
         if get_opaque_trace_state() != self.trace:
             return None
         for i, (primal, total) in enumerate(zip(self.primals, self.sums)):
             if primal is leaf and not self.claimed[i] and _same_type(total, leaf):
-                self.claimed[i] = True
                 return i
         return None
+
+    def claim(self, leaf: Any) -> int | None:
+        """`position`, and the sum there claimed."""
+        i = self.position(leaf)
+        if i is not None:
+            self.claimed[i] = True
+        return i
 
     def added_tree(self) -> Any:
         """``added``, a tree like the primals."""
@@ -154,8 +167,25 @@ _SUMMING: contextvars.ContextVar[Summing | None] = contextvars.ContextVar(
 )
 
 
+def summed_here(stacked: Any) -> bool:
+    """Whether a streamed scan over ``stacked`` here, in the differentiated function of a
+    `summing_into` (as its `Summing.enter` recorded it), would add a leaf's gradient to its
+    sum in its backward pass: a leaf is one of its primals, at its trace, and its sum has
+    its type. (The scan's forward pass claims the sum, or leaves it to the loop.)"""
+    summing = _SUMMING.get()
+    if summing is None or get_opaque_trace_state() != summing.inside[1]:
+        return False
+    inside = list(zip(summing.inside[0], summing.sums, summing.claimed))
+    seen = [
+        x is leaf and not claimed and _same_type(total, leaf)
+        for x, total, claimed in inside
+        for leaf in jax.tree.leaves(stacked)
+    ]
+    return any(seen)
+
+
 @contextlib.contextmanager
-def summing_into(primals: Any, sums: Any) -> Iterator[Summing]:
+def summing_into(primals: Any, sums: Any, *, enabled: bool = True) -> Iterator[Summing]:
     """While a micro-batch's gradient with respect to ``primals`` is traced: a streamed scan
     (`streamed_scan`) given one of ``primals``' leaves itself as a stack adds that leaf's
     gradient to its sum in ``sums`` a layer at a time, in place, as its backward pass produces
@@ -165,6 +195,7 @@ def summing_into(primals: Any, sums: Any) -> Iterator[Summing]:
     Args:
         primals: the values the gradient is taken with respect to, as given to it.
         sums: their gradient sums so far, a tree like ``primals``.
+        enabled: False: no scan adds a sum (the record says none was added).
 
     Yields:
         The `Summing` record: ``added_tree()`` says which gradients returned are new sums.
@@ -180,9 +211,9 @@ def summing_into(primals: Any, sums: Any) -> Iterator[Summing]:
         >>> summing.added_tree(), grad[0].tolist()
         (True, [14.0, 14.0])
     """
-    token = _SUMMING.set(Summing(primals, sums))
+    token = _SUMMING.set(Summing(primals, sums) if enabled else None)
     try:
-        yield _SUMMING.get()
+        yield _SUMMING.get() or Summing(primals, sums)
     finally:
         _SUMMING.reset(token)
 

@@ -189,9 +189,18 @@ def _summed(total: Any, grad: Any, added: bool) -> Any:
 def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry, Any]:
     """The scan phase: this device's sums over its micro-batches (a `Carry`), and aux `[k, ...]`."""
 
+    in_place = options.num_real_microbatches is None  # in `when`'s cond, XLA copies the sums
+
     def micro_grad(primals, batches, index, threaded, sums):  # loss, aux and sums + gradient
-        with summing_into(primals, sums) as summing:  # a streamed stack's added in its backward
-            out, grads = jax.value_and_grad(loss, has_aux=True)(primals, batches, index, threaded)
+        with summing_into(primals, sums, enabled=in_place) as summing:  # a stack's: backward
+
+            def entered(primals, *rest):  # the loss, the primals as it sees them recorded
+                summing.enter(primals)
+                return loss(primals, *rest)
+
+            out, grads = jax.value_and_grad(entered, has_aux=True)(
+                primals, batches, index, threaded
+            )
         return out, jax.tree.map(_summed, sums, grads, summing.added_tree())
 
     convolutions = rewrites(options.canonical_convolutions)  # XLA:CPU, see docs/gpus.md

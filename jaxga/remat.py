@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxga import convolution
 from jaxga._checks import check_arity, check_bool, leading_size, positive_int
-from jaxga._streaming import streamed_scan
+from jaxga._streaming import streamed_scan, summed_here
 
 Policy = str | Sequence[str] | Callable[..., Any] | None
 _STACK = "jax.tree.map(lambda *p: jnp.stack(p), *layers)"
@@ -278,9 +278,10 @@ def remat_scan(
     one_layer = functools.partial(_apply_layer, layer_fn, stacked_params)
     if save is not None:  # inside a scan the loop keeps XLA from merging recomputation
         one_layer = jax.checkpoint(one_layer, policy=save, prevent_cse=False)
-    if stream:
-        layer = functools.partial(_carry_of, one_layer)
-        return streamed_scan(layer, stacked_params, x, prefetch=prefetch)
+    whole_layers = save is _cp.nothing_saveable and num_segments == 1 and not unroll
+    if stream or (whole_layers and summed_here(stacked_params)):  # the sums added in its
+        layer = functools.partial(_carry_of, one_layer)  # backward pass: docs/remat.md
+        return streamed_scan(layer, stacked_params, x, prefetch=prefetch and stream)
     layers = functools.partial(jax.lax.scan, one_layer, unroll=unroll)  # (x, params) -> (x, None)
     if num_segments == 1:
         return layers(x, stacked_params)[0]

@@ -134,3 +134,64 @@ def test_the_loop_moves_no_gradient_of_the_stack_home():
     size = w.nbytes
     once_a_call = 3 * size  # the sums' zeros written, the division's fetch and write
     assert moved == 4 * k * size + k * size // LAYERS + once_a_call
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_sums_added_in_the_backward_pass_are_the_loops_bit_for_bit(stream, k):
+    """The stack streamed from host memory, or on the device under remat "full" (the
+    resident `remat_scan` takes the streamed scan's backward pass inside jaxga's loop): the
+    gradient equals bit for bit the loop's that adds each micro-batch's gradient after the
+    backward pass (with ``num_real_microbatches``, whose cond leaves the sums to the loop)."""
+    w, x = stack(), inputs()
+    w = jax.device_put(w, HOST) if stream else w
+
+    def grad(**options):
+        loss = jaxga.value_and_grad(
+            lambda w, x: once(w, x, stream=stream), num_microbatches=k, **options
+        )
+        return jax.jit(loss)(w, x)
+
+    assert_equal(grad(), grad(num_real_microbatches=k))
+
+
+def test_the_resident_stack_adds_its_sums_in_the_backward_pass():
+    """`remat_scan` on a stack on the device, remat "full", inside a gradient that
+    `summing_into` wraps as jaxga's loop does (`Summing.enter`): the sum is added in the
+    backward pass; with another policy (whose residuals the streamed scan would not keep),
+    or outside the loop, the resident scan runs and the loop adds it."""
+    w, x = stack(), inputs()
+    sums = jnp.full(w.shape, 0.5)
+
+    def gradient(policy):
+        def loss(w):
+            summing.enter(w)
+            return jnp.sum(jaxga.remat_scan(layer, w, x, policy=policy) ** 2)
+
+        with summing_into(w, sums) as summing:
+            grad = jax.grad(loss)(w)
+        return grad, summing.added_tree()
+
+    plain = jax.grad(lambda w: jnp.sum(jaxga.remat_scan(layer, w, x) ** 2))(w)
+    for policy, added in (("full", True), ("dots", False)):
+        grad, was_added = gradient(policy)
+        assert was_added is added
+        got = grad if added else sums + grad
+        np.testing.assert_allclose(np.asarray(got), np.asarray(sums + plain), rtol=2e-6)
+
+
+def test_adding_in_the_backward_pass_keeps_no_gradient_of_the_stack_beside_its_sum():
+    """XLA:CPU's compiled temporaries of `value_and_grad` over 4 micro-batches, a resident
+    stack under remat "full": under the loop's that adds each micro-batch's gradient after
+    the backward pass by at least most of the stack's gradient (the gradient and the new
+    sum beside the old one)."""
+    w = jax.random.normal(jax.random.key(0), (16, 64, 64)) / 8
+    x = jax.random.normal(jax.random.key(1), (8, 64))
+
+    def temporaries(**options):
+        grad = jaxga.value_and_grad(
+            lambda w, x: once(w, x, stream=False), num_microbatches=4, **options
+        )
+        return jaxga.memory_report(grad, w, x).temp_bytes
+
+    assert temporaries() <= temporaries(num_real_microbatches=4) - 0.75 * w.nbytes

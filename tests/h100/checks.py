@@ -298,7 +298,10 @@ def test_h100_layer_scan_peak_is_optax_multisteps(device):
 def test_h100_skipping_microbatches_keeps_the_peak(device):
     # docs/tokens.md: a step that can skip micro-batches (num_real_microbatches: a lax.cond
     # in the loop) keeps the compiled peak of the step that cannot, on the GPU as on the CPU
-    # (no second gradient carry for the branch that skips)
+    # (no second gradient carry for the branch that skips), but for at most one gradient of
+    # the layer stack: the step that cannot skip adds each layer's gradient to its sum in
+    # the backward pass (docs/remat.md); the one that can adds the micro-batch's gradient
+    # after it (XLA would copy sums written in place inside the cond)
     loss, state, batch = small_lm()
     count = jax.ShapeDtypeStruct((), jnp.int32)
     state, batch, count = gpu.on(device, (state, batch, count))
@@ -306,7 +309,8 @@ def test_h100_skipping_microbatches_keeps_the_peak(device):
     with jax.default_matmul_precision(PRECISION):
         plain = gpu.compiled(step, state, batch, None)["peak_bytes"]
         skipping = gpu.compiled(step, state, batch, count)["peak_bytes"]
-    assert plain * 0.99 <= skipping <= plain * 1.01, (skipping, plain)
+    stack = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params["blocks"]))
+    assert plain * 0.99 <= skipping <= plain * 1.01 + stack, (skipping, plain, stack)
 
 
 def test_h100_a_1f1b_stage_holds_a_quarter_of_the_example():
@@ -395,3 +399,19 @@ def test_h100_a_streamed_step_keeps_only_the_gradient_sums_in_host_temporaries(
         stats = step.trace(state, batch).lower().compile().memory_analysis()
     stack = biggest_model.stack_params(model)
     assert 4 * stack <= stats.host_temp_size_in_bytes <= 4.1 * stack
+
+
+def test_h100_the_resident_step_keeps_no_micro_batch_gradient_of_the_stack(device):
+    # docs/streaming.md, "What binds": compiled for the H100, a Llama-shaped decoder's step
+    # (0.44B parameters, remat "full", a sequence a micro-batch): jaxga resident's peak is
+    # about 3 bytes a parameter under optax.MultiSteps' (17.3 against 20.1: each layer's
+    # gradient added to its sum in the backward pass, no micro-batch gradient of the stack
+    # beside the sums), and offload=True's about 10
+    model, card = biggest_model.Llama.of(24), biggest_model.CARDS["H100 80GB"]
+    per_param = {}
+    for method in ("optax.MultiSteps", "jaxga resident", "jaxga offload=True"):
+        setting = biggest_model.Setting(method, "full", 1)
+        fit = biggest_model.compile_step(setting, model, card, 128)
+        per_param[method] = fit.peak_bytes / model.num_params()
+    assert per_param["jaxga resident"] <= per_param["optax.MultiSteps"] - 2.5, per_param
+    assert per_param["jaxga offload=True"] <= 10.5, per_param
