@@ -223,6 +223,10 @@ def remat_scan(
 ) -> Any:
     """Computes ``for p in stacked_params: x = layer_fn(p, x)``, rematerialised, in a ``lax.scan``.
 
+    In the loss of `jaxga.value_and_grad` or a train step, over a differentiated stack as
+    given, with ``policy="full"`` and one segment (or ``stream=True``), the backward pass
+    adds each layer's gradient to its gradient sum as it produces it (docs/remat.md).
+
     Args:
         layer_fn: ``layer_fn(params_of_one_layer, x) -> x``, keeping ``x``'s shapes and dtypes.
         stacked_params: the layers' parameters, a pytree of arrays with a leading layer axis L.
@@ -280,7 +284,7 @@ def remat_scan(
         one_layer = jax.checkpoint(one_layer, policy=save, prevent_cse=False)
     whole_layers = save is _cp.nothing_saveable and num_segments == 1 and not unroll
     if stream or (whole_layers and summed_here(stacked_params)):  # the sums added in its
-        layer = functools.partial(_carry_of, one_layer)  # backward pass: docs/remat.md
+        layer = functools.partial(_carry_of, one_layer)  # backward pass (docs/remat.md)
         return streamed_scan(layer, stacked_params, x, prefetch=prefetch and stream)
     layers = functools.partial(jax.lax.scan, one_layer, unroll=unroll)  # (x, params) -> (x, None)
     if num_segments == 1:
