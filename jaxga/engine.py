@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, arguments, auxiliary, collectives, meshes, modules
-from jaxga._streaming import layerwise, summing_into, zeros_placed_like
+from jaxga._streaming import is_streamed, layerwise, summing_into, zeros_placed_like
 from jaxga.arguments import Options
 from jaxga.convolution import canonical_convolutions, rewrites
 from jaxga.loss import Mean, check_value
@@ -186,10 +186,19 @@ def _summed(total: Any, grad: Any, added: bool) -> Any:
     return grad if added else layerwise(lambda a, g: a + g.astype(a.dtype), total, grad)
 
 
+def _summed_in_backward(options: Options, call: Call) -> bool:
+    """Whether a layer stack's gradient may be added to its sum in the scan's backward pass
+    (`_streaming.summing_into`): not in `collectives.when`'s cond (``num_real_microbatches``),
+    where XLA would copy sums written in place; not with one micro-batch and every primal on
+    the device, where XLA folds the loop's addition to zeros away."""
+    on_host = any(is_streamed(x) for x in jax.tree.leaves(call.primals))
+    return options.num_real_microbatches is None and (options.num_microbatches > 1 or on_host)
+
+
 def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry, Any]:
     """The scan phase: this device's sums over its micro-batches (a `Carry`), and aux `[k, ...]`."""
 
-    in_place = options.num_real_microbatches is None  # in `when`'s cond, XLA copies the sums
+    in_place = _summed_in_backward(options, call)
 
     def micro_grad(primals, batches, index, threaded, sums):  # loss, aux and sums + gradient
         with summing_into(primals, sums, enabled=in_place) as summing:  # a stack's: backward
