@@ -218,6 +218,52 @@ def summing_into(primals: Any, sums: Any, *, enabled: bool = True) -> Iterator[S
         _SUMMING.reset(token)
 
 
+def _summed(total: Any, grad: Any, added: bool) -> Any:
+    """``total + grad`` (a stack in host memory a layer at a time), or ``grad`` if ``added``
+    already (its backward pass added ``total``)."""
+    return grad if added else layerwise(lambda a, g: a + g.astype(a.dtype), total, grad)
+
+
+def value_and_summed_grad(
+    fun: Callable[..., Any], *, in_backward: bool = True
+) -> Callable[..., Any]:
+    """``jax.value_and_grad(fun, has_aux=True)`` with respect to its first argument, the
+    gradient added to sums given after ``fun``'s arguments: a layer stack's in its scan's
+    backward pass (`summing_into`) if ``in_backward`` and the scan can, the rest after it.
+
+    Args:
+        fun: ``fun(primals, *args) -> (value, aux)``.
+        in_backward: whether a scan may add a stack's gradient in its backward pass.
+
+    Returns:
+        ``(primals, *args, sums) -> ((value, aux), sums + gradient)``, each sum where its
+        leaf of ``sums`` lives.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jaxga._streaming import streamed_scan, value_and_summed_grad
+        >>> def fun(w):
+        ...     return jnp.sum(streamed_scan(lambda w, x: x * w, w, jnp.ones(2))), None
+        >>> w, total = jnp.full((3, 2), 2.0), jnp.full((3, 2), 10.0)
+        >>> (value, _), sums = value_and_summed_grad(fun)(w, total)
+        >>> float(value), sums[0].tolist()
+        (16.0, [14.0, 14.0])
+    """
+
+    def summed(primals: Any, *args: Any) -> tuple[Any, Any]:
+        *args, sums = args
+        with summing_into(primals, sums, enabled=in_backward) as summing:
+
+            def entered(primals: Any, *args: Any) -> Any:  # the primals as ``fun`` sees them
+                summing.enter(primals)
+                return fun(primals, *args)
+
+            out, grads = jax.value_and_grad(entered, has_aux=True)(primals, *args)
+        return out, jax.tree.map(_summed, sums, grads, summing.added_tree())
+
+    return summed
+
+
 def _layer_scan(
     body: Callable[..., Any], carry: Any, stacked: Any, xs: Any, first: Any, *, reverse: bool
 ) -> tuple[Any, Any, Any]:

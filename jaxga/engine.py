@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, arguments, auxiliary, collectives, meshes, modules
-from jaxga._streaming import is_streamed, layerwise, summing_into, zeros_placed_like
+from jaxga._streaming import is_streamed, layerwise, value_and_summed_grad, zeros_placed_like
 from jaxga.arguments import Options
 from jaxga.convolution import canonical_convolutions, rewrites
 from jaxga.loss import Mean, check_value
@@ -180,40 +180,23 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
     return loss
 
 
-def _summed(total: Any, grad: Any, added: bool) -> Any:
-    """``total + grad`` (a streamed stack's a layer at a time), or ``grad`` if ``added``
-    already (`_streaming.summing_into`)."""
-    return grad if added else layerwise(lambda a, g: a + g.astype(a.dtype), total, grad)
-
-
-def _summed_in_backward(options: Options, call: Call) -> bool:
-    """Whether a layer stack's gradient may be added to its sum in the scan's backward pass
-    (`_streaming.summing_into`): not in `collectives.when`'s cond (``num_real_microbatches``),
-    where XLA would copy sums written in place; not with one micro-batch and every primal on
-    the device, where XLA folds the loop's addition to zeros away."""
+def micro_gradient(loss: Callable[..., Any], options: Options, call: Call) -> Callable[..., Any]:
+    """``loss`` (`micro_loss`'s) differentiated, its gradient added to the sums so far
+    (`_streaming.value_and_summed_grad`): in a layer scan's backward pass where it can be,
+    but not in `collectives.when`'s cond (``num_real_microbatches``), where XLA would copy
+    sums written in place, nor with one micro-batch and every primal on the device, where
+    XLA folds the addition to zeros away."""
     on_host = any(is_streamed(x) for x in jax.tree.leaves(call.primals))
-    return options.num_real_microbatches is None and (options.num_microbatches > 1 or on_host)
+    enabled = options.num_real_microbatches is None and (options.num_microbatches > 1 or on_host)
+    grad_fn = value_and_summed_grad(loss, in_backward=enabled)
+    if rewrites(options.canonical_convolutions):  # XLA:CPU, see docs/gpus.md
+        return canonical_convolutions(grad_fn)
+    return grad_fn
 
 
 def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry, Any]:
     """The scan phase: this device's sums over its micro-batches (a `Carry`), and aux `[k, ...]`."""
-
-    in_place = _summed_in_backward(options, call)
-
-    def micro_grad(primals, batches, index, threaded, sums):  # loss, aux and sums + gradient
-        with summing_into(primals, sums, enabled=in_place) as summing:  # a stack's: backward
-
-            def entered(primals, *rest):  # the loss, the primals as it sees them recorded
-                summing.enter(primals)
-                return loss(primals, *rest)
-
-            out, grads = jax.value_and_grad(entered, has_aux=True)(
-                primals, batches, index, threaded
-            )
-        return out, jax.tree.map(_summed, sums, grads, summing.added_tree())
-
-    convolutions = rewrites(options.canonical_convolutions)  # XLA:CPU, see docs/gpus.md
-    grad_fn = canonical_convolutions(micro_grad) if convolutions else micro_grad
+    grad_fn = micro_gradient(loss, options, call)
 
     def step(carry: Carry, batches: tuple) -> tuple[Carry, Any]:
         primals = collectives.inside_loop(call.primals, call.route)  # reduced after the loop
