@@ -102,64 +102,80 @@ def _written(stack: jax.Array, value: jax.Array, index: Any) -> jax.Array:
 
 
 class Summing:
-    """A micro-batch loop's gradient sums, which a streamed scan's backward pass adds its
-    stack's gradient to, a layer at a time, as it produces it (`summing_into`).
+    """A micro-batch loop's gradient sums, to which a layer scan's backward pass adds its
+    stack's gradient a layer at a time as it produces it (`summing_into`).
+
+    A scan takes a stack's sum when the loss gives it the stack as the loss received it: the
+    same traced value, at the loss's own trace (not under a `jax.vmap` or another
+    transformation inside the loss, whose backward pass could run more than once), that no
+    other primal is, its sum of its cotangent's type and not taken by another scan
+    (`claim`). The scan's forward pass then carries the sum to its backward pass if it runs
+    at the gradient's trace, and the backward pass returns the sum plus the stack's
+    gradient as the stack's gradient, and says so (``added``).
 
     Attributes:
         primals: the leaves of the values the gradient is taken with respect to, as given.
         sums: their gradient sums so far, leaf for leaf.
-        trace: the trace the gradient is taken at (`jax.extend.core.get_opaque_trace_state`).
-        inside: the primals' leaves as the differentiated function sees them (`enter`), and
-            its trace: where `remat_scan` asks `summed_here`.
-        claimed: leaf for leaf, whether a streamed scan's forward pass took its sum.
+        trace: the trace the gradient is taken at (`jax.extend.core.get_opaque_trace_state`):
+            where a scan's forward pass runs when it may add a sum.
+        seen: the primals' leaves as the differentiated function sees them (`enter`).
+        seen_trace: the differentiated function's trace, where a scan's stack is matched.
+        claimed: leaf for leaf, whether a scan has taken its sum.
         added: leaf for leaf, whether a backward pass added its gradient to its sum: the
             gradient then returned for it is the new sum.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jaxga._streaming import Summing
+        >>> summing = Summing(jnp.ones(2), jnp.zeros(2))
+        >>> summing.added_tree()
+        False
     """
 
     def __init__(self, primals: Any, sums: Any) -> None:
         self.primals, self.treedef = jax.tree.flatten(primals)
         self.sums = self.treedef.flatten_up_to(sums)
         self.trace = get_opaque_trace_state()
-        self.inside: tuple[list[Any], Any] = ([], None)
+        self.seen: list[Any] = []
+        self.seen_trace: Any = None
         self.claimed = [False] * len(self.primals)
         self.added = [False] * len(self.primals)
 
     def enter(self, primals: Any) -> None:
         """Records ``primals`` as the differentiated function sees them, at its trace."""
-        self.inside = (self.treedef.flatten_up_to(primals), get_opaque_trace_state())
+        self.seen = self.treedef.flatten_up_to(primals)
+        self.seen_trace = get_opaque_trace_state()
 
     def position(self, leaf: Any) -> int | None:
-        """The position of ``leaf``'s sum, if a streamed scan here may add to it: ``leaf`` is
-        one of the primals themselves, seen at the gradient's trace (not inside a `jax.vmap`
-        or another transformation in the loss, which could run the backward pass more than
-        once), and its sum, not claimed before, has its type; else None."""
-        if get_opaque_trace_state() != self.trace:
+        """The position of ``leaf``'s sum if a scan here may take it (see the class); else None."""
+        if get_opaque_trace_state() != self.seen_trace:
             return None
-        for i, (primal, total) in enumerate(zip(self.primals, self.sums)):
-            if primal is leaf and not self.claimed[i] and _same_type(total, leaf):
-                return i
-        return None
+        found = [i for i, seen in enumerate(self.seen) if seen is leaf]
+        if len(found) != 1 or self.claimed[found[0]]:
+            return None
+        return found[0] if _same_type(self.sums[found[0]], leaf) else None
 
-    def claim(self, leaf: Any) -> int | None:
-        """`position`, and the sum there claimed."""
-        i = self.position(leaf)
-        if i is not None:
-            self.claimed[i] = True
-        return i
+    def claim(self, stacked: Any) -> list[int | None]:
+        """`position` of each leaf of ``stacked``, each sum found now taken."""
+        positions = [self.position(leaf) for leaf in jax.tree.leaves(stacked)]
+        for i in positions:
+            if i is not None:
+                self.claimed[i] = True
+        return positions
 
     def added_tree(self) -> Any:
         """``added``, a tree like the primals."""
         return jax.tree.unflatten(self.treedef, self.added)
 
 
-def _same_type(a: Any, b: Any) -> bool:
-    """Whether ``a`` can stand for ``b``'s gradient: its shape, dtype, memory, varying axes and
-    partition spec (a mesh that one of them leaves empty, as outside a mesh, matches any)."""
-    a, b = jax.typeof(a), jax.typeof(b)
-    keys = [(x.shape, x.dtype, x.memory_space, getattr(x, "vma", None)) for x in (a, b)]
-    where = [(x.sharding.spec, x.sharding.mesh) for x in (a, b)]
-    meshes = {mesh for _, mesh in where if not mesh.empty}
-    return keys[0] == keys[1] and where[0][0] == where[1][0] and len(meshes) < 2
+def _same_type(total: Any, leaf: Any) -> bool:
+    """Whether ``total`` can stand for ``leaf``'s gradient: the shape, dtype, memory, manual
+    axis type and partition spec of ``leaf``'s cotangent (a mesh that one of them leaves
+    empty, as a one-device program may, matches any)."""
+    a, b = jax.typeof(total), jax.typeof(leaf).to_ct_aval()
+    keys = [(x.shape, x.dtype, x.memory_space, x.mat, x.sharding.spec) for x in (a, b)]
+    meshes = {x.sharding.mesh for x in (a, b) if not x.sharding.mesh.empty}
+    return keys[0] == keys[1] and len(meshes) < 2
 
 
 _SUMMING: contextvars.ContextVar[Summing | None] = contextvars.ContextVar(
@@ -168,29 +184,36 @@ _SUMMING: contextvars.ContextVar[Summing | None] = contextvars.ContextVar(
 
 
 def summed_here(stacked: Any) -> bool:
-    """Whether a streamed scan over ``stacked`` here, in the differentiated function of a
-    `summing_into` (as its `Summing.enter` recorded it), would add a leaf's gradient to its
-    sum in its backward pass: a leaf is one of its primals, at its trace, and its sum has
-    its type. (The scan's forward pass claims the sum, or leaves it to the loop.)"""
+    """Whether a layer scan over ``stacked`` here would add a leaf's gradient to its sum in
+    its backward pass (`Summing.position`: in the differentiated function of a
+    `summing_into`, on a stack as that function received it).
+
+    Args:
+        stacked: a layer scan's stack.
+
+    Returns:
+        True if the scan would take a sum for one of its leaves.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jaxga._streaming import summed_here
+        >>> summed_here(jnp.ones((2, 3)))  # outside a micro-batch loop
+        False
+    """
     summing = _SUMMING.get()
-    if summing is None or get_opaque_trace_state() != summing.inside[1]:
-        return False
-    inside = list(zip(summing.inside[0], summing.sums, summing.claimed))
-    seen = [
-        x is leaf and not claimed and _same_type(total, leaf)
-        for x, total, claimed in inside
-        for leaf in jax.tree.leaves(stacked)
-    ]
-    return any(seen)
+    leaves = jax.tree.leaves(stacked)
+    return summing is not None and any(summing.position(x) is not None for x in leaves)
 
 
 @contextlib.contextmanager
 def summing_into(primals: Any, sums: Any, *, enabled: bool = True) -> Iterator[Summing]:
-    """While a micro-batch's gradient with respect to ``primals`` is traced: a streamed scan
-    (`streamed_scan`) given one of ``primals``' leaves itself as a stack adds that leaf's
-    gradient to its sum in ``sums`` a layer at a time, in place, as its backward pass produces
-    it, and returns the new sum as the leaf's gradient (so the micro-batch's gradient of a
-    stack is never whole anywhere). Other leaves' gradients are returned as they are.
+    """While a micro-batch's gradient with respect to ``primals`` is traced: a layer scan
+    (`streamed_scan`) given one of ``primals``' leaves as the differentiated function
+    received it (which that function records with `Summing.enter`) adds that leaf's
+    gradient to its sum in ``sums`` a layer at a time, in place, as its backward pass
+    produces it, and returns the new sum as the leaf's gradient (so the micro-batch's
+    gradient of a stack is never whole anywhere); `Summing` says when. Other leaves'
+    gradients are returned as they are. `value_and_summed_grad` is the way to use it.
 
     Args:
         primals: the values the gradient is taken with respect to, as given to it.
@@ -204,6 +227,7 @@ def summing_into(primals: Any, sums: Any, *, enabled: bool = True) -> Iterator[S
         >>> import jax, jax.numpy as jnp
         >>> from jaxga._streaming import streamed_scan, summing_into
         >>> def loss(w):
+        ...     summing.enter(w)
         ...     return jnp.sum(streamed_scan(lambda w, x: x * w, w, jnp.ones(2)))
         >>> w, total = jnp.full((3, 2), 2.0), jnp.full((3, 2), 10.0)
         >>> with summing_into(w, total) as summing:
@@ -211,9 +235,10 @@ def summing_into(primals: Any, sums: Any, *, enabled: bool = True) -> Iterator[S
         >>> summing.added_tree(), grad[0].tolist()
         (True, [14.0, 14.0])
     """
-    token = _SUMMING.set(Summing(primals, sums) if enabled else None)
+    summing = Summing(primals, sums)
+    token = _SUMMING.set(summing if enabled else None)
     try:
-        yield _SUMMING.get() or Summing(primals, sums)
+        yield summing
     finally:
         _SUMMING.reset(token)
 
@@ -308,11 +333,11 @@ def _forward(
 
 
 def _backward(
-    layer: Callable[..., Any], claims: list[Any], saved: Any, grad_y: Any
+    layer: Callable[..., Any], taken: tuple[Any, Any], saved: Any, grad_y: Any
 ) -> tuple[Any, Any, Any]:
     """The reverse scan: each layer fetched (ahead if the forward pass handed on a layer), its
-    vjp taken, its gradient written home, or added to its sum if the forward pass claimed
-    one (``claims``: the `Summing` record and the leaves' positions in it)."""
+    vjp taken, its gradient written home, or added to its sum where the forward pass handed
+    on one (``taken``: the `Summing` record and each leaf's position in it)."""
     consts, stacked, (inputs, last), sums = saved
     homes, treedef = jax.tree.flatten(stacked)
 
@@ -330,27 +355,29 @@ def _backward(
     xs = (inputs, jnp.arange(homes[0].shape[0]))
     carry, ys, _ = _layer_scan(body, (grad_y, zeros, sums), stacked, xs, last, reverse=True)
     grad_x, grad_consts, sums = carry
-    for summing, positions in claims:  # their gradients are the new sums
-        for i in positions:
+    summing, positions = taken
+    for i, total in zip(positions, sums):  # these gradients are their new sums
+        if total is not None:
             summing.added[i] = True
     grads = [y if s is None else s for y, s in zip(ys, sums)]
     return grad_consts, jax.tree.unflatten(treedef, grads), grad_x
 
 
 def _added(total: jax.Array, grad: jax.Array, index: Any) -> jax.Array:
-    """``total`` with ``grad`` added to its layer ``index``, where ``total`` lies (in place)."""
-    grad = jax.lax.optimization_barrier(grad)  # rounded alone, as the resident step's (no
-    return _written(total, _fetched(total, index) + grad.astype(total.dtype), index)  # fused dot)
+    """``total`` with ``grad`` added to its layer ``index``, where ``total`` lies (in place).
+    ``grad`` is rounded alone first, as the loop rounds it: no matrix product fused with
+    the addition."""
+    grad = jax.lax.optimization_barrier(grad)
+    return _written(total, _fetched(total, index) + grad.astype(total.dtype), index)
 
 
-def _claimed(claims: list[Any], stacked: Any) -> list[Any]:
-    """The sums the current `summing_into` has for ``stacked``'s leaves (None for a leaf it
-    has none for), claimed, and recorded in ``claims`` for the backward pass."""
-    summing = _SUMMING.get()
-    if summing is None:
-        return [None] * len(jax.tree.leaves(stacked))
-    positions = [summing.claim(leaf) for leaf in jax.tree.leaves(stacked)]
-    claims[:] = [(summing, [i for i in positions if i is not None])]
+def _taken_sums(taken: tuple[Any, Any]) -> list[Any]:
+    """The sums a scan's forward pass hands to its backward pass: those ``taken`` (the
+    `Summing` record and each leaf's position) if it runs at the gradient's trace, else
+    none (the loop adds them)."""
+    summing, positions = taken
+    if summing is None or get_opaque_trace_state() != summing.trace:
+        return [None] * len(positions)
     return [None if i is None else summing.sums[i] for i in positions]
 
 
@@ -387,13 +414,15 @@ def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any, *, prefetch: 
     def run(consts: tuple[Any, ...], stacked: Any, x: Any) -> Any:
         return forward(consts, stacked, x)[0]
 
-    claims: list[Any] = []  # the sums of a micro-batch loop's `summing_into` this call adds to
+    summing = _SUMMING.get()  # the sums of a micro-batch loop, taken here, at the loss's trace
+    positions = summing.claim(stacked) if summing else [None] * len(jax.tree.leaves(stacked))
+    taken = (summing, positions)
 
     def run_forward(consts: tuple[Any, ...], stacked: Any, x: Any) -> tuple[Any, Any]:
         y, residuals = forward(consts, stacked, x)
-        return y, (consts, stacked, residuals, _claimed(claims, stacked))
+        return y, (consts, stacked, residuals, _taken_sums(taken))
 
-    run.defvjp(run_forward, functools.partial(_backward, converted, claims))
+    run.defvjp(run_forward, functools.partial(_backward, converted, taken))
     return run(tuple(consts), stacked, x)
 
 

@@ -224,8 +224,9 @@ def remat_scan(
     """Computes ``for p in stacked_params: x = layer_fn(p, x)``, rematerialised, in a ``lax.scan``.
 
     In the loss of `jaxga.value_and_grad` or a train step, over a differentiated stack as
-    given, with ``policy="full"`` and one segment (or ``stream=True``), the backward pass
-    adds each layer's gradient to its gradient sum as it produces it (docs/remat.md).
+    the loss received it, with ``policy="full"`` and one segment (or ``stream=True``), the
+    scan is a ``jax.custom_vjp`` whose backward pass adds each layer's gradient to its
+    gradient sum as it produces it (docs/remat.md); elsewhere it is JAX's own ``lax.scan``.
 
     Args:
         layer_fn: ``layer_fn(params_of_one_layer, x) -> x``, keeping ``x``'s shapes and dtypes.
@@ -283,8 +284,9 @@ def remat_scan(
     if save is not None:  # inside a scan the loop keeps XLA from merging recomputation
         one_layer = jax.checkpoint(one_layer, policy=save, prevent_cse=False)
     whole_layers = save is _cp.nothing_saveable and num_segments == 1 and not unroll
-    if stream or (whole_layers and summed_here(stacked_params)):  # the sums added in its
-        layer = functools.partial(_carry_of, one_layer)  # backward pass (docs/remat.md)
+    # in jaxga's loop, the backward pass adds each layer's gradient to its sum (docs/remat.md)
+    if stream or (whole_layers and summed_here(stacked_params)):
+        layer = functools.partial(_carry_of, one_layer)
         return streamed_scan(layer, stacked_params, x, prefetch=prefetch and stream)
     layers = functools.partial(jax.lax.scan, one_layer, unroll=unroll)  # (x, params) -> (x, None)
     if num_segments == 1:

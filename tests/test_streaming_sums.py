@@ -46,6 +46,37 @@ def twice(w, x, stream=True):
     return jaxga.Mean.of(jaxga.remat_scan(layer, w, h, stream=stream) ** 2)
 
 
+@jax.custom_jvp
+def reversed_gradient(w):
+    """A gradient-reversal layer: the identity, its tangent negated."""
+    return w
+
+
+@reversed_gradient.defjvp
+def _reversed_jvp(primals, tangents):
+    return primals[0], -tangents[0]
+
+
+@jax.custom_vjp
+def halved_gradient(w):
+    """The identity, its cotangent halved; its forward rule hands on ``w`` itself."""
+    return w
+
+
+halved_gradient.defvjp(lambda w: (w, None), lambda _, g: (0.5 * g,))
+
+
+def reversed_(w, x, stream=True):
+    """The stack through a user's `custom_jvp`, whose rule hands the scan the very primal:
+    the sum must not go through the rule (the loop adds it)."""
+    return once(reversed_gradient(w), x, stream=stream)
+
+
+def halved(w, x, stream=True):
+    """The stack through a user's `custom_vjp` that scales its gradient."""
+    return once(halved_gradient(w), x, stream=stream)
+
+
 def vmapped(w, x, stream=True):
     """The scan under `jax.vmap`, the stack closed over: its backward pass runs per row, so
     adding the sum there would add it once a row; it is added after the backward pass."""
@@ -71,7 +102,7 @@ def accumulated(loss, w, x, *, k, stream):
     return jax.jit(grad)(w, x)
 
 
-@pytest.mark.parametrize("loss", [once, twice, vmapped, also_decayed])
+@pytest.mark.parametrize("loss", [once, twice, vmapped, also_decayed, reversed_, halved])
 @pytest.mark.parametrize("k", [1, 4])
 def test_the_streamed_sums_are_the_whole_batch_gradient(loss, k):
     """However the loss uses the stack, the streamed loop's gradient is the whole batch's
@@ -88,7 +119,15 @@ def test_the_streamed_sums_are_the_whole_batch_gradient(loss, k):
 
 
 @pytest.mark.parametrize(
-    "loss, added", [(once, True), (twice, True), (vmapped, False), (also_decayed, True)]
+    "loss, added",
+    [
+        (once, True),
+        (twice, True),
+        (vmapped, False),
+        (also_decayed, True),
+        (reversed_, False),
+        (halved, False),
+    ],
 )
 def test_a_sum_is_added_in_the_backward_pass_only_where_it_is_added_once(loss, added):
     """`summing_into` adds a stack's sum in the scan's backward pass when the scan is traced
@@ -98,8 +137,12 @@ def test_a_sum_is_added_in_the_backward_pass_only_where_it_is_added_once(loss, a
     sums = jax.device_put(jnp.full(w.shape, 0.5), HOST)
 
     def gradient(w, sums):
+        def value(w):
+            summing.enter(w)  # as jaxga's loop records the primals its loss receives
+            return loss(w, x).value
+
         with summing_into(w, sums) as summing:
-            grad = jax.grad(lambda w: loss(w, x).value)(w)
+            grad = jax.grad(value)(w)
         return grad, summing.added_tree()
 
     grad, was_added = gradient(w, sums)
@@ -195,3 +238,22 @@ def test_adding_in_the_backward_pass_keeps_no_gradient_of_the_stack_beside_its_s
         return jaxga.memory_report(grad, w, x).temp_bytes
 
     assert temporaries() <= temporaries(num_real_microbatches=4) - 0.75 * w.nbytes
+
+
+def test_one_array_given_as_two_primals_adds_to_its_own_sum():
+    """The same array under two differentiated leaves, the scan over the second: its gradient
+    goes to the second leaf's sum alone (the differentiated function sees two values), the
+    first leaf's (zero) is left to the loop."""
+    w, x = stack(), inputs()
+    sums = (jnp.full(w.shape, 10.0), jnp.full(w.shape, 100.0))
+
+    def value(pair):
+        summing.enter(pair)
+        return jnp.sum(jaxga.remat_scan(layer, pair[1], x, stream=True) ** 2)
+
+    with summing_into((w, w), sums) as summing:
+        grads = jax.grad(value)((w, w))
+    assert summing.added_tree() == (False, True)
+    plain = jax.grad(lambda w: jnp.sum(jaxga.remat_scan(layer, w, x) ** 2))(w)
+    assert_equal(grads[0], jnp.zeros_like(w))
+    np.testing.assert_allclose(np.asarray(grads[1]), np.asarray(sums[1] + plain), rtol=1e-6)
