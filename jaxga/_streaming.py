@@ -156,11 +156,13 @@ class Summing:
         return found[0] if _same_type(self.sums[found[0]], leaf) else None
 
     def claim(self, stacked: Any) -> list[int | None]:
-        """`position` of each leaf of ``stacked``, each sum found now taken."""
-        positions = [self.position(leaf) for leaf in jax.tree.leaves(stacked)]
-        for i in positions:
-            if i is not None:
-                self.claimed[i] = True
+        """`position` of each leaf of ``stacked`` in turn, each sum found taken at once (a
+        primal twice in one stack takes its sum once)."""
+        positions = []
+        for leaf in jax.tree.leaves(stacked):
+            positions.append(self.position(leaf))
+            if positions[-1] is not None:
+                self.claimed[positions[-1]] = True
         return positions
 
     def added_tree(self) -> Any:

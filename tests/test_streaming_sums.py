@@ -257,3 +257,38 @@ def test_one_array_given_as_two_primals_adds_to_its_own_sum():
     plain = jax.grad(lambda w: jnp.sum(jaxga.remat_scan(layer, w, x) ** 2))(w)
     assert_equal(grads[0], jnp.zeros_like(w))
     np.testing.assert_allclose(np.asarray(grads[1]), np.asarray(sums[1] + plain), rtol=1e-6)
+
+
+def both(w, x, stream=True):
+    """One stack given twice in one scan's tree: its sum is taken once."""
+    stacks = {"a": w, "b": w}
+    h = jaxga.remat_scan(lambda p, h: jnp.tanh(h @ p["a"] + h @ p["b"]), stacks, x, stream=stream)
+    return jaxga.Mean.of(h**2)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stack_twice_in_one_scan_adds_its_sum_once(stream):
+    """The same differentiated stack under two leaves of one scan's tree (host memory, or on
+    the device under remat "full"): the first leaf takes the sum, the second adds its
+    gradient alone; the whole batch's gradient to float32 rounding."""
+    w, x = stack(), inputs()
+    w_given = jax.device_put(w, HOST) if stream else w
+    grad = jax.jit(jaxga.value_and_grad(lambda w, x: both(w, x, stream), num_microbatches=4))
+    got = grad(w_given, x)[1]
+    want = jax.grad(lambda w: both(w, x, stream=False).value)(w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-7)
+
+
+def test_a_scan_takes_no_sum_of_a_value_two_primals_share():
+    """Were one traced value two primals as the differentiated function sees them (JAX
+    gives each leaf its own), a scan over it could not tell whose sum it is: it takes none."""
+    w, x = stack(), inputs()
+    sums = (jnp.full(w.shape, 10.0), jnp.full(w.shape, 100.0))
+
+    def value(pair):
+        summing.enter((pair[1], pair[1]))
+        return jnp.sum(jaxga.remat_scan(layer, pair[1], x, stream=True) ** 2)
+
+    with summing_into((w, w), sums) as summing:
+        jax.grad(value)((w, w))
+    assert summing.added_tree() == (False, False)
