@@ -193,11 +193,17 @@ def put(tree: Any, sharding: Any) -> Any:
     return jax.tree.map(one, tree, sharding)
 
 
+def _no_leaves(node: Any) -> bool:  # an empty subtree (an empty optimiser state), kept whole
+    return not jax.tree.leaves(node)
+
+
 def _optimizer_leaves(state: Any) -> list[bool]:
     """Which leaves `offload` moves: under ``opt_state``, but not a MultiSteps' accumulator."""
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     paths = [tuple(jax.tree_util.keystr(p, simple=True, separator="/").split("/")) for p, _ in flat]
-    scoped = any("opt_state" in p for p in paths)  # a train state's or optimiser's; else all
+    nodes = jax.tree_util.tree_flatten_with_path(state, is_leaf=_no_leaves)[0]  # empty ones too
+    named = [jax.tree_util.keystr(p, simple=True, separator="/").split("/") for p, _ in nodes]
+    scoped = any("opt_state" in p for p in named)  # a train state's or optimiser's; else all
     groups = {p[:i] for p in paths for i, k in enumerate(p) if k == "inner_opt_state"}
     # in a MultiSteps state, but not in its inner_opt_state:
     held = [any(p[: len(g)] == g and p[len(g)] != "inner_opt_state" for g in groups) for p in paths]

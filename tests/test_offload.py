@@ -81,6 +81,16 @@ def test_offload_is_bit_exact_and_keeps_the_inner_state_on_the_host(name, mesh, 
         assert specs(state.opt_state) == specs(reference.opt_state)
 
 
+def test_offload_of_an_optimiser_without_state_moves_nothing():
+    """`optax.sgd` keeps no state: `offload=True` leaves the parameters on the device (the
+    rule took every leaf of a train state whose `opt_state` holds no array, and the second
+    step refused its own output), and the steps equal those without offload bit for bit."""
+    state = train(optax.sgd(0.05), None, "data_parallel", offload=True)
+    assert set(kinds(state.params).values()) == {"device"}
+    expected = train(optax.sgd(0.05), None, "data_parallel", offload=False)
+    chex.assert_trees_all_equal(host_arrays(state.params), host_arrays(expected.params))
+
+
 def test_offload_compiles_the_step_once(caplog):
     step = jaxga.make_train_step(loss, 2, offload=True)
     state = jaxga.TrainState.create(params=make_params(), tx=optax.adam(0.1))
