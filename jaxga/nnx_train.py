@@ -177,9 +177,15 @@ def _check_wrt(model: Any, optimizer: Any) -> None:
 
 
 def _check_variables(model: Any, optimizer: Any, options: steps.StepOptions) -> None:
-    """Raises unless `_check_wrt`, and ``model``'s variables lie on the device but where
-    ``options.stream`` takes them in host memory (or ``offload`` picks)."""
+    """Raises unless `_check_wrt`, ``offload=True`` finds an optimiser state to offload, and
+    ``model``'s variables lie on the device but where ``options.stream`` takes them in host
+    memory (or ``offload`` picks)."""
     _check_wrt(model, optimizer)
+    if options.offload is True and not jax.tree.leaves(nnx.state(optimizer.opt_state)):
+        got = "an `optimizer` whose tx keeps no state (as optax.sgd)"
+        raise ValueError(
+            f"`offload`=True has nothing to offload: got {got}; expected offload=False."
+        )
     variables = nnx.as_pure(nnx.state(model))  # every one taken as a parameter
     check_on_device(
         variables, name="model", params=None, offload=options.offload, stream=options.stream

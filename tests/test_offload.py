@@ -91,6 +91,21 @@ def test_offload_of_an_optimiser_without_state_moves_nothing():
     chex.assert_trees_all_equal(host_arrays(state.params), host_arrays(expected.params))
 
 
+def test_nnx_offload_of_an_optimiser_without_state_is_refused():
+    """NNX: an `nnx.Optimizer` over `optax.sgd` has no state to offload; `offload=True` says
+    so, naming the argument (its rule would otherwise take the model's variables)."""
+    model = nnx.Linear(8, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
+
+    def nnx_loss(model, batch):
+        return jaxga.Mean.of(jnp.square(model(batch["x"]) - batch["y"]))
+
+    step = jaxga.nnx_train_step(nnx_loss, 2, offload=True)
+    with pytest.raises(ValueError, match=r"`offload`=True has nothing to offload.*offload=False"):
+        step(model, optimizer, make_batch(0))
+    assert model.kernel.get_value().sharding.memory_kind == "device"
+
+
 def test_offload_compiles_the_step_once(caplog):
     step = jaxga.make_train_step(loss, 2, offload=True)
     state = jaxga.TrainState.create(params=make_params(), tx=optax.adam(0.1))
