@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxga._streaming import is_streamed, on_device, placed_like
+from jaxga._streaming import fetch_layer, is_streamed, on_device, write_layer
 from jaxga.multistep import states_in
 
 if TYPE_CHECKING:
@@ -153,10 +153,9 @@ def _scan_layers(
         params, grads_l = [_empty(x) for x in p], [_empty(x) for x in g]
         opt = [on_device(x) if k == _STATE else _empty(x) for x, k in zip(o, ok)]
         for i, w in zip(mine_p, param_stacks):
-            params[i] = on_device(_index(w, layer))
-            grads_l[i] = on_device(_index(g[i], layer))
+            params[i], grads_l[i] = fetch_layer((w, g[i]), layer)
         for i, s in zip(mine_o, state_stacks):
-            opt[i] = on_device(_index(s, layer))
+            opt[i] = fetch_layer(s, layer)
         one = _with(access, state, params, opt), jax.tree.unflatten(treedef, grads_l)
         new_p, new_o = _parts(access, access.update(*one, **extra))
         new = ([new_p[i] for i in mine_p], [new_o[i] for i in mine_o])
@@ -167,18 +166,13 @@ def _scan_layers(
     return dict(zip(mine_p, ys_p)), dict(zip(mine_o, ys_o))
 
 
-def _index(stack: Any, layer: jax.Array) -> Any:
-    """``stack[layer]``, where ``stack`` lies."""
-    return jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
-
-
 def _written(stack: Any, value: Any, *, at: jax.Array) -> Any:
-    """``stack`` with ``value`` written, where ``stack`` lies, as its layer ``at``."""
-    if (dtype := jax.typeof(stack).dtype) != jax.typeof(value).dtype:  # as the whole tree's
+    """``stack`` with ``value`` written, where ``stack`` lies, as its layer ``at``: raises if
+    ``tx`` changed its dtype (the whole tree's update would)."""
+    if (dtype := jax.typeof(stack).dtype) != jax.typeof(value).dtype:
         got = f"changes a stack's dtype from {dtype} to {jax.typeof(value).dtype}"
         raise StreamError(f'`stream`="layers": `tx` {got}; expected the same dtype: {_FIX}.')
-    value = placed_like(value, stack)
-    return jax.lax.dynamic_update_index_in_dim(stack, value, at, 0)
+    return write_layer(stack, value, at)
 
 
 def _probe(tree: Any, seed: int, *, nan: bool = False) -> Any:

@@ -88,14 +88,14 @@ def zeros_placed_like(tree: Any, homes: Any) -> Any:
     return jax.tree.map(put, tree, homes)
 
 
-def _fetched(stacked: Any, index: Any) -> Any:
-    """Layer ``index``'s slice of ``stacked``, fetched to the device."""
+def fetch_layer(stacked: Any, index: Any) -> Any:
+    """Layer ``index``'s slice of each leaf of ``stacked``, fetched to the device."""
     return on_device(
         jax.tree.map(lambda s: jax.lax.dynamic_index_in_dim(s, index, 0, False), stacked)
     )
 
 
-def _written(stack: jax.Array, value: jax.Array, index: Any) -> jax.Array:
+def write_layer(stack: jax.Array, value: jax.Array, index: Any) -> jax.Array:
     """``stack`` with ``value`` as its layer ``index``, where ``stack`` lies (in place)."""
     value = placed_like(value.astype(stack.dtype), stack)
     return jax.lax.dynamic_update_index_in_dim(stack, value, index, 0)
@@ -114,7 +114,7 @@ class Summing:
     gradient as the stack's gradient, and says so (``added``).
 
     Attributes:
-        primals: the leaves of the values the gradient is taken with respect to, as given.
+        treedef: the structure of the values the gradient is taken with respect to.
         sums: their gradient sums so far, leaf for leaf.
         trace: the trace the gradient is taken at (`jax.extend.core.get_opaque_trace_state`):
             where a scan's forward pass runs when it may add a sum.
@@ -133,13 +133,13 @@ class Summing:
     """
 
     def __init__(self, primals: Any, sums: Any) -> None:
-        self.primals, self.treedef = jax.tree.flatten(primals)
+        self.treedef = jax.tree.structure(primals)
         self.sums = self.treedef.flatten_up_to(sums)
         self.trace = get_opaque_trace_state()
         self.seen: list[Any] = []
         self.seen_trace: Any = None
-        self.claimed = [False] * len(self.primals)
-        self.added = [False] * len(self.primals)
+        self.claimed = [False] * len(self.sums)
+        self.added = [False] * len(self.sums)
 
     def enter(self, primals: Any) -> None:
         """Records ``primals`` as the differentiated function sees them, at its trace."""
@@ -309,9 +309,9 @@ def _layer_scan(
         carry, layer = state
         index, x = slices
         if layer is None:  # not prefetched: fetched here, the layer waiting for its copy
-            carry, y = body(carry, _fetched(stacked, index), x)
+            carry, y = body(carry, fetch_layer(stacked, index), x)
             return (carry, None), y
-        following = _fetched(stacked, jnp.clip(index + ahead, 0, n - 1))  # in flight meanwhile
+        following = fetch_layer(stacked, jnp.clip(index + ahead, 0, n - 1))  # in flight meanwhile
         carry, y = body(carry, layer, x)
         return (carry, following), y
 
@@ -329,7 +329,7 @@ def _forward(
     def body(carry: Any, params: Any, _: None) -> tuple[Any, Any]:
         return layer(params, carry, *consts), carry
 
-    first = _fetched(stacked, 0) if prefetch else None
+    first = fetch_layer(stacked, 0) if prefetch else None
     y, inputs, last = _layer_scan(body, x, stacked, None, first, reverse=False)
     return y, (inputs, last)
 
@@ -370,7 +370,7 @@ def _added(total: jax.Array, grad: jax.Array, index: Any) -> jax.Array:
     ``grad`` is rounded alone first, as the loop rounds it: no matrix product fused with
     the addition."""
     grad = jax.lax.optimization_barrier(grad)
-    return _written(total, _fetched(total, index) + grad.astype(total.dtype), index)
+    return write_layer(total, fetch_layer(total, index) + grad.astype(total.dtype), index)
 
 
 def _taken_sums(taken: tuple[Any, Any]) -> list[Any]:
@@ -408,7 +408,7 @@ def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any, *, prefetch: 
         >>> streamed_scan(lambda w, x: x * w, jnp.full((3, 2), 2.0), jnp.ones(2)).tolist()
         [8.0, 8.0]
     """
-    one = _fetched(stacked, 0)  # a layer's slice, for tracing
+    one = fetch_layer(stacked, 0)  # a layer's slice, for tracing
     converted, consts = jax.closure_convert(layer, one, x)  # closed-over values differentiated too
     forward = functools.partial(_forward, converted, prefetch)
 
@@ -455,7 +455,7 @@ def layerwise(fn: Callable[..., Any], home: Any, *others: Any) -> Any:
             return jax.device_put(fn(*on_device((leaf, *rest))), _HOST)
 
         def written(stack: Any, index: jax.Array) -> tuple[Any, None]:  # over ``leaf``
-            return _written(stack, fn(*_fetched((stack, *rest), index)), index), None
+            return write_layer(stack, fn(*fetch_layer((stack, *rest), index)), index), None
 
         def stacked(_: None, slices: tuple[Any, ...]) -> tuple[None, Any]:  # a new stack
             return None, jax.device_put(fn(*on_device(slices)), _HOST)
