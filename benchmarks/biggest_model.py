@@ -314,9 +314,10 @@ class _PinnedHost(jax.sharding.NamedSharding):
         return hash((super().__hash__(), "pinned_host"))
 
 
-def on_host(device: jax.Device, tree: Any, select: Callable[[Any], bool]) -> Any:
-    """``tree``'s leaves whose path ``select`` picks placed in ``device``'s pinned host memory."""
-    mesh = jax.sharding.Mesh([device], ("host",))
+def on_host(where: jax.Device | jax.sharding.Mesh, tree: Any, select: Callable[[Any], bool]) -> Any:
+    """``tree``'s leaves whose path ``select`` picks placed in pinned host memory: a device's,
+    or (a mesh) each device's, replicated."""
+    mesh = where if isinstance(where, jax.sharding.Mesh) else jax.sharding.Mesh([where], ("host",))
     host = _PinnedHost(mesh, jax.sharding.PartitionSpec())
 
     def place(path: Any, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:

@@ -428,15 +428,19 @@ def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any, *, prefetch: 
     return run(tuple(consts), stacked, x)
 
 
-def layerwise(fn: Callable[..., Any], home: Any, *others: Any) -> Any:
+def layerwise(fn: Callable[..., Any], home: Any, *others: Any, in_place: bool = True) -> Any:
     """``fn(leaf, *other_leaves)`` over ``home``'s leaves; for a leaf in host memory, run on
     the device a layer (leading index) at a time and each result written back to host memory
-    (over the leaf's own layer, in place, where ``fn`` keeps its dtype).
+    (over the leaf's own layer, in place, where ``fn`` keeps its dtype and ``in_place``).
 
     Args:
-        fn: an elementwise function of a leaf of ``home`` and the same leaves of ``others``.
+        fn: a function of a leaf of ``home`` and the same leaves of ``others``, layer by layer
+            (elementwise, or a collective: each layer's result its layer's).
         home: the tree whose leaves say where each result lives (host or device memory).
         others: trees like ``home`` (leaves of the same leading size).
+        in_place: whether a result of the leaf's dtype may be written over it; False: into a
+            new stack (a collective's result, which no longer varies over the axes it
+            reduces, cannot be written into a stack that does).
 
     Returns:
         ``fn``'s results, a tree like ``home``, each leaf in its leaf of ``home``'s memory.
@@ -461,7 +465,7 @@ def layerwise(fn: Callable[..., Any], home: Any, *others: Any) -> Any:
             return None, jax.device_put(fn(*on_device(slices)), _HOST)
 
         layer = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (leaf, *rest)]
-        if jax.eval_shape(fn, *layer).dtype == leaf.dtype:  # in place, a layer at a time
+        if in_place and jax.eval_shape(fn, *layer).dtype == leaf.dtype:  # a layer at a time
             return jax.lax.scan(written, leaf, jnp.arange(leaf.shape[0]))[0]
         return jax.lax.scan(stacked, None, (leaf, *rest))[1]
 

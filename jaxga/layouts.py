@@ -51,7 +51,8 @@ def _committed(x: Any) -> Any:
 
 
 def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Callable) -> Any:
-    """``state`` ``put`` where a step keeps it (concrete): on the mesh, offloaded as asked.
+    """``state`` ``put`` where a step keeps it (concrete): on the mesh (a streamed stack in
+    host memory still), offloaded as asked.
     With a ``layout``, ``state`` is a Flax train state (its ``step`` and ``params`` read);
     an NNX step passes None and lays its model out itself."""
     if layout is not None:  # laid out already if its step and first parameter are
@@ -63,7 +64,8 @@ def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Call
             specs = [row.spec("params", jnp.shape(x), size, axis_name) or P() for x in first]
         wanted = [NamedSharding(mesh, spec) for spec in [P(), *specs]]
         if not all(map(is_laid_out, [state.step, *first], wanted)):
-            state = put(state, state_shardings(state, mesh, strategy, axis_name=axis_name))
+            where = state_shardings(state, mesh, strategy, axis_name=axis_name)
+            state = put(state, jax.tree.map(meshes.in_memory_of, where, state))
     elif offload_state:
         first = jax.tree.leaves(state)[0]
         if not getattr(first, "committed", True):

@@ -134,3 +134,21 @@ def traced_as_placed(where: Any) -> Any:
         return where
     mesh = jax.sharding.Mesh(list(where.device_set), ("device",))
     return NamedSharding(mesh, P(), memory_kind=where.memory_kind)
+
+
+def in_memory_of(where: NamedSharding, x: Any) -> NamedSharding:
+    """``where`` in the memory ``x`` lives in: a leaf in host memory (a streamed stack, its
+    type's ``jax.memory.Space.Host``) stays there when a step lays it out; any other leaf
+    goes to the devices' memory.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxga.meshes import in_memory_of
+        >>> mesh = jax.make_mesh((1,), ("data",))
+        >>> host = jax.NamedSharding(mesh, jax.P(), memory_kind="pinned_host")
+        >>> x = jax.device_put(jnp.ones(2), host)
+        >>> in_memory_of(jax.NamedSharding(mesh, jax.P()), x).memory_kind
+        'pinned_host'
+    """
+    host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+    return where.with_memory_kind("pinned_host") if host else where

@@ -362,10 +362,11 @@ def nnx_train_step(
             is elementwise (sgd, adam, adamw, lion, schedules, `jaxga.MultiSteps` of them);
             a probe at trace time refuses the usual exceptions (`clip_by_global_norm`,
             LAMB), not every one. `True`: bit for bit the resident step; `"layers"`: to
-            float rounding (another program); without a `mesh` (as for `make_train_step`;
-            docs/streaming.md). `"auto"` (with `num_microbatches="auto"`): resident if any
-            k fits (the variables in host memory fetched to the device, and kept there),
-            else `True`, else `"layers"`, as `make_train_step`'s.
+            float rounding (another program). On a `mesh`, data parallel (the stacks
+            replicated), as `make_train_step`'s (docs/streaming.md). `"auto"` (with
+            `num_microbatches="auto"`, without a `mesh`): resident if any k fits (the
+            variables in host memory fetched to the device, and kept there), else `True`,
+            else `"layers"`, as `make_train_step`'s.
 
     Returns:
         A [`jaxga.NNXTrainStep`][jaxga.NNXTrainStep]; its `metrics`: `loss`, `count`,

@@ -117,7 +117,8 @@ def shard_batch(batch: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
 
 
 def onto(tree: Any, mesh: Mesh) -> Any:
-    """``tree``, what is not on ``mesh`` replicated on it (`replicate`: all); another mesh: error.
+    """``tree``, what is not on ``mesh`` replicated on it, in the memory it lives in (host
+    memory kept: a streamed stack); on another mesh: an error.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxga
@@ -133,7 +134,7 @@ def onto(tree: Any, mesh: Mesh) -> Any:
         if isinstance(now, NamedSharding) and now.mesh.size > 1:
             where = f"{jax.tree_util.keystr(path)} is laid out on another mesh, {now.mesh}"
             raise ValueError(f"The model's state{where}; expected `mesh` {mesh}.")
-        return put(x, NamedSharding(mesh, P()))
+        return put(x, meshes.in_memory_of(NamedSharding(mesh, P()), x))
 
     return jax.tree_util.tree_map_with_path(one, tree)
 
@@ -473,10 +474,11 @@ def state_shardings(
 
 def place(mesh: Mesh, tree: Any, specs: Any) -> Any:
     """Inside a jit, ``tree`` constrained to ``specs`` on ``mesh`` (on Explicit axes:
-    resharded); a leaf whose spec is ``None`` stays where it is."""
+    resharded), each leaf in the memory it lives in; a leaf whose spec is ``None`` stays
+    where it is."""
     move = jax.reshard if meshes.explicit_axes(mesh) else jax.lax.with_sharding_constraint
 
     def one(spec: Any, x: Any) -> Any:
-        return x if spec is None else move(x, NamedSharding(mesh, spec))
+        return x if spec is None else move(x, meshes.in_memory_of(NamedSharding(mesh, spec), x))
 
     return jax.tree.map(one, specs, tree, is_leaf=lambda x: x is None or meshes.is_spec(x))

@@ -281,11 +281,14 @@ def make_train_step(
             statement that `tx` is elementwise (sgd, adam, adamw, lion, schedules,
             `jaxga.MultiSteps` of them); a probe at trace time refuses the usual exceptions
             (`clip_by_global_norm`, LAMB), not every one. `True`: bit for bit the resident
-            step; `"layers"`: to float rounding (another program); without a `mesh`
-            (docs/streaming.md). `"auto"` (with `num_microbatches="auto"`): the plan tries
-            the step resident first (the parameters in host memory fetched to the device,
-            and kept there), then `True`, then `"layers"`, each over every k, and takes the
-            first that fits `memory_budget`.
+            step; `"layers"`: to float rounding (another program). On a `mesh`, data
+            parallel (`strategy="data_parallel"`, the stacks replicated): each device
+            streams its own copy, and each stack's sum is reduced once after the loop, a
+            layer at a time (docs/streaming.md, "On a mesh"). `"auto"` (with
+            `num_microbatches="auto"`, without a `mesh`): the plan tries the step resident
+            first (the parameters in host memory fetched to the device, and kept there),
+            then `True`, then `"layers"`, each over every k, and takes the first that fits
+            `memory_budget`.
 
     Returns:
         A [`jaxga.TrainStep`][jaxga.TrainStep]; its `metrics`: `loss`,

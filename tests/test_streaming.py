@@ -264,12 +264,65 @@ def test_a_step_without_stream_names_host_resident_params():
         )
         with pytest.raises(ValueError, match=message):
             step(state, batch_of(0))
-    with pytest.raises(
-        ValueError, match=r"`stream`=True on a mesh is not supported yet; got mesh="
-    ):
-        jaxga.make_train_step(loss, 2, stream=True, axis_name="data")
     with pytest.raises(TypeError, match=r"`stream`"):
         jaxga.make_train_step(loss, 2, stream="yes")
+
+
+@pytest.mark.parametrize("stream", [True, "layers"])
+def test_streamed_step_on_a_one_device_mesh_is_the_step_without_one(stream):
+    """On a mesh (here one device; eight in tests/multidevice/dp_checks.py) each device
+    streams its own copy of the stack, kept in host memory, its sum reduced a layer at a time."""
+    loss = functools.partial(step_loss, stream=True, policy="full")
+    results = []
+    with jax.default_matmul_precision("highest"):
+        for mesh in (None, jax.make_mesh((1,), ("data",))):
+            step = jaxga.make_train_step(loss, 4, stream=stream, offload=True, mesh=mesh)
+            state = streamed(jaxga.TrainState.create(params=model_params(), tx=optimizer()))
+            for i in range(2):
+                state, metrics = step(state, batch_of(i))
+            assert kinds(state.params["layers"]) == kinds(state.opt_state) == {"pinned_host"}
+            results.append((state.params, state.opt_state, metrics))
+    assert_equal(*results)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"strategy": "fsdp"}, r"`stream`=True on a mesh with `strategy`='fsdp': not supported; "),
+        (
+            {"strategy": "zero1"},
+            r"with `strategy`='zero1': not supported; expected 'data_parallel'",
+        ),
+        ({"reduce_once": False}, r"needs reduce_once=True \(each stack's gradient sum reduced"),
+        (
+            {"stream": "auto", "num_microbatches": "auto", "memory_budget": "1GiB"},
+            r"`stream`='auto' on a mesh: the plan",
+        ),
+    ],
+)
+def test_stream_on_a_mesh_refuses_what_it_does_not_take(options, message):
+    loss = functools.partial(step_loss, stream=True, policy="full")
+    options = {
+        "stream": True,
+        "num_microbatches": 2,
+        "mesh": jax.make_mesh((1,), ("data",)),
+    } | options
+    with pytest.raises(ValueError, match=message):
+        jaxga.make_train_step(loss, **options)
+
+
+def test_stream_on_a_mesh_refuses_a_split_stack():
+    loss = functools.partial(step_loss, stream=True, policy="full")
+    state = streamed(jaxga.TrainState.create(params=model_params(), tx=optimizer()))
+    specs = jax.tree.map(lambda _: jax.P(), state.params)
+    specs["layers"]["w"] = jax.P(None, "data")
+    step = jaxga.make_train_step(loss, 2, stream=True, strategy=specs, axis_name="data")
+    message = (
+        r"`stream` on a mesh: `state`.params\['layers'\]\['w'\] is in host memory and split "
+        r"by (P|PartitionSpec)\(None, 'data'\); expected it replicated"
+    )
+    with pytest.raises(ValueError, match=message):
+        step(state, batch_of(0))
 
 
 class Block(nnx.Module):

@@ -38,9 +38,9 @@ def model_and_optimizer(stream, tx=None):
     return model, opt
 
 
-def train(k, *, stream, offload=False, steps=2, tx=None):
+def train(k, *, stream, offload=False, steps=2, tx=None, mesh=None):
     model, opt = model_and_optimizer(stream, tx)
-    step = jaxga.nnx_train_step(nnx_loss, k, stream=stream, offload=offload)
+    step = jaxga.nnx_train_step(nnx_loss, k, stream=stream, offload=offload, mesh=mesh)
     for i in range(steps):
         metrics = step(model, opt, batch_of(i))
     return nnx.to_pure_dict(nnx.state(model)), nnx.as_pure(opt.opt_state), metrics
@@ -101,6 +101,17 @@ def test_stream_layers_is_the_resident_step_to_rounding(k, monkeypatch):
     assert {shape[1:] for shape in stacks} <= moves and not moves & stacks, (moves, stacks)
 
 
+def test_stream_true_on_a_one_device_mesh_is_the_step_without_one():
+    """On a mesh (eight devices: tests/multidevice/dp_checks.py) each device streams its own
+    copy of the blocks, kept in host memory, and reduces their sums a layer at a time."""
+    params, opt_state, metrics = train(4, stream=True, offload=True, mesh=MESH)
+    assert_equal((params, opt_state, metrics), train(4, stream=True, offload=True))
+    assert kinds(params["blocks"]) == kinds(moments(opt_state)) == {"pinned_host"}
+
+
+MESH = jax.make_mesh((1,), ("data",))
+
+
 def test_stream_refuses_what_it_does_not_take():
     model, opt = model_and_optimizer(True)
     for offload in (False, True):
@@ -111,8 +122,10 @@ def test_stream_refuses_what_it_does_not_take():
         )
         with pytest.raises(ValueError, match=message):
             step(model, opt, batch_of(0))
-    with pytest.raises(ValueError, match=r"`stream`=True on a mesh is not supported yet; got"):
-        jaxga.nnx_train_step(nnx_loss, 2, stream=True, mesh=jax.make_mesh((1,), ("data",)))
+    with pytest.raises(ValueError, match=r"`stream`=True on a mesh with `strategy`='fsdp': not"):
+        jaxga.nnx_train_step(
+            nnx_loss, 2, stream=True, mesh=jax.make_mesh((1,), ("data",)), strategy="fsdp"
+        )
     with pytest.raises(
         TypeError, match=r"`stream` must be False, True, 'layers' or 'auto'; got 'yes'"
     ):

@@ -25,6 +25,7 @@ them), not the test session's ``"highest"``.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -46,6 +47,7 @@ pytest.importorskip(
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 import biggest_model
@@ -400,6 +402,41 @@ def test_h100_a_streamed_step_keeps_only_the_gradient_sums_in_host_temporaries(
     stack = biggest_model.stack_params(model)
     print(prefetch, round(stats.host_temp_size_in_bytes / stack, 2))  # docs/streaming.md's, -s
     assert 4 * stack <= stats.host_temp_size_in_bytes <= 4.1 * stack
+
+
+def test_h100_a_streamed_step_on_a_mesh_adds_no_stack_to_the_device(device, monkeypatch):
+    # docs/streaming.md, "On a mesh": compiled for two described H100s (data parallel), each
+    # device's peak is the one-device streamed step's (each stack's sum reduced a layer at a
+    # time), and its host memory holds one stack of sums more (the reduced sums, 4 bytes a
+    # float32 stack parameter, written beside the device's own)
+    monkeypatch.setattr(biggest_model, "VOCAB", 256)  # a small embedding and head
+    model = biggest_model.Llama(layers=4, dim=256, hidden=768, seq_len=128)
+    adamw = optax.adamw(3e-4, weight_decay=0.1)
+    state = jax.eval_shape(
+        functools.partial(jaxga.TrainState.create, tx=adamw), biggest_model.abstract_params(model)
+    )
+    loss = biggest_model.step_loss(biggest_model.loss_for("full", stream=True))
+    mesh = gpu.on_mesh(gpu.h100s(2))
+
+    def on(where, spec):  # shape structs laid out on the mesh
+        return jax.tree.map(lambda x: x.update(sharding=jax.NamedSharding(mesh, spec)), where)
+
+    one_device = gpu.on(device, (state, biggest_model.abstract_batch(4, model.seq_len)))
+    two_devices = (on(state, P()), on(biggest_model.abstract_batch(8, model.seq_len), P("data")))
+    reports = {}
+    for where, (state_, batch), options in [
+        (device, one_device, {}),
+        (mesh, two_devices, {"mesh": mesh}),
+    ]:
+        step = jaxga.make_train_step(loss, 4, stream="layers", offload=True, **options)
+        with gpu.cudnn_attention():
+            state_ = biggest_model.on_host(where, state_, biggest_model.streamed)
+            reports[where is mesh] = jaxga.memory_report(step, state_, batch)
+    one, two = reports[False], reports[True]
+    stack = biggest_model.stack_params(model)
+    print(one.peak_bytes, two.peak_bytes, (two.host_bytes - one.host_bytes) / stack)  # -s
+    assert two.peak_bytes <= 1.01 * one.peak_bytes
+    assert 4 * stack <= two.host_bytes - one.host_bytes <= 4.1 * stack
 
 
 def test_h100_the_resident_step_keeps_no_micro_batch_gradient_of_the_stack(device):

@@ -9,6 +9,7 @@ process). By hand::
         .venv/bin/python -m pytest tests/multidevice/dp_checks.py
 """
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -28,11 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxga
 from jaxga.sharding import replicate, shard_batch
+from tests import test_streaming as streaming
 from tests._hlo import hlo_collectives
 
 DEVICES = 8
@@ -937,3 +939,85 @@ def test_mesh_step_names_bad_batches_and_reused_states():
     with pytest.raises(ValueError, match="an earlier call deleted: it donates"):
         step(state, batches[0])  # donated by the call before; no segfault, no XLA error
     step(new, batches[1])
+
+
+# ----------------------------------------------------- streaming a layer stack, data parallel
+
+
+def stream_batch(step):
+    """`streaming.batch_of`'s token batch at 64 rows: 2 per micro-batch on each device."""
+    tokens = jax.random.randint(jax.random.key(10 + step), (GLOBAL, streaming.SEQ + 1), 0, VOCAB)
+    lengths = jnp.arange(GLOBAL) % streaming.SEQ + 1  # every row a different count of tokens
+    mask = jnp.arange(streaming.SEQ)[None, :] < lengths[:, None]
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
+
+
+def stream_train(mesh, stream, steps=2):
+    loss = functools.partial(streaming.step_loss, stream=bool(stream), policy="full")
+    step = jaxga.make_train_step(loss, K, stream=stream, offload=bool(stream), mesh=mesh)
+    state = jaxga.TrainState.create(params=streaming.model_params(), tx=streaming.optimizer())
+    state = streaming.streamed(state) if stream else state
+    for i in range(steps):
+        state, metrics = step(state, stream_batch(i))
+    return state, metrics, step.lower(state, stream_batch(steps)).compile().as_text()
+
+
+def stream_reference(steps=2):
+    """`jax.grad` of the whole batch's token mean on one device, and optax."""
+
+    def loss(params, batch):
+        losses = streaming.token_losses(params, batch, stream=False, policy=None)
+        return jnp.sum(losses * batch["mask"]) / jnp.sum(batch["mask"])
+
+    params, tx = streaming.model_params(), streaming.optimizer()
+    opt_state = tx.init(params)
+    for i in range(steps):
+        updates, opt_state = tx.update(jax.grad(loss)(params, stream_batch(i)), opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params, opt_state
+
+
+@pytest.mark.parametrize(
+    "stream, axis_type", [(True, "Explicit"), ("layers", "Explicit"), (True, "Auto")]
+)
+def test_streamed_step_on_eight_devices(stream, axis_type):
+    """Each device streams its own copy of the stack from host memory: the step is the
+    resident one on the mesh (True: bit for bit; "layers": to rounding) and the one-device
+    whole batch's; no collective in the micro-batch loop, and each stack's sum reduced once
+    after it, a layer at a time (an all-reduce of one layer's shape in a loop over layers)."""
+    mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(getattr(AxisType, axis_type),))
+    with jax.default_matmul_precision("highest"):
+        state, metrics, text = stream_train(mesh, stream)
+        resident, resident_metrics, _ = stream_train(mesh, False)
+        params, opt_state = stream_reference()
+    same = streaming.assert_equal if stream is True else streaming.assert_rounding
+    got = (state.params, state.opt_state, metrics["loss"])
+    same(got, (resident.params, resident.opt_state, resident_metrics["loss"]))
+    assert_close((state.params, state.opt_state), (params, opt_state), rtol=2e-5, atol=2e-6)
+    assert streaming.kinds(state.params["layers"]) == {"pinned_host"}
+    assert streaming.kinds(state.opt_state) == {"pinned_host"}
+    found = hlo_collectives(text)
+    layers = {tuple(x.shape[1:]) for x in jax.tree.leaves(state.params["layers"])}
+    in_loops = [c for c in found if c.in_loop]
+    assert len(in_loops) == len(jax.tree.leaves(state.params["layers"])), in_loops
+    for c in in_loops:  # one layer of one stack each
+        assert c.opcode == "all-reduce", c.line
+        shape = re.search(r"= f32\[([\d,]*)\]", c.line).group(1)
+        assert tuple(int(d) for d in shape.split(",") if d) in layers, c.line
+    assert any(c.opcode == "all-reduce" and not c.in_loop for c in found)
+
+
+def test_streamed_nnx_step_on_eight_devices():
+    """An NNX model's blocks in host memory on each device: the resident step, bit for bit."""
+    results = []
+    with jax.default_matmul_precision("highest"):
+        for stream in (True, False):
+            model = streaming.Stack(nnx.Rngs(0), stream=stream)
+            opt = nnx.Optimizer(model, streaming.optimizer(), wrt=nnx.Param)
+            if stream:
+                nnx.update(model.blocks, jax.device_put(nnx.state(model.blocks), streaming.HOST))
+            step = jaxga.nnx_train_step(streaming.nnx_loss, K, stream=stream, mesh=MESH)
+            metrics = [step(model, opt, stream_batch(i)) for i in range(2)][-1]
+            results.append((nnx.to_pure_dict(nnx.state(model)), metrics["loss"]))
+    streaming.assert_equal(*results)
+    assert streaming.kinds(results[0][0]["blocks"]) == {"pinned_host"}
