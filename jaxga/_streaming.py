@@ -428,19 +428,15 @@ def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any, *, prefetch: 
     return run(tuple(consts), stacked, x)
 
 
-def layerwise(fn: Callable[..., Any], home: Any, *others: Any, in_place: bool = True) -> Any:
+def layerwise(fn: Callable[..., Any], home: Any, *others: Any) -> Any:
     """``fn(leaf, *other_leaves)`` over ``home``'s leaves; for a leaf in host memory, run on
     the device a layer (leading index) at a time and each result written back to host memory
-    (over the leaf's own layer, in place, where ``fn`` keeps its dtype and ``in_place``).
+    (over the leaf's own layer, in place, where ``fn`` keeps its dtype).
 
     Args:
-        fn: a function of a leaf of ``home`` and the same leaves of ``others``, layer by layer
-            (elementwise, or a collective: each layer's result its layer's).
+        fn: an elementwise function of a leaf of ``home`` and the same leaves of ``others``.
         home: the tree whose leaves say where each result lives (host or device memory).
         others: trees like ``home`` (leaves of the same leading size).
-        in_place: whether a result of the leaf's dtype may be written over it; False: into a
-            new stack (a collective's result, which no longer varies over the axes it
-            reduces, cannot be written into a stack that does).
 
     Returns:
         ``fn``'s results, a tree like ``home``, each leaf in its leaf of ``home``'s memory.
@@ -465,11 +461,35 @@ def layerwise(fn: Callable[..., Any], home: Any, *others: Any, in_place: bool = 
             return None, jax.device_put(fn(*on_device(slices)), _HOST)
 
         layer = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (leaf, *rest)]
-        if in_place and jax.eval_shape(fn, *layer).dtype == leaf.dtype:  # a layer at a time
+        if jax.eval_shape(fn, *layer).dtype == leaf.dtype:  # in place, a layer at a time
             return jax.lax.scan(written, leaf, jnp.arange(leaf.shape[0]))[0]
         return jax.lax.scan(stacked, None, (leaf, *rest))[1]
 
     return jax.tree.map(one, home, *others)
+
+
+def psum_by_layer(stacks: list[jax.Array], axes: Any) -> list[jax.Array]:
+    """``stacks`` (in host memory, of one leading size) summed over the mesh ``axes`` a layer
+    at a time on the device, one all-reduce of every stack's slice a layer, into new stacks
+    in host memory: a sum no longer varies over ``axes``, and ``shard_map``'s types refuse
+    writing it over a stack that does.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from jaxga._streaming import psum_by_layer
+        >>> mesh = jax.make_mesh((1,), ("data",))
+        >>> summed = jax.shard_map(
+        ...     lambda x: psum_by_layer([x], "data")[0], mesh=mesh, in_specs=P(), out_specs=P()
+        ... )
+        >>> summed(jnp.ones((2, 3))).tolist()
+        [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    """
+
+    def body(_: None, slices: list[jax.Array]) -> tuple[None, list[jax.Array]]:
+        return None, [jax.device_put(x, _HOST) for x in jax.lax.psum(on_device(slices), axes)]
+
+    return jax.lax.scan(body, None, stacks)[1]
 
 
 def _squared(x: jax.Array) -> jax.Array:  # |x|², as optax squares a complex leaf

@@ -2,7 +2,6 @@
 
 import contextlib
 import contextvars
-import functools
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -12,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxga import meshes
-from jaxga._streaming import is_streamed, layerwise
+from jaxga._streaming import is_streamed, psum_by_layer
 from jaxga.meshes import axes
 
 __all__ = ["axes", "find_route", "psum_varying", "varying", "varying_axes"]
@@ -104,17 +103,16 @@ def when(pred: Any, fun: Callable[..., Any], *operands: Any, otherwise: Any = No
 
 def psum_invariant(tree: Any, like: Any, axis_name: Any) -> Any:
     """Returns ``tree`` summed over ``axis_name``, but for the axes ``like``'s leaves vary over:
-    one psum per group of axes; a stack in host memory (streamed) a layer at a time on the
-    device, never whole there (`_streaming.layerwise`)."""
+    one psum per group of axes; the stacks in host memory (streamed), a layer at a time on
+    the device, one all-reduce a layer for those of one group and depth (`psum_by_layer`)."""
     leaves, treedef = jax.tree.flatten(tree)
     over = [invariant_axes(x, axis_name) for x in treedef.flatten_up_to(like)]
-    streamed = [i for i, x in enumerate(leaves) if is_streamed(x) and over[i]]
-    for i in streamed:
-        psum = functools.partial(jax.lax.psum, axis_name=over[i])
-        leaves[i] = layerwise(psum, leaves[i], in_place=False)
-    for group in dict.fromkeys(over):  # one psum per group of axes
-        indices = [i for i, o in enumerate(over) if o == group and i not in streamed]
-        for i, x in zip(indices, jax.lax.psum([leaves[i] for i in indices], group)):
+    depths = [jnp.shape(x)[0] if o and is_streamed(x) else None for x, o in zip(leaves, over)]
+    for group, depth in dict.fromkeys(zip(over, depths)):  # None: not a stack in host memory
+        indices = [i for i, key in enumerate(zip(over, depths)) if key == (group, depth)]
+        parts = [leaves[i] for i in indices]
+        summed = jax.lax.psum(parts, group) if depth is None else psum_by_layer(parts, group)
+        for i, x in zip(indices, summed):
             leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)
 

@@ -983,8 +983,8 @@ def stream_reference(steps=2):
 def test_streamed_step_on_eight_devices(stream, axis_type):
     """Each device streams its own copy of the stack from host memory: the step is the
     resident one on the mesh (True: bit for bit; "layers": to rounding) and the one-device
-    whole batch's; no collective in the micro-batch loop, and each stack's sum reduced once
-    after it, a layer at a time (an all-reduce of one layer's shape in a loop over layers)."""
+    whole batch's; no collective in the micro-batch loop, and the stack's sums reduced once
+    after it, a layer at a time (one all-reduce of a layer of each stack, in a loop)."""
     mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(getattr(AxisType, axis_type),))
     with jax.default_matmul_precision("highest"):
         state, metrics, text = stream_train(mesh, stream)
@@ -997,13 +997,11 @@ def test_streamed_step_on_eight_devices(stream, axis_type):
     assert streaming.kinds(state.params["layers"]) == {"pinned_host"}
     assert streaming.kinds(state.opt_state) == {"pinned_host"}
     found = hlo_collectives(text)
-    layers = {tuple(x.shape[1:]) for x in jax.tree.leaves(state.params["layers"])}
+    layers = sorted(str(list(x.shape[1:])) for x in jax.tree.leaves(state.params["layers"]))
     in_loops = [c for c in found if c.in_loop]
-    assert len(in_loops) == len(jax.tree.leaves(state.params["layers"])), in_loops
-    for c in in_loops:  # one layer of one stack each
-        assert c.opcode == "all-reduce", c.line
-        shape = re.search(r"= f32\[([\d,]*)\]", c.line).group(1)
-        assert tuple(int(d) for d in shape.split(",") if d) in layers, c.line
+    assert [c.opcode for c in in_loops] == ["all-reduce"], in_loops  # over the layers alone:
+    result = in_loops[0].line.split(" all-reduce(")[0]  # one layer of every stack
+    assert sorted(re.findall(r"f32(\[[\d,]*\])", result)) == [s.replace(" ", "") for s in layers]
     assert any(c.opcode == "all-reduce" and not c.in_loop for c in found)
 
 
