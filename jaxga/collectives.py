@@ -302,14 +302,23 @@ def _splits(spec: P) -> list[tuple[int, Any]]:
 
 
 def all_gathered(tree: Any, specs: Any) -> Any:
-    """Inside a ``shard_map``: each leaf gathered whole along the axes its spec splits it over."""
+    """Inside a ``shard_map``: each leaf gathered whole along the axes its spec splits it over;
+    a stack in host memory (streamed) must not be split (gathered, it would be whole on the
+    device): each device streams its own copy."""
 
-    def gather(x: Any, spec: P) -> Any:
+    def gather(path: Any, x: Any, spec: P) -> Any:
+        if is_streamed(x) and _splits(spec):
+            where = f"{jax.tree_util.keystr(path)} of the differentiated arguments"
+            raise ValueError(
+                f"`stream`: a stack in host memory, {where} (shape {x.shape}), is split over "
+                f"the mesh by {spec}; expected it replicated, P(): each device streams its "
+                "own copy (leave the stacks unsplit in `strategy`)."
+            )
         for dim, entry in _splits(spec):
             x = jax.lax.all_gather(x, entry, axis=dim, tiled=True)
         return x
 
-    return jax.tree.map(gather, tree, specs)
+    return jax.tree_util.tree_map_with_path(gather, tree, specs)
 
 
 def reduce_scattered(tree: Any, specs: Any) -> Any:

@@ -15,7 +15,7 @@ from jaxga._layerwise import StreamError, streamed_leaves, updated_by_layer
 from jaxga._streaming import global_norm, layerwise, on_device, placed_like
 from jaxga.engine import Accumulated
 from jaxga.multistep import MultiStepsTransformation, states_in
-from jaxga.steps import Metrics, StepOptions, check_streamed_specs
+from jaxga.steps import Metrics, StepOptions
 
 _HINT = "was it built for these parameters?"
 
@@ -218,8 +218,6 @@ def train_step(
     layout, specs = options.layout, None
     if layout is not None:  # the strategy's layout, or the metadata's
         specs = kind.specs(state, layout)
-        if options.stream:  # each device streams its own copy of a stack
-            check_streamed_specs(state, specs)
         state = sharding.place(layout.mesh, state, specs)
     acc, updated = _accumulated(kind, state, batch, specs)
     if options.stream is True:  # the update on the device, whole

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import optax
 
 from jaxga import _checks, layouts, meshes, planner, sharding
-from jaxga._streaming import is_streamed
 from jaxga.accumulation import OPTION_CHECKS, Accumulate, accumulate, check_options
 from jaxga.arguments import check_num_real
 from jaxga.compiler import compiler_options
@@ -185,8 +184,9 @@ def step_options(
 
 def _check_stream(stream: Any, layout: layouts.MeshLayout | None, k: Any) -> bool | str:
     """``stream`` (False, True, "layers"; "auto" with ``k`` "auto"), checked; on a mesh, data
-    parallel: each device streams its own copy of a stack (`check_streamed_specs` at trace
-    time), the stacks' sums reduced once after the loop, a layer at a time."""
+    parallel: each device streams its own copy of a stack (a split one is refused at trace
+    time, `collectives.all_gathered`), the stacks' sums reduced once after the loop, a
+    layer at a time."""
     if stream == "auto" and k != "auto":
         raise ValueError(
             f'`stream`="auto" needs num_microbatches="auto"; got num_microbatches={k!r}.'
@@ -212,24 +212,6 @@ def _check_stream(stream: Any, layout: layouts.MeshLayout | None, k: Any) -> boo
 _ON = "True or 'layers' with num_microbatches an int, or stream=False"
 _EACH = "each device streams its own copy of each stack from host memory"
 _ONCE = "each stack's gradient sum reduced once after the loop, a layer at a time"
-
-
-def check_streamed_specs(state: Any, specs: Any) -> None:
-    """Raises unless every leaf of ``state`` in host memory (a streamed stack) is replicated
-    by its spec in ``specs`` (a tree of specs, ``None``: as it lies): on a mesh, each device
-    streams its own copy of a stack."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_spec_or_none)
-    for (path, spec), leaf in zip(flat, treedef.flatten_up_to(state), strict=True):
-        if is_streamed(leaf) and spec is not None and any(e is not None for e in spec):
-            where = f"`state`{jax.tree_util.keystr(path)}"
-            raise ValueError(
-                f"`stream` on a mesh: {where} is in host memory and split by {spec}; expected "
-                f"it replicated, P() ({_EACH}): leave the stacks unsplit."
-            )
-
-
-def _spec_or_none(x: Any) -> bool:
-    return x is None or meshes.is_spec(x)
 
 
 def _count(num_microbatches: Any, budget: Any) -> tuple[int | str, int | None]:

@@ -291,7 +291,7 @@ def test_streamed_step_on_a_one_device_mesh_is_the_step_without_one(stream):
         ({"strategy": "fsdp"}, r"`stream`=True on a mesh with `strategy`='fsdp': not supported; "),
         (
             {"strategy": "zero1"},
-            r"with `strategy`='zero1': not supported; expected 'data_parallel'",
+            r"with `strategy`='zero1': not supported; expected 'data_parallel' \(each device",
         ),
         ({"reduce_once": False}, r"needs reduce_once=True \(each stack's gradient sum reduced"),
         (
@@ -318,8 +318,9 @@ def test_stream_on_a_mesh_refuses_a_split_stack():
     specs["layers"]["w"] = jax.P(None, "data")
     step = jaxga.make_train_step(loss, 2, stream=True, strategy=specs, axis_name="data")
     message = (
-        r"`stream` on a mesh: `state`.params\['layers'\]\['w'\] is in host memory and split "
-        r"by (P|PartitionSpec)\(None, 'data'\); expected it replicated"
+        r"`stream`: a stack in host memory, \[0\]\['layers'\]\['w'\] of the differentiated "
+        r"arguments \(shape \(4, 8, 8\)\), is split over the mesh by (P|PartitionSpec)\(None, "
+        r"'data'\); expected it replicated, P\(\)"
     )
     with pytest.raises(ValueError, match=message):
         step(state, batch_of(0))

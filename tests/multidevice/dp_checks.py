@@ -998,10 +998,11 @@ def test_streamed_step_on_eight_devices(stream, axis_type):
     assert streaming.kinds(state.opt_state) == {"pinned_host"}
     found = hlo_collectives(text)
     layers = sorted(str(list(x.shape[1:])) for x in jax.tree.leaves(state.params["layers"]))
-    in_loops = [c for c in found if c.in_loop]
-    assert [c.opcode for c in in_loops] == ["all-reduce"], in_loops  # over the layers alone:
+    in_loops = [c for c in found if c.in_loop]  # over the layers alone: none in the micro-batches'
+    assert [c.opcode for c in in_loops] == ["all-reduce"], in_loops
     result = in_loops[0].line.split(" all-reduce(")[0]  # one layer of every stack
-    assert sorted(re.findall(r"f32(\[[\d,]*\])", result)) == [s.replace(" ", "") for s in layers]
+    shapes = sorted(re.findall(r"f32(\[[\d,]*\])", result))
+    assert shapes == [s.replace(" ", "") for s in layers], result
     assert any(c.opcode == "all-reduce" and not c.in_loop for c in found)
 
 
