@@ -308,11 +308,12 @@ def all_gathered(tree: Any, specs: Any) -> Any:
 
     def gather(path: Any, x: Any, spec: P) -> Any:
         if is_streamed(x) and _splits(spec):
-            where = f"{jax.tree_util.keystr(path)} of the differentiated arguments"
+            where = f"{jax.tree_util.keystr(path)} of the differentiated arguments (the first: a"
+            where += " train step's parameters or model)"
             raise ValueError(
-                f"`stream`: a stack in host memory, {where} (shape {x.shape}), is split over "
+                f"`stream`: a stack in host memory, {where}, of shape {x.shape}, is split over "
                 f"the mesh by {spec}; expected it replicated, P(): each device streams its "
-                "own copy (leave the stacks unsplit in `strategy`)."
+                "own copy (leave the stacks unsplit in `strategy`, or in NNX's metadata)."
             )
         for dim, entry in _splits(spec):
             x = jax.lax.all_gather(x, entry, axis=dim, tiled=True)

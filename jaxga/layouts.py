@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from jaxga import _checks, collectives, meshes
 from jaxga.accumulation import Accumulate
 from jaxga.engine import Accumulated
+from jaxga.meshes import in_memory_of
 from jaxga.microbatch import IndivisibleBatchError
 from jaxga.sharding import (
     check_mesh,
@@ -62,10 +63,11 @@ def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Call
         if isinstance(strategy, str):
             row, size = split_of(strategy), meshes.devices(mesh, axis_name)
             specs = [row.spec("params", jnp.shape(x), size, axis_name) or P() for x in first]
-        wanted = [NamedSharding(mesh, spec) for spec in [P(), *specs]]
-        if not all(map(is_laid_out, [state.step, *first], wanted)):
+        given = [state.step, *first]
+        wanted = [in_memory_of(NamedSharding(mesh, s), x) for s, x in zip([P(), *specs], given)]
+        if not all(map(is_laid_out, given, wanted)):
             where = state_shardings(state, mesh, strategy, axis_name=axis_name)
-            state = put(state, jax.tree.map(meshes.in_memory_of, where, state))
+            state = put(state, jax.tree.map(in_memory_of, where, state))
     elif offload_state:
         first = jax.tree.leaves(state)[0]
         if not getattr(first, "committed", True):

@@ -137,9 +137,9 @@ def traced_as_placed(where: Any) -> Any:
 
 
 def in_memory_of(where: NamedSharding, x: Any) -> NamedSharding:
-    """``where`` in the memory ``x`` lives in: a leaf in host memory (a streamed stack, its
-    type's ``jax.memory.Space.Host``) stays there when a step lays it out; any other leaf
-    goes to the devices' memory.
+    """``where`` in the memory ``x`` lives in: a leaf in pinned host memory (a streamed stack,
+    its type's ``jax.memory.Space.Host``) stays there when a step lays it out; any other leaf
+    goes to the devices' memory (an ``unpinned_host`` one too: JAX types it as the device's).
 
     Examples:
         >>> import jax, jax.numpy as jnp

@@ -200,10 +200,15 @@ def _check_stream(stream: Any, layout: layouts.MeshLayout | None, k: Any) -> boo
         raise ValueError(f"{on}: the planner does not try streaming on a mesh; expected {_ON}.")
     if isinstance(layout.strategy, str) and layout.strategy != "data_parallel":
         got = f"`strategy`={layout.strategy!r}"
-        raise ValueError(f"{on} with {got}: not supported; expected 'data_parallel' ({_EACH}).")
+        expected = f"'data_parallel', or specs that leave the streamed stacks unsplit ({_EACH})"
+        raise ValueError(f"{on} with {got}: not supported; expected {expected}.")
     if layout.pipeline_axis is not None:
         got = f"`pipeline_axis`={layout.pipeline_axis!r}"
         raise ValueError(f"{on} with {got}: a pipeline's stages are not streamed; expected None.")
+    if others := layouts.others(layout):
+        got = f"the mesh's axes {others} beside `axis_name`={layout.axis_name!r}"
+        expected = "a mesh of the batch's axes alone (or `axis_name` naming every axis)"
+        raise ValueError(f"{on} streams data parallel only; got {got}; expected {expected}.")
     if not layout.reduce_once:
         raise ValueError(f"{on} needs reduce_once=True ({_ONCE}); got reduce_once=False.")
     return stream

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxga
+from jaxga import layouts
 from jaxga.memory import program_counts
 
 DEVICE = jax.devices()[0]
@@ -268,21 +269,38 @@ def test_a_step_without_stream_names_host_resident_params():
         jaxga.make_train_step(loss, 2, stream="yes")
 
 
-@pytest.mark.parametrize("stream", [True, "layers"])
-def test_streamed_step_on_a_one_device_mesh_is_the_step_without_one(stream):
+@pytest.mark.parametrize("stream, offload", [(True, True), ("layers", True), ("layers", False)])
+def test_streamed_step_on_a_one_device_mesh_is_the_step_without_one(stream, offload):
     """On a mesh (here one device; eight in tests/multidevice/dp_checks.py) each device
-    streams its own copy of the stack, kept in host memory, its sum reduced a layer at a time."""
+    streams its own copy of the stack, kept in host memory, its sum reduced a layer at a time;
+    the step lays the state out once (the stack, first of its leaves, in host memory)."""
     loss = functools.partial(step_loss, stream=True, policy="full")
     results = []
     with jax.default_matmul_precision("highest"):
         for mesh in (None, jax.make_mesh((1,), ("data",))):
-            step = jaxga.make_train_step(loss, 4, stream=stream, offload=True, mesh=mesh)
+            step = jaxga.make_train_step(loss, 4, stream=stream, offload=offload, mesh=mesh)
             state = streamed(jaxga.TrainState.create(params=model_params(), tx=optimizer()))
             for i in range(2):
                 state, metrics = step(state, batch_of(i))
-            assert kinds(state.params["layers"]) == kinds(state.opt_state) == {"pinned_host"}
+            assert kinds(state.params["layers"]) == {"pinned_host"}
+            assert kinds(state.opt_state) == {"pinned_host" if offload else "device"}
             results.append((state.params, state.opt_state, metrics))
     assert_equal(*results)
+
+
+def test_a_state_laid_out_on_a_mesh_with_a_stack_first_is_not_laid_out_again():
+    """A step lays the state out unless its first parameter is laid out already: a stack in
+    host memory, first of the parameters, is, where it lies."""
+    mesh = jax.make_mesh((1,), ("data",))
+    host = jax.NamedSharding(mesh, jax.P(), memory_kind="pinned_host")
+    state = jaxga.TrainState.create(
+        params={"a": jnp.ones((4, 3)), "b": jnp.ones(3)}, tx=optimizer()
+    )
+    state = state.replace(params=state.params | {"a": jax.device_put(state.params["a"], host)})
+    layout = layouts.MeshLayout(mesh, "data", "data_parallel")
+    state = layouts.lay_out(state, layout, offload_state=False)
+    assert kinds(state.params["a"]) == {"pinned_host"} and kinds(state.params["b"]) == {"device"}
+    assert layouts.lay_out(state, layout, offload_state=False) is state
 
 
 @pytest.mark.parametrize(
@@ -291,9 +309,18 @@ def test_streamed_step_on_a_one_device_mesh_is_the_step_without_one(stream):
         ({"strategy": "fsdp"}, r"`stream`=True on a mesh with `strategy`='fsdp': not supported; "),
         (
             {"strategy": "zero1"},
-            r"with `strategy`='zero1': not supported; expected 'data_parallel' \(each device",
+            r"with `strategy`='zero1': not supported; expected 'data_parallel', or specs that",
         ),
+        ({"strategy": "zero3"}, r"with `strategy`='zero3': not supported; expected 'data_par"),
         ({"reduce_once": False}, r"needs reduce_once=True \(each stack's gradient sum reduced"),
+        (
+            {"mesh": jax.make_mesh((1, 1), ("data", "stage")), "pipeline_axis": "stage"},
+            r"with `pipeline_axis`='stage': a pipeline's stages are not streamed; expected None",
+        ),
+        (
+            {"mesh": jax.make_mesh((1, 1), ("data", "model"))},
+            r"streams data parallel only; got the mesh's axes \['model'\] beside `axis_name`",
+        ),
         (
             {"stream": "auto", "num_microbatches": "auto", "memory_budget": "1GiB"},
             r"`stream`='auto' on a mesh: the plan",
@@ -319,8 +346,8 @@ def test_stream_on_a_mesh_refuses_a_split_stack():
     step = jaxga.make_train_step(loss, 2, stream=True, strategy=specs, axis_name="data")
     message = (
         r"`stream`: a stack in host memory, \[0\]\['layers'\]\['w'\] of the differentiated "
-        r"arguments \(shape \(4, 8, 8\)\), is split over the mesh by (P|PartitionSpec)\(None, "
-        r"'data'\); expected it replicated, P\(\)"
+        r"arguments \(the first: a train step's parameters or model\), of shape \(4, 8, 8\), is "
+        r"split over the mesh by (P|PartitionSpec)\(None, 'data'\); expected it replicated, P\(\)"
     )
     with pytest.raises(ValueError, match=message):
         step(state, batch_of(0))
