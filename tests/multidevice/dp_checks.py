@@ -1006,17 +1006,25 @@ def test_streamed_step_on_eight_devices(stream, axis_type):
     assert any(c.opcode == "all-reduce" and not c.in_loop for c in found)
 
 
-def test_streamed_nnx_step_on_eight_devices():
-    """An NNX model's blocks in host memory on each device: the resident step, bit for bit."""
+@pytest.mark.parametrize("stream", [True, "layers"])
+def test_streamed_nnx_step_on_eight_devices(stream):
+    """An NNX model's blocks in host memory on each device (with "layers", their moments too):
+    the resident step (True: bit for bit; "layers": to rounding)."""
     results = []
     with jax.default_matmul_precision("highest"):
-        for stream in (True, False):
-            model = streaming.Stack(nnx.Rngs(0), stream=stream)
+        for streamed in (stream, False):
+            model = streaming.Stack(nnx.Rngs(0), stream=bool(streamed))
             opt = nnx.Optimizer(model, streaming.optimizer(), wrt=nnx.Param)
-            if stream:
+            if streamed:
                 nnx.update(model.blocks, jax.device_put(nnx.state(model.blocks), streaming.HOST))
-            step = jaxga.nnx_train_step(streaming.nnx_loss, K, stream=stream, mesh=MESH)
+            offload = streamed == "layers"
+            options = {"stream": streamed, "offload": offload, "mesh": MESH}
+            step = jaxga.nnx_train_step(streaming.nnx_loss, K, **options)
             metrics = [step(model, opt, stream_batch(i)) for i in range(2)][-1]
-            results.append((nnx.to_pure_dict(nnx.state(model)), metrics["loss"]))
-    streaming.assert_equal(*results)
+            state = nnx.to_pure_dict(nnx.state(model)), nnx.as_pure(opt.opt_state)
+            results.append((*state, metrics["loss"]))
+    same = streaming.assert_equal if stream is True else streaming.assert_rounding
+    same(*results)
     assert streaming.kinds(results[0][0]["blocks"]) == {"pinned_host"}
+    if stream == "layers":  # offload=True: the optimiser state in host memory too
+        assert streaming.kinds(results[0][1]) == {"pinned_host"}
