@@ -311,9 +311,9 @@ def all_gathered(tree: Any, specs: Any) -> Any:
             where = f"{jax.tree_util.keystr(path)} of the differentiated arguments (the first: a"
             where += " train step's parameters or model)"
             raise ValueError(
-                f"`stream`: a stack in host memory, {where}, of shape {x.shape}, is split over "
-                f"the mesh by {spec}; expected it replicated, P(): each device streams its "
-                "own copy (leave the stacks unsplit in `strategy`, or in NNX's metadata)."
+                f"`stream`: a stack in host memory, {where}, is split over the mesh by {spec}; "
+                "expected it replicated, P(): each device streams its own copy (leave the "
+                "stacks unsplit: in `strategy`, NNX's metadata, or where the arrays lie)."
             )
         for dim, entry in _splits(spec):
             x = jax.lax.all_gather(x, entry, axis=dim, tiled=True)

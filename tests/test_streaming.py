@@ -269,6 +269,23 @@ def test_a_step_without_stream_names_host_resident_params():
         jaxga.make_train_step(loss, 2, stream="yes")
 
 
+@pytest.mark.parametrize("mesh", [None, jax.make_mesh((1,), ("data",))], ids=["device", "mesh"])
+def test_stream_names_a_stack_in_unpinned_host_memory(mesh):
+    """JAX streams from pinned host memory: a stack in unpinned host memory would be moved
+    whole to the device (on a mesh) or abort the process (without one)."""
+    state = jaxga.TrainState.create(params=model_params(), tx=optimizer())
+    unpinned = HOST.with_memory_kind("unpinned_host")
+    layers = jax.device_put(state.params["layers"], unpinned)
+    state = state.replace(params=state.params | {"layers": layers})
+    loss = functools.partial(step_loss, stream=True, policy="full")
+    step = jaxga.make_train_step(loss, 2, stream=True, mesh=mesh)
+    message = (
+        r"`state`.params\['layers'\]\['b'\] is in host memory \(unpinned_host\); `stream` takes"
+    )
+    with pytest.raises(ValueError, match=message):
+        step(state, batch_of(0))
+
+
 @pytest.mark.parametrize("stream, offload", [(True, True), ("layers", True), ("layers", False)])
 def test_streamed_step_on_a_one_device_mesh_is_the_step_without_one(stream, offload):
     """On a mesh (here one device; eight in tests/multidevice/dp_checks.py) each device
@@ -346,8 +363,8 @@ def test_stream_on_a_mesh_refuses_a_split_stack():
     step = jaxga.make_train_step(loss, 2, stream=True, strategy=specs, axis_name="data")
     message = (
         r"`stream`: a stack in host memory, \[0\]\['layers'\]\['w'\] of the differentiated "
-        r"arguments \(the first: a train step's parameters or model\), of shape \(4, 8, 8\), is "
-        r"split over the mesh by (P|PartitionSpec)\(None, 'data'\); expected it replicated, P\(\)"
+        r"arguments \(the first: a train step's parameters or model\), is split over the mesh by "
+        r"(P|PartitionSpec)\(None, 'data'\); expected it replicated, P\(\)"
     )
     with pytest.raises(ValueError, match=message):
         step(state, batch_of(0))

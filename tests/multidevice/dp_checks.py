@@ -1023,6 +1023,10 @@ def test_streamed_nnx_step_on_eight_devices(stream):
             metrics = [step(model, opt, stream_batch(i)) for i in range(2)][-1]
             state = nnx.to_pure_dict(nnx.state(model)), nnx.as_pure(opt.opt_state)
             results.append((*state, metrics["loss"]))
+            if streamed:  # the blocks' sums reduced a layer at a time: one all-reduce in a loop
+                text = step.lower(model, opt, stream_batch(2)).compile().as_text()
+                found = [c.opcode for c in hlo_collectives(text) if c.in_loop]
+                assert found == ["all-reduce"], found
     same = streaming.assert_equal if stream is True else streaming.assert_rounding
     same(*results)
     assert streaming.kinds(results[0][0]["blocks"]) == {"pinned_host"}
