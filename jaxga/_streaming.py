@@ -20,15 +20,10 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import get_opaque_trace_state
 
-from jaxga.meshes import HOST_KINDS
+from jaxga.meshes import HOST_KINDS, memory_space
 
 _HOST = jax.memory.Space.Host
 _DEVICE = jax.memory.Space.Device
-
-
-def memory_space(leaf: Any) -> Any:
-    """Where ``leaf`` lives: ``jax.memory.Space.Host`` or ``Device`` (its abstract value's)."""
-    return getattr(jax.typeof(leaf), "memory_space", _DEVICE)
 
 
 def is_streamed(leaf: Any) -> bool:

@@ -150,5 +150,10 @@ def in_memory_of(where: NamedSharding, x: Any) -> NamedSharding:
         >>> in_memory_of(jax.NamedSharding(mesh, jax.P()), x).memory_kind
         'pinned_host'
     """
-    host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+    host = memory_space(x) == jax.memory.Space.Host
     return where.with_memory_kind("pinned_host") if host else where
+
+
+def memory_space(leaf: Any) -> Any:
+    """Where ``leaf`` lives: ``jax.memory.Space.Host`` or ``Device`` (its abstract value's)."""
+    return getattr(jax.typeof(leaf), "memory_space", jax.memory.Space.Device)

@@ -62,12 +62,14 @@ def check_on_device(
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
         kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
         param = params is None or (bool(path) and getattr(path[0], "name", None) == params)
+        unpinned = param and stream and kind == "unpinned_host"  # JAX streams from pinned
+        allowed = kind not in HOST_KINDS or callable(offload) or (stream if param else offload)
+        if allowed and not unpinned:
+            continue
         where = f"`{name}`{jax.tree_util.keystr(path)} is in host memory ({kind})"
-        if param and stream and kind == "unpinned_host":
+        if unpinned:
             fix = "move it to pinned_host (jax.device_put with memory_kind='pinned_host')"
             raise ValueError(f"{where}; `stream` takes pinned_host alone: {fix}.")
-        if kind not in HOST_KINDS or callable(offload) or (stream if param else offload):
-            continue
         if params is None:  # a model: every variable is expected on the device
             where += "; expected on the device"
         raise ValueError(f"{where}: {_STREAM_FIX if param else _OFFLOAD_FIX}.")
