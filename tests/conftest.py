@@ -40,12 +40,3 @@ jax.config.update(
 )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-# The tests that run for minutes in a subprocess of their own (compiling for a described
-# H100, eight host devices, the planner's benchmark) start first: given out last, one would
-# run on alone while the other pytest worker idles.
-_LONG_FIRST = ("test_h100_compiled.py", "test_data_parallel.py", "test_biggest_model.py")
-
-
-def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.path.name not in _LONG_FIRST)  # stable: the rest in order
