@@ -5,8 +5,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, collectives, meshes
@@ -54,24 +53,16 @@ def _committed(x: Any) -> Any:
 def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Callable) -> Any:
     """``state`` ``put`` where a step keeps it (concrete): on the mesh (a streamed stack in
     host memory still), offloaded as asked.
-    With a ``layout``, ``state`` is a Flax train state (its ``step`` and ``params`` read);
-    an NNX step passes None and lays its model out itself."""
-    if layout is not None:  # laid out already if its step and first parameter are
+    With a ``layout``, ``state`` is a Flax train state, put again when any leaf lies
+    elsewhere; an NNX step passes None and lays its model out itself."""
+    if layout is not None:  # every leaf checked: one moved by hand is laid out again
         mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
-        first = jax.tree.leaves(state.params)[:1]
-        specs = jax.tree.leaves(strategy, is_leaf=meshes.is_spec)[:1]  # a tree of specs
-        if isinstance(strategy, str):
-            row, size = split_of(strategy), meshes.devices(mesh, axis_name)
-            specs = [row.spec("params", jnp.shape(x), size, axis_name) or P() for x in first]
-        given = [state.step, *first]
-        wanted = [in_memory_of(NamedSharding(mesh, s), x) for s, x in zip([P(), *specs], given)]
-        if not all(map(is_laid_out, given, wanted)):
-            where = state_shardings(state, mesh, strategy, axis_name=axis_name)
-            state = put(state, jax.tree.map(in_memory_of, where, state))
-    elif offload_state:
-        first = jax.tree.leaves(state)[0]
-        if not getattr(first, "committed", True):
-            state = jax.tree.map(_committed, state)  # as the step returns it
+        where = state_shardings(state, mesh, strategy, axis_name=axis_name)
+        where = jax.tree.map(in_memory_of, where, state)
+        if not all(map(is_laid_out, jax.tree.leaves(state), jax.tree.leaves(where))):
+            state = put(state, where)
+    elif offload_state and not all(getattr(x, "committed", True) for x in jax.tree.leaves(state)):
+        state = jax.tree.map(_committed, state)  # as the step returns it
     return offload(state, select=offload_state) if offload_state else state
 
 

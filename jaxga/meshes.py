@@ -140,6 +140,8 @@ def in_memory_of(where: NamedSharding, x: Any) -> NamedSharding:
     """``where`` in the memory ``x`` lives in: a leaf in pinned host memory (a streamed stack,
     its type's ``jax.memory.Space.Host``) stays there when a step lays it out; any other leaf
     goes to the devices' memory (an ``unpinned_host`` one too: JAX types it as the device's).
+    A host leaf laid out as ``where`` says keeps its own sharding (and so its memory kind,
+    also where ``with_memory_kind`` cannot set one: a described device has no memories).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -150,8 +152,12 @@ def in_memory_of(where: NamedSharding, x: Any) -> NamedSharding:
         >>> in_memory_of(jax.NamedSharding(mesh, jax.P()), x).memory_kind
         'pinned_host'
     """
-    host = memory_space(x) == jax.memory.Space.Host
-    return where.with_memory_kind("pinned_host") if host else where
+    if memory_space(x) != jax.memory.Space.Host:
+        return where
+    now = getattr(x, "sharding", None)
+    if isinstance(now, NamedSharding) and (now.mesh, now.spec) == (where.mesh, where.spec):
+        return now
+    return where.with_memory_kind("pinned_host")
 
 
 def memory_space(leaf: Any) -> Any:

@@ -306,8 +306,8 @@ def test_streamed_step_on_a_one_device_mesh_is_the_step_without_one(stream, offl
 
 
 def test_a_state_laid_out_on_a_mesh_with_a_stack_first_is_not_laid_out_again():
-    """A step lays the state out unless its first parameter is laid out already: a stack in
-    host memory, first of the parameters, is, where it lies."""
+    """A step lays the state out unless every leaf is laid out already: a stack in host
+    memory is, where it lies; a leaf moved off the mesh by hand is not, and goes back."""
     mesh = jax.make_mesh((1,), ("data",))
     host = jax.NamedSharding(mesh, jax.P(), memory_kind="pinned_host")
     state = jaxga.TrainState.create(
@@ -318,6 +318,12 @@ def test_a_state_laid_out_on_a_mesh_with_a_stack_first_is_not_laid_out_again():
     state = layouts.lay_out(state, layout, offload_state=False)
     assert kinds(state.params["a"]) == {"pinned_host"} and kinds(state.params["b"]) == {"device"}
     assert layouts.lay_out(state, layout, offload_state=False) is state
+    b = jax.device_put(state.params["b"], jax.devices()[0])
+    moved = state.replace(params=state.params | {"b": b})
+    again = layouts.lay_out(moved, layout, offload_state=False)
+    assert isinstance(moved.params["b"].sharding, jax.sharding.SingleDeviceSharding)
+    assert again.params["b"].sharding == jax.NamedSharding(mesh, jax.P())
+    assert kinds(again.params["a"]) == {"pinned_host"}
 
 
 @pytest.mark.parametrize(

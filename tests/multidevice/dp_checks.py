@@ -941,6 +941,20 @@ def test_mesh_step_names_bad_batches_and_reused_states():
     step(new, batches[1])
 
 
+def test_a_leaf_moved_off_the_mesh_is_laid_out_again():
+    """A state whose parameter was moved to one device by hand between steps: the step lays
+    it out again (every leaf is checked, not the first alone) and trains as if unmoved."""
+    params, loss, batches = wide_setup()
+    step = jaxga.make_train_step(loss, 2, mesh=MESH, strategy="data_parallel")
+    state, _ = step(jaxga.TrainState.create(params, optax.sgd(0.1)), batches[0])
+    copy = jax.tree.map(jnp.copy, state)  # the step donates its state (device 3's shard too)
+    w2 = jax.device_put(copy.params["w2"], jax.devices()[3])  # "w2": the last leaf, not the first
+    assert isinstance(w2.sharding, jax.sharding.SingleDeviceSharding)
+    again, _ = step(copy.replace(params=copy.params | {"w2": w2}), batches[1])
+    unmoved, _ = step(state, batches[1])
+    chex.assert_trees_all_equal(again.params, unmoved.params)
+
+
 # ----------------------------------------------------- streaming a layer stack, data parallel
 
 
