@@ -4,6 +4,7 @@ search over micro-batches × strategy × remat × offload on 8 CPU devices."""
 import functools
 import itertools
 import logging
+import operator
 
 import chex
 import jax
@@ -15,6 +16,7 @@ import pytest
 from flax import nnx
 
 import jaxga
+from jaxga import layouts
 from jaxga.remat import remat_options
 
 MESH = jax.make_mesh((8,), ("data",))
@@ -79,6 +81,11 @@ def test_offload_is_bit_exact_and_keeps_the_inner_state_on_the_host(name, mesh, 
             return [x.sharding.spec for x in jax.tree.leaves(tree)]
 
         assert specs(state.opt_state) == specs(reference.opt_state)
+        # the state a step returned is laid out as the next call wants: not put again
+        layout = layouts.MeshLayout(mesh, "data", strategy)
+        for laid_out, offload in ((state, True), (reference, False)):
+            again = layouts.lay_out(laid_out, layout, offload_state=offload)
+            assert all(map(operator.is_, jax.tree.leaves(again), jax.tree.leaves(laid_out)))
 
 
 def test_offload_of_an_optimiser_without_state_moves_nothing():
