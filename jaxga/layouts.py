@@ -5,7 +5,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-from jax.sharding import Mesh
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, collectives, meshes
@@ -50,20 +51,48 @@ def _committed(x: Any) -> Any:
     return jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x
 
 
-def lay_out(state: Any, layout: MeshLayout | None, *, offload_state: bool | Callable) -> Any:
+def lay_out(
+    state: Any,
+    layout: MeshLayout | None,
+    *,
+    offload_state: bool | Callable,
+    wanted: dict[Any, Any] | None = None,
+) -> Any:
     """``state`` ``put`` where a step keeps it (concrete): on the mesh (a streamed stack in
     host memory still), offloaded as asked.
     With a ``layout``, ``state`` is a Flax train state, put again when any leaf lies
-    elsewhere; an NNX step passes None and lays its model out itself."""
-    if layout is not None:  # every leaf checked: one moved by hand is laid out again
-        mesh, axis_name, strategy = layout.mesh, layout.axis_name, layout.strategy
-        where = state_shardings(state, mesh, strategy, axis_name=axis_name)
-        where = jax.tree.map(in_memory_of, where, state)
-        if not all(map(is_laid_out, jax.tree.leaves(state), jax.tree.leaves(where))):
-            state = put(state, where)
+    elsewhere; ``wanted`` keeps its shardings by the state's structure and shapes (a step's
+    own, so that a call checks its state without working them out again). An NNX step
+    passes None and lays its model out itself."""
+    if layout is not None:
+        wanted = {} if wanted is None else wanted  # a call of its own, not a step's
+        if not _laid_out_already(state, layout, wanted):
+            where = state_shardings(state, layout.mesh, layout.strategy, axis_name=layout.axis_name)
+            state = put(state, jax.tree.map(in_memory_of, where, state))
     elif offload_state and not all(getattr(x, "committed", True) for x in jax.tree.leaves(state)):
         state = jax.tree.map(_committed, state)  # as the step returns it
     return offload(state, select=offload_state) if offload_state else state
+
+
+def _laid_out_already(state: Any, layout: MeshLayout, wanted: dict[Any, Any]) -> bool:
+    """Whether every leaf of ``state`` lies as ``layout`` lays it out, in the memory it lives
+    in (`in_memory_of`); with ``strategy=None`` (as each leaf lies), on the mesh at all."""
+    leaves, mesh = jax.tree.leaves(state), layout.mesh
+    if layout.strategy is None:
+        shardings = [getattr(x, "sharding", None) for x in leaves]
+        return all(isinstance(s, NamedSharding) and s.mesh == mesh for s in shardings)
+    key = (jax.tree.structure(state), *((jnp.shape(x), getattr(x, "dtype", None)) for x in leaves))
+    try:
+        hash(key)
+    except TypeError:  # a static field that cannot be hashed: worked out for this call alone
+        key, wanted = None, {}
+    if key not in wanted:
+        where = state_shardings(state, mesh, layout.strategy, axis_name=layout.axis_name)
+        wanted[key] = jax.tree.leaves(where)
+    return all(
+        getattr(x, "sharding", None) == where or is_laid_out(x, in_memory_of(where, x))
+        for x, where in zip(leaves, wanted[key])
+    )
 
 
 def on_mesh(

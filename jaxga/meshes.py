@@ -4,6 +4,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -155,8 +156,10 @@ def in_memory_of(where: NamedSharding, x: Any) -> NamedSharding:
     if memory_space(x) != jax.memory.Space.Host:
         return where
     now = getattr(x, "sharding", None)
-    if isinstance(now, NamedSharding) and (now.mesh, now.spec) == (where.mesh, where.spec):
-        return now
+    if isinstance(now, NamedSharding) and now.mesh == where.mesh:
+        spec = NamedSharding(now.mesh, now.spec)  # P(None) and P() alike
+        if spec.is_equivalent_to(NamedSharding(where.mesh, where.spec), jnp.ndim(x)):
+            return now
     return where.with_memory_kind("pinned_host")
 
 

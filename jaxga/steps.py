@@ -293,6 +293,7 @@ class JittedStep:
         self._build, self._loss = build, loss
         self._plans: dict[Any, planner.Plan] = {}
         self._checked: set[Any] = set()  # the signatures `_once` checked
+        self._wanted: dict[Any, Any] = {}  # the state's shardings by shape (layouts.lay_out)
         if options.num_microbatches == "auto":
             return
         self._update = build(loss, options)
@@ -329,7 +330,8 @@ class JittedStep:
         """What a subclass's ``_arguments`` ends with, the jitted function's arguments:
         ``static``, ``state`` laid out (`layouts.lay_out` on ``layout``, offloaded as the
         step says), ``batch``, ``num_real`` and ``end_group`` checked, then ``extra``."""
-        state = layouts.lay_out(state, layout, offload_state=self.options.offload)
+        offload = self.options.offload
+        state = layouts.lay_out(state, layout, offload_state=offload, wanted=self._wanted)
         real = check_num_real(num_real, self.options.num_microbatches)
         return (*static, state, batch, real, check_end_group(end_group), *extra)
 

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxga
-from jaxga import layouts
+from jaxga import layouts, meshes
 from jaxga.memory import program_counts
 
 DEVICE = jax.devices()[0]
@@ -324,6 +324,10 @@ def test_a_state_laid_out_on_a_mesh_with_a_stack_first_is_not_laid_out_again():
     assert isinstance(moved.params["b"].sharding, jax.sharding.SingleDeviceSharding)
     assert again.params["b"].sharding == jax.NamedSharding(mesh, jax.P())
     assert kinds(again.params["a"]) == {"pinned_host"}
+    # a host leaf laid out as wanted, its spec spelt otherwise (P(None) for P()), keeps its
+    # own sharding: with_memory_kind cannot set a described device's memory kind
+    spelt = jax.device_put(state.params["a"], host.update(spec=jax.P(None)))
+    assert meshes.in_memory_of(jax.NamedSharding(mesh, jax.P()), spelt) is spelt.sharding
 
 
 @pytest.mark.parametrize(
