@@ -107,11 +107,16 @@ def check_state_reduction(value: Any) -> Any:
 
 def check_num_real(value: Any, num_microbatches: int) -> Any:
     """An int32 count, checked where it can be read; traced and outside ``1..k``, 0: no
-    micro-batch counted, a `Mean` of no item (0 / 0: a NaN loss and gradients)."""
+    micro-batch counted, a `Mean` of no item (0 / 0: a NaN loss and gradients). An abstract
+    one (a `jax.ShapeDtypeStruct`, for ``step.lower``): its int32 shape."""
     name, expected = "num_real_microbatches", "an int scalar or None"
     bad = f"`{name}` must be in 1..{num_microbatches} (num_microbatches); got {{}}."
     if value is None:
         return None
+    if isinstance(value, jax.ShapeDtypeStruct):
+        if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
+            raise TypeError(f"`{name}` must be {expected}; got {value!r:.60}.")
+        return jax.ShapeDtypeStruct((), jnp.int32, sharding=value.sharding)
     if isinstance(value, jax.core.Tracer):  # unread: 0 gives a NaN loss; checkify reports it
         n = _checks.scalar(value, name, (jnp.integer,), expected).astype(jnp.int32)
     else:

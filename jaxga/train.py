@@ -41,17 +41,18 @@ class TrainStep(steps.JittedStep):
         True
     """
 
-    _arity = 2
+    _arity, _static_argnums = 2, (0,)  # with strategy=None, the state's specs (`_as_laid_out`)
 
     def _arguments(
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
     ) -> tuple[Any, ...]:
         if steps.is_traced(state):  # inside a jit: inlined, with the enclosing jit's options
-            return state, batch, num_real_microbatches, steps.check_end_group(end_group)
+            return None, state, batch, num_real_microbatches, steps.check_end_group(end_group)
         self._once(state, _check_state, state, self.options.offload, self.options.stream)
         layout = self.options.layout
+        static = (_as_laid_out(state, layout),)
         return self._laid_out(
-            (), state, batch, num_real_microbatches, end_group=end_group, layout=layout
+            static, state, batch, num_real_microbatches, end_group=end_group, layout=layout
         )
 
     def _keyed(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -74,6 +75,16 @@ class TrainStep(steps.JittedStep):
         if isinstance(leaf, jax.Array) and not steps.is_traced(leaf) and leaf.is_deleted():
             raise ValueError("`state` holds arrays an earlier call deleted: it donates them.")
         return self._run((state, batch, num_real_microbatches), {"end_group": end_group})
+
+
+def _as_laid_out(state: Any, layout: MeshLayout | None) -> tuple[Any, ...] | None:
+    """With ``strategy=None`` on a mesh, the `PartitionSpec` of each of ``state``'s leaves as
+    it lies, read from the (concrete) arrays: a traced array's type does not say how Auto
+    axes split it. `None` otherwise: the step works the specs out from the strategy."""
+    if layout is None or layout.strategy is not None:
+        return None
+    specs = sharding.state_specs(state, layout.mesh, None, axis_name=layout.axis_name)
+    return tuple(jax.tree.leaves(specs, is_leaf=meshes.is_spec))
 
 
 def _check_type(state: Any) -> None:
@@ -101,8 +112,11 @@ class _Flax(NamedTuple):
     loss: Callable[..., Any]
     options: StepOptions
     num_real: Any
+    laid_out: tuple[Any, ...] | None = None  # `_as_laid_out`'s specs, leaf by leaf
 
     def specs(self, state: Any, layout: MeshLayout) -> Any:
+        if self.laid_out is not None:
+            return jax.tree.unflatten(jax.tree.structure(state), self.laid_out)
         return sharding.state_specs(state, layout.mesh, layout.strategy, axis_name=layout.axis_name)
 
     def accumulate(self, state: Any, batch: Any, specs: Any) -> tuple[Accumulated, Any]:
@@ -206,9 +220,12 @@ def _applied(method: Callable[..., Any], state: Any, grads: Any, **extra: Any) -
 
 
 def _state_step(loss: Callable[..., Any], options: StepOptions) -> Callable[..., Any]:
-    def train_step(state: Any, batch: Any, num_real: Any = None, end_group: Any = None) -> tuple:
+    def train_step(
+        laid_out: Any, state: Any, batch: Any, num_real: Any = None, end_group: Any = None
+    ) -> tuple:
         _check_type(state)
-        return skeleton.train_step(_Flax(loss, options, num_real), options, state, batch, end_group)
+        kind = _Flax(loss, options, num_real, laid_out)
+        return skeleton.train_step(kind, options, state, batch, end_group)
 
     return train_step
 
@@ -246,7 +263,8 @@ def make_train_step(
         mesh: shard the batch over this mesh's `axis_name`; gradients are reduced once.
         axis_name: the batch's mesh axis (`"data"`); without a `mesh`, a one-device mesh of it.
         strategy: the state's layout on the mesh: `"data_parallel"`, `"zero1"`, `"fsdp"`,
-            `"zero3"` or specs ([`jaxga.sharding.state_specs`][jaxga.sharding.state_specs]).
+            `"zero3"`, specs ([`jaxga.sharding.state_specs`][jaxga.sharding.state_specs]),
+            or `None`: each leaf as it lies (read before the trace; one compile per layout).
         accumulator_dtype: the gradient sums' dtype; `None`: at least float32.
         donate: donate the state's buffers to the step.
         offload: keep the optimiser state in pinned host memory between steps; a function

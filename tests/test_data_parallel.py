@@ -299,6 +299,42 @@ def test_state_specs_none_keeps_every_array_where_it_lies():
     assert specs.opt_state == {"hist": P(), "split": P("data")}
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_strategy_none_keeps_a_split_parameter_split_on_auto_and_explicit_axes(axis_type):
+    """strategy=None reads each leaf's spec from the arrays before the trace (a traced
+    array's type does not say how Auto axes split it): a state laid out as "fsdp" stays
+    split, the step compiles "fsdp"'s collectives, and its update is the whole batch's
+    (plain jax.value_and_grad and optax.adam)."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    tx, params = optax.adam(0.1), {"w": jnp.arange(128.0).reshape(8, 16) / 100}
+    state = jaxga.TrainState.create(params=params, tx=tx)
+    state = jaxga.sharding.put(state, jaxga.sharding.state_shardings(state, mesh, "fsdp"))
+    split = state.params["w"].sharding
+
+    def loss(params, batch, model_state, rng):
+        return jaxga.Mean.of(((batch @ params["w"]) ** 2).sum(-1)), model_state
+
+    batch = jnp.arange(128.0).reshape(16, 8) / 50
+    with jax.set_mesh(mesh), jax.default_matmul_precision("float32"):
+        steps = {
+            strategy: jaxga.make_train_step(loss, 2, mesh=mesh, strategy=strategy, donate=False)
+            for strategy in (None, "fsdp")
+        }
+        new, metrics = steps[None](state, batch)
+        ops = {
+            s: sorted(c.opcode for c in hlo_collectives(step.lower(state, batch).compile()))
+            for s, step in steps.items()
+        }
+        value, grads = jax.value_and_grad(lambda p: loss(p, batch, None, None)[0].value)(params)
+        updates, _ = tx.update(grads, tx.init(params), params)
+    assert new.params["w"].sharding.is_equivalent_to(split, 2)
+    assert new.opt_state[0].mu["w"].sharding.is_equivalent_to(split, 2)
+    assert ops[None] == ops["fsdp"] and "reduce-scatter" in ops[None]
+    np.testing.assert_allclose(metrics["loss"], value, rtol=1e-6)
+    want = optax.apply_updates(params, updates)["w"]
+    np.testing.assert_allclose(new.params["w"], want, rtol=1e-6, atol=1e-7)
+
+
 def test_state_specs_none_keeps_a_zero1_optimiser_state_split():
     """A state laid out as "zero1" (moments split over "data", parameters replicated): with
     strategy=None its moments keep their split, not the parameters' layout, and a train step
