@@ -115,7 +115,8 @@ def check_num_real(value: Any, num_microbatches: int) -> Any:
         return None
     if isinstance(value, jax.ShapeDtypeStruct):
         if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
-            raise TypeError(f"`{name}` must be {expected}; got {value!r:.60}.")
+            got = f"{value.dtype}{list(value.shape)}"
+            raise TypeError(f"An abstract `{name}` must be an integer scalar; got {got}.")
         return jax.ShapeDtypeStruct((), jnp.int32, sharding=value.sharding)
     if isinstance(value, jax.core.Tracer):  # unread: 0 gives a NaN loss; checkify reports it
         n = _checks.scalar(value, name, (jnp.integer,), expected).astype(jnp.int32)
@@ -136,6 +137,10 @@ def is_key(x: Any, raw: bool = True) -> bool:
 
 def is_inexact(x: Any) -> bool:
     return isinstance(x, float | complex) or jnp.issubdtype(getattr(x, "dtype", "O"), jnp.inexact)
+
+
+def is_real_float(x: Any) -> bool:  # a loss's dtype (jax.grad takes no complex output)
+    return isinstance(x, float) or jnp.issubdtype(getattr(x, "dtype", "O"), jnp.floating)
 
 
 def shape_and_dtype(x: Any) -> str:
@@ -358,7 +363,7 @@ def parse_output(out: Any, options: Options, old_state: tuple[Any, ...], *, rows
             f"{called_as} returned an NNX graph node in its value or aux; expected arrays."
         )
     total, count = (out.total, out.count) if isinstance(out, Mean) else (out, 1)
-    if not (is_inexact(total) and jnp.shape(total) == ()):
+    if not (is_real_float(total) and jnp.shape(total) == ()):
         what = "Mean.total has" if isinstance(out, Mean) else "it returned"
         raise TypeError(
             f"{called_as} must return a float scalar or a Mean; {what} {shape_and_dtype(total)}."

@@ -46,6 +46,38 @@ def batch_specs(batch: Any, layout: MeshLayout) -> Any:
     return jax.tree.map(lambda _: P(layout.axis_name), batch)
 
 
+def batch_onto(batch: Any, layout: "MeshLayout | None") -> Any:
+    """``batch`` with each leaf committed to devices off ``layout.mesh`` put on the mesh
+    (concrete): split over the batch's axis where the devices divide its rows, else
+    replicated; the step then lays it out. jit refuses arrays committed to other devices.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxga.layouts import MeshLayout, batch_onto
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        >>> x = jax.device_put(jnp.ones((8, 2)), jax.devices()[-1])  # one device's
+        >>> x = batch_onto({"x": x}, MeshLayout(mesh, "data", None))["x"]
+        >>> x.sharding.device_set == set(mesh.devices.flat)
+        True
+    """
+    if layout is None:
+        return batch
+    mesh, devices = layout.mesh, meshes.devices(layout.mesh, layout.axis_name)
+
+    def onto(x: Any) -> Any:
+        off = (
+            isinstance(x, jax.Array)
+            and x.committed
+            and x.sharding.device_set != set(mesh.devices.flat)
+        )
+        if not off or isinstance(x, jax.core.Tracer):
+            return x
+        split = jnp.ndim(x) > 0 and jnp.shape(x)[0] % devices == 0
+        return jax.device_put(x, NamedSharding(mesh, P(layout.axis_name) if split else P()))
+
+    return jax.tree.map(onto, batch)
+
+
 def _committed(x: Any) -> Any:
     """``x`` committed where it lies (its memory kind kept: streamed parameters stay)."""
     return jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x

@@ -112,6 +112,21 @@ def is_spec(x: Any) -> bool:
     return isinstance(x, P)
 
 
+def canonical_spec(spec: P) -> P:
+    """``spec`` spelt one way: its trailing ``None`` entries dropped (``P(None)`` is ``P()``).
+
+    Examples:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from jaxga.meshes import canonical_spec
+        >>> canonical_spec(P("data", None)) == P("data"), len(canonical_spec(P(None, None)))
+        (True, 0)
+    """
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
 def type_spec(x: Any) -> P:
     """``x``'s PartitionSpec as its type says (Explicit axes), else ``P()``."""
     sharding = getattr(jax.typeof(x), "sharding", None)

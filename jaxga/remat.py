@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jaxga import convolution
 from jaxga._checks import check_arity, check_bool, leading_size, positive_int
 from jaxga._streaming import streamed_scan, summed_here
+from jaxga.meshes import memory_space
 
 Policy = str | Sequence[str] | Callable[..., Any] | None
 _STACK = "jax.tree.map(lambda *p: jnp.stack(p), *layers)"
@@ -199,6 +200,15 @@ def _carry_of(body: Callable[..., Any], params: Any, x: Any) -> Any:
     return body(x, params)[0]
 
 
+def _check_resident(stacked_params: Any) -> None:
+    """Raises if a leaf of ``stacked_params`` lives in host memory: ``stream=True`` alone
+    fetches a stack from there (a layer at a time)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stacked_params)[0]:
+        if hasattr(leaf, "shape") and memory_space(leaf) == jax.memory.Space.Host:
+            where = f"`stacked_params`{jax.tree_util.keystr(path)} lives in host memory"
+            raise ValueError(f"{where}: pass stream=True, which fetches each layer to the device.")
+
+
 def _check_stream(segments: Any, unroll: Any, canonical_convolutions: Any) -> None:
     """Raises for an option ``remat_scan(stream=True)`` does not take."""
     given = [("segments", segments, 1), ("unroll", unroll, False)]
@@ -265,7 +275,9 @@ def remat_scan(
         raise ValueError("`prefetch`=False applies to stream=True; got stream=False.")
     if check_bool(stream, "stream"):
         _check_stream(segments, unroll, canonical_convolutions)
-    elif convolution.rewrites(canonical_convolutions):  # XLA:CPU, see docs/gpus.md
+    else:
+        _check_resident(stacked_params)
+    if convolution.rewrites(canonical_convolutions):  # XLA:CPU, see docs/gpus.md
         options = {"policy": policy, "segments": segments, "unroll": unroll}
         plain = functools.partial(remat_scan, layer_fn, **options, canonical_convolutions=False)
         return convolution.canonical_backward(plain)(stacked_params, x)
@@ -280,6 +292,8 @@ def remat_scan(
     if check_bool(unroll, "unroll") and save is not None:  # only a loop keeps remat apart
         got = getattr(policy, "__name__", repr(policy))
         raise ValueError(f"`unroll`=True needs policy='none' or None; got policy={got}.")
+    if num_layers == 0:  # no layer: the carry as given (a stream has nothing to fetch)
+        return x
     one_layer = functools.partial(_apply_layer, layer_fn, stacked_params)
     if save is not None:  # inside a scan the loop keeps XLA from merging recomputation
         one_layer = jax.checkpoint(one_layer, policy=save, prevent_cse=False)

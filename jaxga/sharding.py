@@ -80,11 +80,15 @@ def check_mesh(mesh: Any, axis_name: Any = None, concrete: bool = False) -> None
 
 
 def check_strategy(strategy: Any) -> Any:
-    """``strategy``, checked: a name of `STRATEGIES`, or anything else (specs, ``None``)."""
+    """``strategy``, checked: a name of `STRATEGIES`, ``None`` or a tree of PartitionSpecs
+    (its structure checked against the parameters where they are at hand)."""
+    names = ", ".join(map(repr, STRATEGIES))
+    expected = f"one of {names}, None (as placed) or a tree of PartitionSpecs for the params"
     if isinstance(strategy, str) and strategy not in STRATEGIES:
-        names = ", ".join(map(repr, STRATEGIES))
-        expected = f"one of {names}, None (as placed) or a tree of PartitionSpecs for the params"
         raise ValueError(f"`strategy` must be {expected}; got {strategy!r}.")
+    leaves = [] if strategy is None else jax.tree.leaves(strategy, is_leaf=meshes.is_spec)
+    if not isinstance(strategy, str) and not all(map(meshes.is_spec, leaves)):
+        raise TypeError(f"`strategy` must be {expected}; got {strategy!r:.80}.")
     return strategy
 
 
@@ -306,6 +310,9 @@ def fsdp_specs(tree: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
 
 def _check_param_specs(specs: Any, params: Any, mesh: Mesh) -> None:
     got, want = jax.tree.structure(specs, is_leaf=meshes.is_spec), jax.tree.structure(params)
+    if got != want and hasattr(specs, "params"):  # state_specs' whole tree
+        got = f"a {type(specs).__name__} of specs, a whole state's: pass its `.params`"
+        raise ValueError(f"`strategy`'s specs must have the params' tree; got {got}.")
     if got != want:
         raise ValueError(f"`strategy`'s specs must have the params' tree {want}; got {got}.")
     leaves = jax.tree_util.tree_leaves_with_path(params)
@@ -344,7 +351,8 @@ def state_specs(
         mesh: the mesh the state is laid out on.
         strategy: a name in `STRATEGIES`; a tree of `PartitionSpec`s shaped as the
             parameters (the optimiser's leaves shaped like a parameter follow it, the others
-            split as `fsdp_specs` splits them); or ``None``, every array as it is laid out.
+            split as `fsdp_specs` splits them); or ``None``, the parameters and the optimiser
+            state as they are laid out.
         axis_name: the batch's mesh axis (or axes), which the named strategies split over.
 
     Returns:

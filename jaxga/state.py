@@ -11,7 +11,7 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
-from jaxga import _checks, modules
+from jaxga import _checks, meshes, modules
 from jaxga.arguments import is_key
 
 
@@ -43,16 +43,23 @@ class TrainState(train_state.TrainState):
         rng: jax.Array | int = 0,
         **kwargs: Any,
     ) -> "TrainState":
-        """Returns the initial state, with copies of ``params``, ``model_state`` and ``rng``."""
+        """Returns the initial state, with copies of ``params``, ``model_state`` and ``rng``;
+        with parameters in host memory (streamed stacks), ``tx.init`` jitted: the optimiser
+        state on the device, where a step keeps it unless ``offload=True``."""
         _checks.check_optimizer(tx, "tx")
         check_arrays(params, "params")
         model_state = {} if model_state is None else model_state
         check_arrays(model_state, "model_state", empty_ok=True)
         params, model_state, rng = jax.tree.map(copy, (params, model_state, as_key(rng)))
+        # Flax's create runs `tx.init`; jitted where parameters live in host memory (streamed
+        # stacks: an eager zeros_like cannot make host arrays), the state made on the device
+        init = tx
+        if any(meshes.memory_space(x) == jax.memory.Space.Host for x in jax.tree.leaves(params)):
+            init = optax.GradientTransformation(jax.jit(tx.init), tx.update)
         state = super().create(
-            apply_fn=apply_fn, params=params, tx=tx, model_state=model_state, rng=rng, **kwargs
+            apply_fn=apply_fn, params=params, tx=init, model_state=model_state, rng=rng, **kwargs
         )
-        return unaliased(state.replace(step=jnp.zeros((), jnp.int32)))
+        return unaliased(state.replace(step=jnp.zeros((), jnp.int32), tx=tx))
 
     def apply_gradients(
         self, *, grads: Any, weight: Any = None, end_group: Any = None, **kwargs: Any

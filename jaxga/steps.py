@@ -160,6 +160,8 @@ def step_options(
         xla = compiler_options()
     elif not isinstance(xla, Mapping):
         raise TypeError(f"`compiler_options` must be a dict of XLA options or None; got {xla!r}.")
+    # `stream` before the budget: a refused stream is said first, whatever the budget
+    stream = _check_stream(options.pop("stream", False), layout, num_microbatches)
     num_microbatches, budget = _count(num_microbatches, options.pop("memory_budget"))
     if not isinstance(weight := options.pop("weight"), bool | None):
         raise TypeError(f"`weight` must be None, True or False; got {weight!r}.")
@@ -168,7 +170,6 @@ def step_options(
     options.setdefault("has_aux", False)
     options.setdefault("aux", None)
     checked = check_options(**{name: options.pop(name) for name in OPTION_CHECKS})
-    stream = _check_stream(options.pop("stream", False), layout, num_microbatches)
     if checked["has_aux"] and pipeline_axis is not None:  # its rows would leave the loop per stage
         raise ValueError("`pipeline_axis` with has_aux=True: not supported; return a Mean alone.")
     donate = _checks.check_bool(options.pop("donate"), "donate")
@@ -307,6 +308,9 @@ class JittedStep:
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One call (planned, with `"auto"`): the jitted function's output; in a jit, inlined."""
+        if any(isinstance(n, jax.ShapeDtypeStruct) for n in args[self._arity :]):
+            fix = "`step.lower` and `step.trace` take that; a call takes an int scalar or None"
+            raise TypeError(f"`num_real_microbatches` is a jax.ShapeDtypeStruct: {fix}.")
         if (planned := self._planned(args)) is not self:
             return planned._run(self._handed(planned, args), kwargs)
         arguments = list(self._arguments(*args, **kwargs))
@@ -332,6 +336,10 @@ class JittedStep:
         step says), ``batch``, ``num_real`` and ``end_group`` checked, then ``extra``."""
         offload = self.options.offload
         state = layouts.lay_out(state, layout, offload_state=offload, wanted=self._wanted)
+        if not jax.tree.leaves(batch):
+            got = f"{batch!r:.60}"
+            raise TypeError(f"`batch` must hold arrays, rows on their leading axis; got {got}.")
+        batch = layouts.batch_onto(batch, self.options.layout)
         real = check_num_real(num_real, self.options.num_microbatches)
         return (*static, state, batch, real, check_end_group(end_group), *extra)
 

@@ -3,6 +3,7 @@
 import functools
 import inspect
 import operator
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -13,7 +14,7 @@ from flax.training import train_state
 
 from jaxga import _checks, _streaming, layouts, meshes, modules, planner, sharding, skeleton, steps
 from jaxga.accumulation import Accumulate
-from jaxga.arguments import StateStructureError
+from jaxga.arguments import StateStructureError, is_inexact, shape_and_dtype
 from jaxga.engine import Accumulated
 from jaxga.layouts import MeshLayout
 from jaxga.state import TrainState, check_field_names, state_fields
@@ -42,18 +43,42 @@ class TrainStep(steps.JittedStep):
     """
 
     _arity, _static_argnums = 2, (0,)  # with strategy=None, the state's specs (`_as_laid_out`)
+    _specs: Mapping[Any, tuple[Any, ...]] = {}  # `_as_laid_out`'s, replaced (never mutated)
 
     def _arguments(
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
     ) -> tuple[Any, ...]:
+        layout = self.options.layout
         if steps.is_traced(state):  # inside a jit: inlined, with the enclosing jit's options
+            _warn_unread(layout)
             return None, state, batch, num_real_microbatches, steps.check_end_group(end_group)
         self._once(state, _check_state, state, self.options.offload, self.options.stream)
-        layout = self.options.layout
-        static = (_as_laid_out(state, layout),)
+        static = (self._as_laid_out(state, layout),)
         return self._laid_out(
             static, state, batch, num_real_microbatches, end_group=end_group, layout=layout
         )
+
+    def _as_laid_out(self, state: Any, layout: MeshLayout | None) -> tuple[Any, ...] | None:
+        """With ``strategy=None`` on a mesh, the `PartitionSpec` of each of ``state``'s leaves
+        as `sharding.state_specs` reads them from the (concrete) arrays, each spelt one way
+        (`meshes.canonical_spec`): a traced array's type does not say how Auto axes split it.
+        Kept by the state's structure and shardings. `None` otherwise: the step works the
+        specs out from the strategy."""
+        if layout is None or layout.strategy is not None:
+            return None
+        leaves, treedef = jax.tree.flatten(state)
+        key = (treedef, *(getattr(x, "sharding", None) for x in leaves))
+        try:
+            return self._specs[key]
+        except TypeError:  # a static field that cannot be hashed: worked out for this call
+            key = None
+        except KeyError:
+            pass
+        specs = sharding.state_specs(state, layout.mesh, None, axis_name=layout.axis_name)
+        specs = tuple(map(meshes.canonical_spec, jax.tree.leaves(specs, is_leaf=meshes.is_spec)))
+        if key is not None:
+            self._specs = {key: specs}  # the last layout's: a state keeps its layout
+        return specs
 
     def _keyed(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         if not (self.options.offload and isinstance(args[0], train_state.TrainState)):
@@ -71,20 +96,26 @@ class TrainStep(steps.JittedStep):
     def __call__(
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
     ) -> tuple[Any, Metrics]:
-        leaf = getattr(state, "step", None)
-        if isinstance(leaf, jax.Array) and not steps.is_traced(leaf) and leaf.is_deleted():
+        first = [getattr(state, "step", None), *jax.tree.leaves(getattr(state, "params", None))[:1]]
+        if any(
+            isinstance(x, jax.Array) and not steps.is_traced(x) and x.is_deleted() for x in first
+        ):
             raise ValueError("`state` holds arrays an earlier call deleted: it donates them.")
         return self._run((state, batch, num_real_microbatches), {"end_group": end_group})
 
 
-def _as_laid_out(state: Any, layout: MeshLayout | None) -> tuple[Any, ...] | None:
-    """With ``strategy=None`` on a mesh, the `PartitionSpec` of each of ``state``'s leaves as
-    it lies, read from the (concrete) arrays: a traced array's type does not say how Auto
-    axes split it. `None` otherwise: the step works the specs out from the strategy."""
+def _warn_unread(layout: MeshLayout | None) -> None:
+    """Warns where ``strategy=None`` meets a traced state on a mesh with Auto axes: the
+    types say nothing of their split, so the step lays the state out replicated there."""
     if layout is None or layout.strategy is not None:
-        return None
-    specs = sharding.state_specs(state, layout.mesh, None, axis_name=layout.axis_name)
-    return tuple(jax.tree.leaves(specs, is_leaf=meshes.is_spec))
+        return
+    if auto := [a for a in layout.mesh.axis_names if a not in meshes.explicit_axes(layout.mesh)]:
+        warnings.warn(
+            f"strategy=None inside an enclosing jax.jit cannot read how the mesh's Auto axes "
+            f"{auto} split the state (its types do not say): the step lays it out replicated. "
+            "Call the step outside jit, or give `strategy` specs.",
+            stacklevel=4,
+        )
 
 
 def _check_type(state: Any) -> None:
@@ -97,9 +128,14 @@ def _check_type(state: Any) -> None:
 
 
 def _check_state(state: Any, offload: Any, stream: bool | str) -> None:
-    """Raises unless ``state`` is a Flax TrainState, on the device but where ``offload`` and
-    ``stream`` keep leaves in host memory (`steps.check_on_device`)."""
+    """Raises unless ``state`` is a Flax TrainState of float parameters, on the device but
+    where ``offload`` and ``stream`` keep leaves in host memory (`steps.check_on_device`)."""
     _check_type(state)
+    for path, x in jax.tree_util.tree_flatten_with_path(state.params)[0]:
+        if not is_inexact(x):
+            got = f"`state.params`{jax.tree_util.keystr(path)} has {shape_and_dtype(x)}"
+            fix = "expected floats (what the model does not differentiate: model_state)"
+            raise TypeError(f"{got}; the step differentiates every parameter: {fix}.")
     if offload or stream:  # some leaves may live in host memory
         steps.check_on_device(state, offload=offload, stream=stream)
     else:
@@ -264,7 +300,8 @@ def make_train_step(
         axis_name: the batch's mesh axis (`"data"`); without a `mesh`, a one-device mesh of it.
         strategy: the state's layout on the mesh: `"data_parallel"`, `"zero1"`, `"fsdp"`,
             `"zero3"`, specs ([`jaxga.sharding.state_specs`][jaxga.sharding.state_specs]),
-            or `None`: each leaf as it lies (read before the trace; one compile per layout).
+            or `None`: the parameters and optimiser state as they lie (read before the
+            trace; one compile per layout).
         accumulator_dtype: the gradient sums' dtype; `None`: at least float32.
         donate: donate the state's buffers to the step.
         offload: keep the optimiser state in pinned host memory between steps; a function

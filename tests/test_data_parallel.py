@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -25,6 +26,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxga
+from jaxga.microbatch import IndivisibleBatchError
 from jaxga.sharding import replicate, shard_batch
 from tests._hlo import hlo_collectives
 
@@ -321,6 +323,9 @@ def test_strategy_none_keeps_a_split_parameter_split_on_auto_and_explicit_axes(a
             for strategy in (None, "fsdp")
         }
         new, metrics = steps[None](state, batch)
+        again, _ = steps[None](new, batch)  # the layout it returned (and a strong `step`)
+        compiled = steps[None]._jitted._cache_size()
+        steps[None](again, batch)  # ... compiles no more
         ops = {
             s: sorted(c.opcode for c in hlo_collectives(step.lower(state, batch).compile()))
             for s, step in steps.items()
@@ -330,9 +335,55 @@ def test_strategy_none_keeps_a_split_parameter_split_on_auto_and_explicit_axes(a
     assert new.params["w"].sharding.is_equivalent_to(split, 2)
     assert new.opt_state[0].mu["w"].sharding.is_equivalent_to(split, 2)
     assert ops[None] == ops["fsdp"] and "reduce-scatter" in ops[None]
+    assert steps[None]._jitted._cache_size() == compiled
     np.testing.assert_allclose(metrics["loss"], value, rtol=1e-6)
     want = optax.apply_updates(params, updates)["w"]
     np.testing.assert_allclose(new.params["w"], want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_strategy_none_inside_your_own_jit_warns_where_auto_axes_hide_the_layout(axis_type):
+    """Inside an enclosing jax.jit the step has only the state's types, which say nothing
+    of Auto axes' splits: strategy=None warns there (the state comes back replicated), and
+    not on Explicit axes, whose types keep the split."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    state = jaxga.TrainState.create(params={"w": jnp.ones((8, 16))}, tx=optax.sgd(0.1))
+    state = jaxga.sharding.put(state, jaxga.sharding.state_shardings(state, mesh, "fsdp"))
+
+    def loss(params, batch, model_state, rng):
+        return jaxga.Mean.of(((batch @ params["w"]) ** 2).sum(-1)), model_state
+
+    step = jaxga.make_train_step(loss, 2, mesh=mesh, strategy=None, donate=False)
+    with jax.set_mesh(mesh), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        new, _ = jax.jit(step)(state, jnp.ones((16, 8)))
+    said = [str(w.message) for w in caught if "strategy=None inside" in str(w.message)]
+    assert len(said) == (axis_type == AxisType.Auto), said
+    split = new.params["w"].sharding.is_equivalent_to(state.params["w"].sharding, 2)
+    assert split == (axis_type == AxisType.Explicit)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_a_batch_on_one_device_is_laid_out_on_the_mesh(axis_type):
+    """A batch committed to one device (jax.device_put(batch, device)), where jit refuses
+    arrays on other devices than the state's: the step puts it on the mesh and trains as
+    the whole batch's jax.grad and optax.sgd; an indivisible one still gets the named error."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    params, tx = {"w": jnp.arange(32.0).reshape(8, 4) / 100}, optax.sgd(0.1)
+
+    def loss(params, batch, model_state, rng):
+        return jaxga.Mean.of(((batch["x"] @ params["w"]) ** 2).sum(-1)), model_state
+
+    x = jnp.arange(128.0).reshape(16, 8) / 100
+    step = jaxga.make_train_step(loss, 2, mesh=mesh, donate=False)
+    state = jaxga.TrainState.create(params=params, tx=tx)
+    with jax.set_mesh(mesh), jax.default_matmul_precision("float32"):
+        new, _ = step(state, {"x": jax.device_put(x, jax.devices()[0])})
+        grads = jax.grad(lambda p: loss(p, {"x": x}, None, None)[0].value)(params)
+        with pytest.raises(IndivisibleBatchError, match="batch size 12"):
+            step(state, {"x": jax.device_put(x[:12], jax.devices()[0])})
+    want = optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
+    np.testing.assert_allclose(new.params["w"], want["w"], rtol=1e-6, atol=1e-7)
 
 
 def test_state_specs_none_keeps_a_zero1_optimiser_state_split():

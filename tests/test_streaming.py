@@ -122,6 +122,30 @@ def test_stream_refuses_what_it_does_not_take(option, message):
         jaxga.remat_scan(block, stacked_params(), carry(), **options)
 
 
+def test_a_stack_in_host_memory_without_stream_is_named():
+    """remat_scan on a stack in host memory without stream=True: named (JAX would fail in
+    the layer's first matmul, on operands in two memories), eagerly and differentiated."""
+    host_stack = jax.device_put(stacked_params(), HOST)
+    with pytest.raises(ValueError, match=r"`stacked_params`\['b'\] lives in host memory: pass"):
+        jaxga.remat_scan(block, host_stack, carry())
+    with pytest.raises(ValueError, match=r"lives in host memory: pass stream=True"):
+        jax.grad(lambda s: jaxga.remat_scan(block, s, carry())["h"].sum())(host_stack)
+
+
+def test_an_empty_stack_streams_to_the_carry_as_the_resident_scan_does():
+    """No layers: stream=True returns the carry and a gradient of no layers, as the
+    resident scan does."""
+    empty = jax.tree.map(lambda x: x[:0], stacked_params())
+
+    def total(stack, stream):
+        return jaxga.remat_scan(block, stack, carry(), stream=stream)["h"].sum()
+
+    host = jax.device_put(empty, HOST)
+    grads = jax.grad(total)(host, True), jax.grad(total)(empty, False)
+    assert_equal(total(host, True), total(empty, False))
+    assert jax.tree.map(jnp.shape, grads[0]) == jax.tree.map(jnp.shape, grads[1])
+
+
 def _device_puts(jaxpr):
     """Every ``device_put`` in ``jaxpr`` and its sub-jaxprs: (shape, destination)."""
     found = [
@@ -255,6 +279,29 @@ def test_streamed_train_step_with_offload_keeps_both_on_the_host():
     assert kinds(state.opt_state) == {"pinned_host"}
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_state_created_with_its_stack_in_host_memory_trains_as_the_resident_one(offload):
+    """jaxga.TrainState.create on parameters whose float32 stack lives in pinned host
+    memory (an eager optax init cannot make host arrays): the optimiser state on the
+    device, as optax.adamw initialises it, where the step keeps it (offload=True moves it
+    to host memory); the state then trains as the resident one, bit for bit."""
+    params = model_params() | {"layers": jax.device_put(model_params()["layers"], HOST)}
+    assert all(not x.weak_type for x in jax.tree.leaves(params["layers"]))  # float32 as made
+    tx = optimizer()
+    state = jaxga.TrainState.create(params=params, tx=tx)
+    assert kinds(state.params["layers"]) == {"pinned_host"} and kinds(state.opt_state) == {"device"}
+    assert state.tx is tx  # the transformation given, not the one that jitted its init
+    assert_equal(state.opt_state, optimizer().init(model_params()))
+    loss = functools.partial(step_loss, stream=True, policy="full")
+    step = jaxga.make_train_step(loss, 4, stream=True, offload=offload)
+    with jax.default_matmul_precision("highest"):
+        for i in range(2):
+            state, _ = step(state, batch_of(i))
+        resident, _ = train(4, "full", stream=False)
+    assert_equal((state.params, state.opt_state), (resident.params, resident.opt_state))
+    assert kinds(state.opt_state) == {"pinned_host" if offload else "device"}
+
+
 def test_a_step_without_stream_names_host_resident_params():
     state = streamed(jaxga.TrainState.create(params=model_params(), tx=optimizer()))
     loss = functools.partial(step_loss, stream=True, policy="full")
@@ -350,6 +397,10 @@ def test_a_state_laid_out_on_a_mesh_with_a_stack_first_is_not_laid_out_again():
         ),
         (
             {"stream": "auto", "num_microbatches": "auto", "memory_budget": "1GiB"},
+            r"`stream`='auto' on a mesh: the plan",
+        ),
+        (  # said before the budget a CPU's "auto" needs: no budget makes it work
+            {"stream": "auto", "num_microbatches": "auto"},
             r"`stream`='auto' on a mesh: the plan",
         ),
     ],

@@ -509,16 +509,21 @@ def test_make_train_step_takes_the_real_rows_step_with_one_compilation(devices):
 def test_make_train_step_lowers_for_an_abstract_count_as_for_a_concrete_one():
     """step.lower(state, batch, ShapeDtypeStruct((), int32)): the program a call with any
     count runs (its HLO the concrete count's); an abstract count of another shape or dtype
-    is refused, named."""
+    is refused, named, and so is an abstract count given to a call."""
     step = jaxga.make_train_step(state_loss("sequence_mean"), K)
     state = jaxga.TrainState.create(params=PARAMS, tx=optax.sgd(LR))
     batch = BATCHES["packed"][0]
     for count in (jax.ShapeDtypeStruct((), jnp.int16), jax.ShapeDtypeStruct((), jnp.int32)):
         abstract = step.lower(state, batch, count).as_text()
         assert abstract == step.lower(state, batch, 2).as_text()
-    for bad in (jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32)):
-        with pytest.raises(TypeError, match=r"`num_real_microbatches` must be an int scalar"):
+    for bad, got in (
+        (jax.ShapeDtypeStruct((2,), jnp.int32), r"int32\[2\]"),
+        (jax.ShapeDtypeStruct((), jnp.float32), r"float32\[\]"),
+    ):
+        with pytest.raises(TypeError, match=rf"abstract `num_real_microbatches` .* got {got}"):
             step.lower(state, batch, bad)
+    with pytest.raises(TypeError, match=r"`num_real_microbatches` is a jax.ShapeDtypeStruct"):
+        step(state, batch, jax.ShapeDtypeStruct((), jnp.int32))
 
 
 class TokenModel(nnx.Module):

@@ -317,6 +317,19 @@ def test_bad_arguments():
         jaxga.make_train_step(lambda *a: a, 2, mesh=mesh)
     with pytest.raises(ValueError, match=r"`strategy` must be one of 'data_parallel', .*'bogus'"):
         jaxga.make_train_step(lambda *a: a, 2, strategy="bogus")
+    one = jax.make_mesh((1,), ("data",))
+    for bad in (3, {"w": 3}):  # neither a name nor PartitionSpecs
+        with pytest.raises(TypeError, match=rf"`strategy` must be one of .* got {bad!r}"):
+            jaxga.make_train_step(lambda *a: a, 2, mesh=one, strategy=bad)
+    state = jaxga.TrainState.create(params={"w": jnp.ones((2, 3))}, tx=optax.sgd(0.1))
+    whole = jaxga.sharding.state_specs(state, one, "fsdp")  # not its .params
+
+    def loss(params, batch, model_state, rng):
+        return jnp.mean(batch @ params["w"]), model_state
+
+    step = jaxga.make_train_step(loss, 1, mesh=one, strategy=whole)
+    with pytest.raises(ValueError, match=r"got a TrainState of specs, .* pass its `.params`"):
+        step(state, jnp.ones((2, 2)))
     with pytest.raises(ValueError, match=r"`strategy`='fsdp' shards the state .* pass `mesh`"):
         jaxga.make_train_step(lambda *a: a, 2, strategy="fsdp")
 
@@ -379,7 +392,19 @@ def test_bad_calls_name_what_was_wrong():
     new_state, _ = step(state, batch)
     with pytest.raises(ValueError, match="an earlier call deleted: it donates"):
         step(state, batch)  # the state given to the first call was donated
+    for empty in (None, {}):
+        with pytest.raises(TypeError, match=rf"`batch` must hold arrays, .* got {empty!r}"):
+            step(new_state, empty)
     step(new_state, batch)
+    counted = jaxga.TrainState.create(params={"w": jnp.ones(()), "n": 3}, tx=optax.sgd(0.1))
+    with pytest.raises(TypeError, match=r"`state.params`\['n'\] has shape \(\) and dtype int"):
+        step(counted, batch)
+    flax_state = train_state.TrainState.create(
+        apply_fn=None, params=jnp.ones(()), tx=optax.sgd(0.1)
+    )
+    step(flax_state, batch)  # its `step` a Python int: its parameters tell
+    with pytest.raises(ValueError, match="an earlier call deleted: it donates"):
+        step(flax_state, batch)
 
 
 def test_memory_report_of_a_step_on_a_mesh():
@@ -935,6 +960,12 @@ def test_a_train_step_names_its_loss_not_fun_and_notes_rng_none_only_where_it_ex
     with pytest.raises(TypeError, match=called_as + "must return a float scalar or a Mean") as e:
         jaxga.make_train_step(vector, 2)(flax_state, jnp.ones((4, 3)))
     assert not [n for n in getattr(e.value, "__notes__", []) if "rng=None" in n]
+
+    def complex_valued(params, batch, model_state, rng):  # jax.grad takes no complex output
+        return jnp.mean(batch * params).astype(jnp.complex64), model_state
+
+    with pytest.raises(TypeError, match=called_as + r"must return a float .* dtype complex64"):
+        jaxga.make_train_step(complex_valued, 2)(flax_state, jnp.ones((4, 3)))
     ours = jaxga.TrainState.create(params=jnp.ones(3), tx=optax.sgd(0.1))
     with pytest.raises(TypeError, match=called_as + r"returned a new_state with extra keys"):
         jaxga.make_train_step(new_state, 2)(ours, jnp.ones((4, 3)))
