@@ -3,12 +3,27 @@
 import contextlib
 import inspect
 import numbers
+import os
+import sys
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxga import modules
+
+# jaxga's and JAX's own files: a warning names the first line outside them (the user's)
+_INTERNAL = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, modules))
+
+
+def warn_at_caller(message: str) -> None:
+    """``warnings.warn(message)`` at the first frame outside jaxga and JAX: the user's line
+    (a step called in a function of theirs, or through ``jax.jit(step)``)."""
+    frame, level = sys._getframe(1), 2  # stacklevel 2: the caller of this function
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
 
 
 def leading_size(tree: Any, name: str, axis: str) -> int | None:

@@ -139,7 +139,8 @@ def is_inexact(x: Any) -> bool:
     return isinstance(x, float | complex) or jnp.issubdtype(getattr(x, "dtype", "O"), jnp.inexact)
 
 
-def is_real_float(x: Any) -> bool:  # a loss's dtype (jax.grad takes no complex output)
+def is_real_float(x: Any) -> bool:
+    """Whether ``x`` is a real float (a loss's dtype: ``jax.grad`` takes no complex output)."""
     return isinstance(x, float) or jnp.issubdtype(getattr(x, "dtype", "O"), jnp.floating)
 
 

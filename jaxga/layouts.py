@@ -47,9 +47,11 @@ def batch_specs(batch: Any, layout: MeshLayout) -> Any:
 
 
 def batch_onto(batch: Any, layout: "MeshLayout | None") -> Any:
-    """``batch`` with each leaf committed to devices off ``layout.mesh`` put on the mesh
-    (concrete): split over the batch's axis where the devices divide its rows, else
-    replicated; the step then lays it out. jit refuses arrays committed to other devices.
+    """``batch`` with each concrete leaf committed to other devices than ``layout.mesh``'s
+    (or to them in another order) put on the mesh, in the memory it lives in: split over the
+    batch's axis where the devices divide its rows, else replicated; the step then lays it
+    out. jit refuses arrays committed elsewhere; a leaf on this process's devices alone,
+    for a mesh over processes, is refused by name (`jaxga.sharding.shard_batch` makes it).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -63,19 +65,25 @@ def batch_onto(batch: Any, layout: "MeshLayout | None") -> Any:
     if layout is None:
         return batch
     mesh, devices = layout.mesh, meshes.devices(layout.mesh, layout.axis_name)
+    order = tuple(mesh.devices.flat)
 
-    def onto(x: Any) -> Any:
-        off = (
-            isinstance(x, jax.Array)
-            and x.committed
-            and x.sharding.device_set != set(mesh.devices.flat)
-        )
-        if not off or isinstance(x, jax.core.Tracer):
+    def onto(path: Any, x: Any) -> Any:
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or not x.committed:
             return x
+        where = x.sharding
+        if (tuple(where.mesh.devices.flat) if isinstance(where, NamedSharding) else None) == order:
+            return x
+        if len(where.device_set) == 1 and len(order) == 1 and where.device_set == set(order):
+            return x
+        if mesh.is_multi_process or not x.is_fully_addressable:
+            got = f"`batch`{jax.tree_util.keystr(path)} lies on this process's devices alone"
+            fix = "build it with jaxga.sharding.shard_batch(batch, mesh)"
+            raise ValueError(f"{got}, and the mesh spans processes: {fix}.")
         split = jnp.ndim(x) > 0 and jnp.shape(x)[0] % devices == 0
-        return jax.device_put(x, NamedSharding(mesh, P(layout.axis_name) if split else P()))
+        spec = P(layout.axis_name) if split else P()
+        return jax.device_put(x, NamedSharding(mesh, spec, memory_kind=where.memory_kind))
 
-    return jax.tree.map(onto, batch)
+    return jax.tree_util.tree_map_with_path(onto, batch)
 
 
 def _committed(x: Any) -> Any:

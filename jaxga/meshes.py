@@ -113,7 +113,8 @@ def is_spec(x: Any) -> bool:
 
 
 def canonical_spec(spec: P) -> P:
-    """``spec`` spelt one way: its trailing ``None`` entries dropped (``P(None)`` is ``P()``).
+    """``spec`` spelt one way: its trailing ``None`` entries dropped (``P(None)`` is ``P()``),
+    its unreduced and reduced axes kept.
 
     Examples:
         >>> from jax.sharding import PartitionSpec as P
@@ -124,7 +125,7 @@ def canonical_spec(spec: P) -> P:
     entries = list(spec)
     while entries and entries[-1] is None:
         entries.pop()
-    return P(*entries)
+    return P(*entries, unreduced=spec.unreduced, reduced=spec.reduced)
 
 
 def type_spec(x: Any) -> P:

@@ -390,7 +390,7 @@ def plan(
     budget = device_budget(budget, name="budget")
     batch_size, counts = _batch(args, batch_argnums, num_microbatches)
     strategies = () if strategy is None else _values("strategy", strategy)
-    by_strategy = [{"strategy": check_strategy(value)} for value in strategies] or [{}]
+    by_strategy = [{"strategy": check_strategy(v, specs=False)} for v in strategies] or [{}]
     offloads = () if offload is None else _values("offload", offload)
     by_offload = [{"offload": check_bool(value, "offload")} for value in offloads] or [{}]
     streams = (None,) if stream is None else tuple(map(_check_stream, _values("stream", stream)))

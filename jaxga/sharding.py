@@ -79,16 +79,22 @@ def check_mesh(mesh: Any, axis_name: Any = None, concrete: bool = False) -> None
             raise ValueError(f"`axis_name`={axis!r} is not an axis of `mesh` {mesh.axis_names}.")
 
 
-def check_strategy(strategy: Any) -> Any:
-    """``strategy``, checked: a name of `STRATEGIES`, ``None`` or a tree of PartitionSpecs
-    (its structure checked against the parameters where they are at hand)."""
+def check_strategy(strategy: Any, *, specs: bool = True) -> Any:
+    """``strategy``, checked: a name of `STRATEGIES`, ``None``, or (``specs``: a step's) a
+    tree of PartitionSpecs, not a whole state's (its structure checked against the
+    parameters where they are at hand); without ``specs`` (a plan's, for its own
+    ``build``), anything but a string passes."""
     names = ", ".join(map(repr, STRATEGIES))
     expected = f"one of {names}, None (as placed) or a tree of PartitionSpecs for the params"
     if isinstance(strategy, str) and strategy not in STRATEGIES:
         raise ValueError(f"`strategy` must be {expected}; got {strategy!r}.")
-    leaves = [] if strategy is None else jax.tree.leaves(strategy, is_leaf=meshes.is_spec)
-    if not isinstance(strategy, str) and not all(map(meshes.is_spec, leaves)):
+    if not specs or strategy is None or isinstance(strategy, str):
+        return strategy
+    if not all(map(meshes.is_spec, jax.tree.leaves(strategy, is_leaf=meshes.is_spec))):
         raise TypeError(f"`strategy` must be {expected}; got {strategy!r:.80}.")
+    if hasattr(strategy, "params"):  # state_specs' whole tree
+        got = f"a {type(strategy).__name__} of specs, a whole state's: pass its `.params`"
+        raise ValueError(f"`strategy`'s specs must have the params' tree; got {got}.")
     return strategy
 
 
@@ -310,9 +316,6 @@ def fsdp_specs(tree: Any, mesh: Mesh, axis_name: Any = "data") -> Any:
 
 def _check_param_specs(specs: Any, params: Any, mesh: Mesh) -> None:
     got, want = jax.tree.structure(specs, is_leaf=meshes.is_spec), jax.tree.structure(params)
-    if got != want and hasattr(specs, "params"):  # state_specs' whole tree
-        got = f"a {type(specs).__name__} of specs, a whole state's: pass its `.params`"
-        raise ValueError(f"`strategy`'s specs must have the params' tree; got {got}.")
     if got != want:
         raise ValueError(f"`strategy`'s specs must have the params' tree {want}; got {got}.")
     leaves = jax.tree_util.tree_leaves_with_path(params)
@@ -456,10 +459,10 @@ def nnx_state_specs(
 
 def check_nnx_strategy(strategy: Any) -> str | None:
     """``strategy`` for an NNX model: ``None`` (its metadata) or a name of `STRATEGIES`."""
-    if not (strategy is None or isinstance(check_strategy(strategy), str)):
+    if not (strategy is None or isinstance(strategy, str)):
         expected = f"one of {', '.join(map(repr, STRATEGIES))} or None (the model's metadata)"
         raise TypeError(f"`strategy` for an NNX model must be {expected}; got {strategy!r}.")
-    return strategy
+    return check_strategy(strategy)
 
 
 def state_shardings(

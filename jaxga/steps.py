@@ -295,6 +295,7 @@ class JittedStep:
         self._plans: dict[Any, planner.Plan] = {}
         self._checked: set[Any] = set()  # the signatures `_once` checked
         self._wanted: dict[Any, Any] = {}  # the state's shardings by shape (layouts.lay_out)
+        self._specs: dict[Any, Any] = {}  # strategy=None's specs by shardings (a Flax step's)
         if options.num_microbatches == "auto":
             return
         self._update = build(loss, options)
@@ -334,11 +335,11 @@ class JittedStep:
         """What a subclass's ``_arguments`` ends with, the jitted function's arguments:
         ``static``, ``state`` laid out (`layouts.lay_out` on ``layout``, offloaded as the
         step says), ``batch``, ``num_real`` and ``end_group`` checked, then ``extra``."""
+        if not jax.tree.leaves(batch):  # as `accumulate` refuses it, named as the step's
+            got = f"{batch!r:.60}"
+            raise ValueError(f"`batch` must hold arrays, rows on their leading axis; got {got}.")
         offload = self.options.offload
         state = layouts.lay_out(state, layout, offload_state=offload, wanted=self._wanted)
-        if not jax.tree.leaves(batch):
-            got = f"{batch!r:.60}"
-            raise TypeError(f"`batch` must hold arrays, rows on their leading axis; got {got}.")
         batch = layouts.batch_onto(batch, self.options.layout)
         real = check_num_real(num_real, self.options.num_microbatches)
         return (*static, state, batch, real, check_end_group(end_group), *extra)

@@ -3,7 +3,6 @@
 import functools
 import inspect
 import operator
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -43,7 +42,6 @@ class TrainStep(steps.JittedStep):
     """
 
     _arity, _static_argnums = 2, (0,)  # with strategy=None, the state's specs (`_as_laid_out`)
-    _specs: Mapping[Any, tuple[Any, ...]] = {}  # `_as_laid_out`'s, replaced (never mutated)
 
     def _arguments(
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
@@ -77,7 +75,9 @@ class TrainStep(steps.JittedStep):
         specs = sharding.state_specs(state, layout.mesh, None, axis_name=layout.axis_name)
         specs = tuple(map(meshes.canonical_spec, jax.tree.leaves(specs, is_leaf=meshes.is_spec)))
         if key is not None:
-            self._specs = {key: specs}  # the last layout's: a state keeps its layout
+            if len(self._specs) >= self.max_plans:  # the oldest layout's dropped
+                del self._specs[next(iter(self._specs))]
+            self._specs[key] = specs
         return specs
 
     def _keyed(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -109,12 +109,12 @@ def _warn_unread(layout: MeshLayout | None) -> None:
     types say nothing of their split, so the step lays the state out replicated there."""
     if layout is None or layout.strategy is not None:
         return
-    if auto := [a for a in layout.mesh.axis_names if a not in meshes.explicit_axes(layout.mesh)]:
-        warnings.warn(
+    explicit, sizes = meshes.explicit_axes(layout.mesh), layout.mesh.shape
+    if auto := [a for a in layout.mesh.axis_names if a not in explicit and sizes[a] > 1]:
+        _checks.warn_at_caller(
             f"strategy=None inside an enclosing jax.jit cannot read how the mesh's Auto axes "
             f"{auto} split the state (its types do not say): the step lays it out replicated. "
-            "Call the step outside jit, or give `strategy` specs.",
-            stacklevel=4,
+            "Call the step outside jit, or give `strategy` specs."
         )
 
 

@@ -357,8 +357,9 @@ def test_strategy_none_inside_your_own_jit_warns_where_auto_axes_hide_the_layout
     with jax.set_mesh(mesh), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         new, _ = jax.jit(step)(state, jnp.ones((16, 8)))
-    said = [str(w.message) for w in caught if "strategy=None inside" in str(w.message)]
-    assert len(said) == (axis_type == AxisType.Auto), said
+    said = [w for w in caught if "strategy=None inside" in str(w.message)]
+    assert len(said) == (axis_type == AxisType.Auto), [str(w.message) for w in said]
+    assert all(w.filename == __file__ for w in said)  # the user's line, not jaxga's or JAX's
     split = new.params["w"].sharding.is_equivalent_to(state.params["w"].sharding, 2)
     assert split == (axis_type == AxisType.Explicit)
 
@@ -384,6 +385,38 @@ def test_a_batch_on_one_device_is_laid_out_on_the_mesh(axis_type):
             step(state, {"x": jax.device_put(x[:12], jax.devices()[0])})
     want = optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
     np.testing.assert_allclose(new.params["w"], want["w"], rtol=1e-6, atol=1e-7)
+    # the mesh's devices in another order; a traced batch, left to the enclosing jit
+    devices = list(mesh.devices.flat)[::-1]
+    reordered = NamedSharding(jax.sharding.Mesh(np.array(devices), ("data",)), P("data"))
+    with jax.set_mesh(mesh), jax.default_matmul_precision("float32"):
+        again, _ = step(state, {"x": jax.device_put(x, reordered)})
+        traced, _ = jax.jit(step)(state, {"x": x})
+    for got in (again, traced):
+        np.testing.assert_allclose(got.params["w"], want["w"], rtol=1e-6, atol=1e-7)
+
+
+def test_an_nnx_step_on_a_mesh_inside_nnx_jit_takes_a_traced_batch():
+    """An NNX step on a mesh called inside nnx.jit (its batch traced, left as the enclosing
+    jit has it): one update of the whole batch's nnx.value_and_grad and nnx.Optimizer."""
+    from flax import nnx
+
+    mesh = jax.make_mesh((8,), ("data",))
+    models = [nnx.Linear(8, 4, rngs=nnx.Rngs(0)) for _ in range(2)]
+    optimizers = [nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param) for m in models]
+    x = jnp.arange(128.0).reshape(16, 8) / 100
+
+    def loss(model, batch):
+        return jaxga.Mean.of((model(batch["x"]) ** 2).sum(-1))
+
+    step = jaxga.nnx_train_step(loss, 2, mesh=mesh)
+    with jax.set_mesh(mesh), jax.default_matmul_precision("float32"):
+        nnx.jit(step)(models[0], optimizers[0], {"x": x})
+        grads = nnx.grad(lambda m: loss(m, {"x": x}).value)(models[1])
+        optimizers[1].update(models[1], grads)
+    for got, want in zip(
+        jax.tree.leaves(nnx.state(models[0])), jax.tree.leaves(nnx.state(models[1]))
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
 def test_state_specs_none_keeps_a_zero1_optimiser_state_split():
