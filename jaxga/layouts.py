@@ -70,10 +70,9 @@ def batch_onto(batch: Any, layout: "MeshLayout | None") -> Any:
     def onto(path: Any, x: Any) -> Any:
         if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or not x.committed:
             return x
-        where = x.sharding
-        if (tuple(where.mesh.devices.flat) if isinstance(where, NamedSharding) else None) == order:
-            return x
-        if len(where.device_set) == 1 and len(order) == 1 and where.device_set == set(order):
+        where = x.sharding  # its devices in order (one device's: that one)
+        named = isinstance(where, NamedSharding)
+        if (tuple(where.mesh.devices.flat) if named else tuple(where.device_set)) == order:
             return x
         if mesh.is_multi_process or not x.is_fully_addressable:
             got = f"`batch`{jax.tree_util.keystr(path)} lies on this process's devices alone"

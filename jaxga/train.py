@@ -96,7 +96,8 @@ class TrainStep(steps.JittedStep):
     def __call__(
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
     ) -> tuple[Any, Metrics]:
-        first = [getattr(state, "step", None), *jax.tree.leaves(getattr(state, "params", None))[:1]]
+        params = jax.tree.leaves(getattr(state, "params", None))
+        first = (getattr(state, "step", None), *params[:1])  # a Flax state's step: maybe an int
         if any(
             isinstance(x, jax.Array) and not steps.is_traced(x) and x.is_deleted() for x in first
         ):
