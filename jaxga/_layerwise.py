@@ -25,20 +25,25 @@ if TYPE_CHECKING:
 # `_STREAMED` (a parameter in host memory with a layer axis, or a state leaf mirroring one).
 _STATE, _RESIDENT, _STREAMED = 0, 1, 2
 _FIX = "build the step with stream=True (the whole-tree update) for this `tx`"
+_WHO = '`stream`="layers"'
 
 
 class StreamError(ValueError):
     """`stream="layers"` cannot update this optimiser a layer at a time (raised unwrapped)."""
 
 
-def leaf_kinds(tx: Any, params: Any, opt_state: Any) -> tuple[list[int], list[int]]:
+def leaf_kinds(
+    tx: Any, params: Any, opt_state: Any, *, who: str = _WHO, fix: str = _FIX
+) -> tuple[list[int], list[int]]:
     """Each leaf's kind (`_STATE`, `_RESIDENT`, `_STREAMED`), flat, of ``params`` and of
     ``opt_state``, whose copies of the parameters ``optax.tree_utils.tree_map_params`` finds.
 
     Args:
         tx: the optax transformation ``opt_state`` is of.
         params: the parameters, streamed leaves in host memory.
-        opt_state: ``tx``'s state for ``params``.
+        opt_state: ``tx``'s state for ``params`` (or its shapes, `jax.eval_shape`).
+        who: what streams, for an error (a `StreamError` if the mirrors cannot be found).
+        fix: what to do instead, for that error.
 
     Returns:
         ``(kinds of params' leaves, kinds of opt_state's leaves)``.
@@ -63,9 +68,9 @@ def leaf_kinds(tx: Any, params: Any, opt_state: Any) -> tuple[list[int], list[in
         )
     except (TypeError, ValueError, AttributeError) as e:
         raise StreamError(
-            f'`stream`="layers": optax.tree_utils.tree_map_params cannot find the copies of the '
+            f"{who}: optax.tree_utils.tree_map_params cannot find the copies of the "
             f"parameters in `tx`'s state ({type(e).__name__}: {e}); expected an optimiser whose "
-            f"state holds parameter-shaped trees: {_FIX}."
+            f"state holds parameter-shaped trees: {fix}."
         ) from e
     return jax.tree.leaves(kinds), jax.tree.leaves(marked)
 
@@ -223,7 +228,8 @@ def check_elementwise(
         return
     with jax.ensure_compile_time_eval(), jax.disable_jit():  # op by op, scans as loops
         params = _probe(access.params(state), 0)
-        whole = split = access.rebuild(_scalars(state), params, access.tx.init(params))
+        made = on_device(access.tx.init(params))  # `init_offloaded`'s: in host memory
+        whole = split = access.rebuild(_scalars(state), params, made)
         grouped = bool(states_in(access.opt_state(split))) or "end_group" in extra
         for t in range(4):
             probe = {k: jnp.asarray(t + 1, jax.typeof(v).dtype) for k, v in extra.items()}
@@ -272,22 +278,32 @@ def _scalars(state: Any) -> Any:
     return jax.tree.map(concrete, state)
 
 
-def _check_same(split: Any, whole: Any, t: int) -> None:
-    """Raises, naming the first leaf that differs, unless ``split`` equals ``whole`` (each
-    ``(params, opt_state)``)."""
+def _first_difference(split: Any, whole: Any) -> tuple[str, np.ndarray, np.ndarray] | None:
+    """``(where, split's leaf, whole's leaf)`` of the first leaf of ``split`` that differs from
+    ``whole``'s (NaNs alike), or None; ``where`` reads from ``split``'s tree paths."""
     got = jax.tree_util.tree_leaves_with_path(split)
     for (path, a), b in zip(got, jax.tree.leaves(whole), strict=True):
         a, b = np.asarray(a), np.asarray(b)
         if not np.array_equal(a, b, equal_nan=np.issubdtype(a.dtype, np.inexact)):
-            where = ("params" if path[0].idx == 0 else "opt_state") + jax.tree_util.keystr(path[1:])
-            raise StreamError(
-                f'`stream`="layers" updates a layer at a time, exact only for an optimiser '
-                f"that updates each element from its own values (sgd, adam, adamw, lion); "
-                f"`tx` is not (it reduces across leaves or layers: clipping by global norm, "
-                f"trust ratios, factored moments). On a probe, update {t + 1}'s {where} got "
-                f"{a.ravel()[:4]} a layer at a time; expected the whole-tree {b.ravel()[:4]}: "
-                f"{_FIX}."
-            )
+            return jax.tree_util.keystr(path), a, b
+    return None
+
+
+def _check_same(split: Any, whole: Any, t: int) -> None:
+    """Raises, naming the first leaf that differs, unless ``split`` equals ``whole`` (each
+    ``(params, opt_state)``)."""
+    if (differs := _first_difference(split, whole)) is None:
+        return
+    path, a, b = differs
+    where = ("params" if path.startswith("[0]") else "opt_state") + path[3:]
+    raise StreamError(
+        f'`stream`="layers" updates a layer at a time, exact only for an optimiser '
+        f"that updates each element from its own values (sgd, adam, adamw, lion); "
+        f"`tx` is not (it reduces across leaves or layers: clipping by global norm, "
+        f"trust ratios, factored moments). On a probe, update {t + 1}'s {where} got "
+        f"{a.ravel()[:4]} a layer at a time; expected the whole-tree {b.ravel()[:4]}: "
+        f"{_FIX}."
+    )
 
 
 def updated_by_layer(access: "OptimizerAccess", state: Any, grads: Any, **extra: Any) -> Any:
@@ -328,3 +344,88 @@ def streamed_leaves(access: "OptimizerAccess", state: Any) -> Any:
     none = jax.tree.map(lambda _: np.asarray(False), state)  # arrays: NNX's state keeps them
     marks = [[np.asarray(k == _STREAMED) for k in kinds] for kinds in (pk, ok)]
     return _with(access, none, *marks)
+
+
+# The optimiser's state made a layer at a time (`jaxga.sharding.init_offloaded`).
+_INIT = "jaxga.sharding.init_offloaded(tx)"
+_INIT_FIX = "make it whole on the device (jax.jit(tx.init)) and move it with jaxga.sharding.offload"
+
+
+def init_by_layer(tx: Any, params: Any) -> Any:
+    """``tx.init(params)`` with the state leaves that mirror a stack in host memory (a
+    parameter with a layer axis) made a layer at a time and written to host memory:
+    ``tx.init`` once over the resident leaves (each stack a stand-in with no layers), then,
+    per layer count, a ``lax.scan`` whose step ``l`` runs ``tx.init`` on the stacks' layer
+    ``l`` fetched to the device, and writes the mirrors it makes to host memory (the scan's
+    output, stacked there). `check_init` first finds ``tx.init`` exact that way.
+
+    Args:
+        tx: an optax transformation.
+        params: the parameters; stacks in host memory.
+
+    Returns:
+        ``tx.init(params)``, each stack's mirrors in host memory, the other leaves on the
+        device.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from jaxga._layerwise import init_by_layer
+        >>> stack = jax.device_put(jnp.ones((4, 3)), jax.memory.Space.Host)
+        >>> mu = jax.jit(init_by_layer, static_argnums=0)(optax.adam(0.1), {"w": stack})[0].mu
+        >>> mu["w"].tolist()[0], mu["w"].sharding.memory_kind
+        ([0.0, 0.0, 0.0], 'pinned_host')
+    """
+    if not any(map(is_streamed, jax.tree.leaves(params))):
+        return tx.init(params)
+    kinds = leaf_kinds(tx, params, jax.eval_shape(tx.init, params), who=_INIT, fix=_INIT_FIX)
+    check_init(tx, params, kinds)
+    return _split_init(tx, params, kinds)
+
+
+def _split_init(tx: Any, params: Any, kinds: Any) -> Any:
+    """`init_by_layer`'s ``tx.init(params)``, the leaves of ``kinds`` `_STREAMED` by layer."""
+    (p, treedef), (pk, ok) = jax.tree.flatten(params), kinds
+    shapes = [jnp.shape(x) for x in jax.tree.leaves(jax.eval_shape(tx.init, params))]
+    stood = [_empty(x) if k == _STREAMED else x for x, k in zip(p, pk)]
+    made, state_def = jax.tree.flatten(tx.init(jax.tree.unflatten(treedef, stood)))
+    for size in sorted({jnp.shape(x)[0] for x, k in zip(p, pk) if k == _STREAMED}):
+        mine_p = [i for i, (x, k) in enumerate(zip(p, pk)) if k == _STREAMED and x.shape[0] == size]
+        mine_o = [i for i, (s, k) in enumerate(zip(shapes, ok)) if k == _STREAMED and s[0] == size]
+        one = functools.partial(_init_layer, tx, params, mine_p=mine_p, mine_o=mine_o)
+        for i, stack in zip(mine_o, jax.lax.scan(one, None, jnp.arange(size))[1]):
+            made[i] = stack
+    return jax.tree.unflatten(state_def, made)
+
+
+def _init_layer(
+    tx: Any, params: Any, _: None, layer: jax.Array, *, mine_p: list[int], mine_o: list[int]
+) -> tuple[None, list[Any]]:
+    """A scan step of `_split_init`: ``tx.init`` of layer ``layer`` of the stacks at flat
+    indices ``mine_p`` (the other leaves stand-ins), its leaves ``mine_o`` in host memory."""
+    p, treedef = jax.tree.flatten(params)
+    one = [_empty(x) for x in p]
+    for i in mine_p:
+        one[i] = fetch_layer(p[i], layer)
+    new = jax.tree.leaves(tx.init(jax.tree.unflatten(treedef, one)))
+    return None, [jax.device_put(new[i], jax.memory.Space.Host) for i in mine_o]
+
+
+def check_init(tx: Any, params: Any, kinds: Any) -> None:
+    """Raises unless `init_by_layer` gives exactly ``tx.init``'s value on small concrete
+    probes of ``params``' structure (each leaf of its rank; 2 layers of unlike scale, size 3
+    on other axes), ``kinds`` (`leaf_kinds`) saying which leaves are stacks."""
+    with jax.ensure_compile_time_eval(), jax.disable_jit():  # op by op, scans as loops
+        probe = _probe(params, 0)
+        try:
+            split = _split_init(tx, probe, kinds)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{_INIT}: `tx.init` fails on one layer ({e}): {_INIT_FIX}.") from e
+        differs = _first_difference(split, tx.init(probe))
+    if differs is not None:
+        where, a, b = differs
+        raise StreamError(
+            f"{_INIT} makes the state a layer at a time, exact only for an optimiser whose "
+            f"state for each element is made from that element alone (sgd, adam, adamw, "
+            f"lion); `tx.init` is not: on a probe, the state's {where} got {a.ravel()[:4]} a "
+            f"layer at a time; expected the whole tree's {b.ravel()[:4]}: {_INIT_FIX}."
+        )

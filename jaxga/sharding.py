@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, meshes
+from jaxga._layerwise import init_by_layer
 from jaxga.microbatch import IndivisibleBatchError  # noqa: F401 (importable from here too)
 
 
@@ -261,13 +262,64 @@ def offload(
         moved = [m and not k for m, k in zip(moved, jax.tree.leaves(keep), strict=True)]
 
     def move(x: Any) -> Any:
-        if isinstance(x, jax.core.Tracer):
-            return jax.device_put(x, _SPACES[memory_kind])
+        if isinstance(x, jax.core.Tracer):  # moved unless its type says it is there
+            there = meshes.memory_space(x) == _SPACES[memory_kind]
+            return x if there else jax.device_put(x, _SPACES[memory_kind])
         now = getattr(x, "sharding", None)  # None: a host array or a bare shape struct
         where = (now or SingleDeviceSharding(jax.local_devices()[0])).with_memory_kind(memory_kind)
         return x if now and now.memory_kind == memory_kind else put(x, where)
 
     return jax.tree.unflatten(treedef, [move(x) if m else x for (_, x), m in zip(flat, moved)])
+
+
+def init_offloaded(tx: Any, *, select: Any = True) -> Any:
+    """``tx``, its ``init`` making the state in pinned host memory and never whole on the
+    device: ``offload(tx.init(params), select=select)``, but the state's copies of a layer
+    stack in host memory (a parameter with a leading layer axis, as
+    ``remat_scan(stream=True)`` reads; Adam's moments, a `jaxga.MultiSteps`' sums) made a
+    layer at a time on the device and written to host memory, whatever ``select`` says.
+
+    Only for an optimiser whose state for each element is made from that element alone
+    (sgd, adam, adamw, lion, ``inject_hyperparams``, `jaxga.MultiSteps` of these): ``init``
+    checks it on small probes first and raises otherwise. Made for a step built with
+    ``offload=`` the same ``select`` and ``stream="layers"`` (docs/streaming.md).
+
+    Args:
+        tx: an optax transformation; its ``update`` is kept.
+        select: which other leaves are made in host memory (`offload`'s ``select``):
+            ``True``, the whole optimiser state but a MultiSteps' accumulator; ``False``,
+            none; or a function ``(path, leaf) -> bool`` of the state's leaves.
+
+    Returns:
+        A transformation of ``tx``'s type, with the new ``init`` (jitted).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, jaxga
+        >>> stack = jax.device_put(jnp.ones((4, 3)), jax.memory.Space.Host)
+        >>> tx = jaxga.sharding.init_offloaded(optax.adam(0.1))
+        >>> tx.init({"w": stack})[0].nu["w"].sharding.memory_kind
+        'pinned_host'
+    """
+    _checks.check_optimizer(tx, "tx")
+    check_select(select, "select")
+    init = functools.partial(_init_offloaded, tx, select)
+    if hasattr(tx, "_replace"):  # a NamedTuple: optax's, a MultiSteps
+        return tx._replace(init=init)
+    return optax.GradientTransformationExtraArgs(init, tx.update)
+
+
+def _init_offloaded(tx: Any, select: Any, params: Any) -> Any:
+    """`init_offloaded`'s ``init``: the state made by layer, then offloaded, jitted."""
+
+    def made(params: Any) -> Any:
+        return offload(init_by_layer(tx, params), select=select)
+
+    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(params)]
+    mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
+    if mesh is None or isinstance(mesh, jax.sharding.AbstractMesh):  # traced; or one device
+        return jax.jit(made)(params)
+    with jax.set_mesh(mesh):  # Explicit axes type what the state makes (zeros) on the mesh
+        return jax.jit(made)(params)
 
 
 def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:

@@ -45,7 +45,8 @@ class TrainState(train_state.TrainState):
     ) -> "TrainState":
         """Returns the initial state, with copies of ``params``, ``model_state`` and ``rng``;
         with parameters in host memory (streamed stacks), ``tx.init`` jitted: the optimiser
-        state on the device, where a step keeps it unless ``offload=True``."""
+        state on the device, where a step keeps it unless ``offload=True``
+        (`jaxga.sharding.init_offloaded(tx)` makes it in host memory instead)."""
         _checks.check_optimizer(tx, "tx")
         check_arrays(params, "params")
         model_state = {} if model_state is None else model_state

@@ -454,3 +454,28 @@ def test_h100_the_resident_step_keeps_no_micro_batch_gradient_of_the_stack(devic
     print({method: round(b, 2) for method, b in per_param.items()})  # docs/streaming.md's, -s
     assert per_param["jaxga resident"] <= per_param["optax.MultiSteps"] - 2.5, per_param
     assert per_param["jaxga offload=True"] <= 10.5, per_param
+
+
+def test_h100_init_offloaded_makes_the_state_a_layer_at_a_time(device):
+    # docs/streaming.md, "The optimiser state made in host memory": compiled for the H100,
+    # `init_offloaded(tx)`'s init of a 16-layer stack in host memory returns the state in
+    # host memory and holds two layers on the device, where `jax.jit` of `tx.init` and
+    # `offload` builds the stack's copy there whole (schedule-free AdamW's `z` copies the
+    # parameters; Adam's zeros XLA writes to host memory directly either way)
+    layers, dim = 16, 1024
+    stack = jax.ShapeDtypeStruct((layers, dim, dim), jnp.float32)
+    params = gpu.on(device, {"w": stack, "head": jax.ShapeDtypeStruct((dim, 8), jnp.float32)})
+    params = biggest_model.on_host(device, params, lambda path: path[0].key == "w")
+    layer, peaks = dim * dim * 4, {}
+    for name, tx in [("adamw", optax.adamw(1e-3)), ("free", optax.contrib.schedule_free_adamw())]:
+        made = jaxga.memory_report(jax.jit(jaxga.sharding.init_offloaded(tx).init), params)
+        whole = jaxga.memory_report(jax.jit(functools.partial(_offloaded_init, tx)), params)
+        assert made.host_bytes == whole.host_bytes >= layers * layer  # the stack's copies
+        peaks[name] = made.peak_bytes / layer, whole.peak_bytes / layer
+    print(peaks)  # docs/streaming.md's, -s
+    assert peaks["free"][0] <= 2.1 and peaks["free"][1] >= layers
+    assert peaks["adamw"][0] <= 0.01 and peaks["adamw"][1] <= 0.01
+
+
+def _offloaded_init(tx, params):
+    return jaxga.sharding.offload(tx.init(params))
