@@ -228,7 +228,7 @@ def check_elementwise(
         return
     with jax.ensure_compile_time_eval(), jax.disable_jit():  # op by op, scans as loops
         params = _probe(access.params(state), 0)
-        made = on_device(access.tx.init(params))  # `init_offloaded`'s: in host memory
+        made = on_device(access.tx.init(params))  # `with_offloaded_init`'s: in host memory
         whole = split = access.rebuild(_scalars(state), params, made)
         grouped = bool(states_in(access.opt_state(split))) or "end_group" in extra
         for t in range(4):
@@ -301,8 +301,8 @@ def _check_same(split: Any, whole: Any, t: int) -> None:
         f"that updates each element from its own values (sgd, adam, adamw, lion); "
         f"`tx` is not (it reduces across leaves or layers: clipping by global norm, "
         f"trust ratios, factored moments). On a probe, update {t + 1}'s {where} got "
-        f"{a.ravel()[:4]} a layer at a time; expected the whole-tree {b.ravel()[:4]}: "
-        f"{_FIX}."
+        f"{a.ravel()[:4].tolist()} a layer at a time; expected the whole-tree "
+        f"{b.ravel()[:4].tolist()}: {_FIX}."
     )
 
 
@@ -346,8 +346,8 @@ def streamed_leaves(access: "OptimizerAccess", state: Any) -> Any:
     return _with(access, none, *marks)
 
 
-# The optimiser's state made a layer at a time (`jaxga.sharding.init_offloaded`).
-_INIT = "jaxga.sharding.init_offloaded(tx)"
+# The optimiser's state made a layer at a time (`jaxga.sharding.with_offloaded_init`).
+_INIT = "jaxga.sharding.with_offloaded_init(tx)"
 _INIT_FIX = "make it whole on the device (jax.jit(tx.init)) and move it with jaxga.sharding.offload"
 
 
@@ -388,25 +388,32 @@ def _split_init(tx: Any, params: Any, kinds: Any) -> Any:
     shapes = [jnp.shape(x) for x in jax.tree.leaves(jax.eval_shape(tx.init, params))]
     stood = [_empty(x) if k == _STREAMED else x for x, k in zip(p, pk)]
     made, state_def = jax.tree.flatten(tx.init(jax.tree.unflatten(treedef, stood)))
-    for size in sorted({jnp.shape(x)[0] for x, k in zip(p, pk) if k == _STREAMED}):
+    sizes = {jnp.shape(x)[0] for x, k in zip(p, pk) if k == _STREAMED} - {0}  # 0: made above
+    for size in sorted(sizes):
         mine_p = [i for i, (x, k) in enumerate(zip(p, pk)) if k == _STREAMED and x.shape[0] == size]
         mine_o = [i for i, (s, k) in enumerate(zip(shapes, ok)) if k == _STREAMED and s[0] == size]
-        one = functools.partial(_init_layer, tx, params, mine_p=mine_p, mine_o=mine_o)
+        one = functools.partial(
+            _init_layer, tx, params, mine_p=mine_p, mine_o=mine_o, state_def=state_def
+        )
         for i, stack in zip(mine_o, jax.lax.scan(one, None, jnp.arange(size))[1]):
             made[i] = stack
     return jax.tree.unflatten(state_def, made)
 
 
 def _init_layer(
-    tx: Any, params: Any, _: None, layer: jax.Array, *, mine_p: list[int], mine_o: list[int]
+    tx: Any, params: Any, _: None, layer: jax.Array, *, mine_p: Any, mine_o: Any, state_def: Any
 ) -> tuple[None, list[Any]]:
     """A scan step of `_split_init`: ``tx.init`` of layer ``layer`` of the stacks at flat
-    indices ``mine_p`` (the other leaves stand-ins), its leaves ``mine_o`` in host memory."""
+    indices ``mine_p`` (the other leaves stand-ins), its leaves ``mine_o`` in host memory;
+    raises if that state is not of the whole state's structure ``state_def``."""
     p, treedef = jax.tree.flatten(params)
     one = [_empty(x) for x in p]
     for i in mine_p:
         one[i] = fetch_layer(p[i], layer)
-    new = jax.tree.leaves(tx.init(jax.tree.unflatten(treedef, one)))
+    new, new_def = jax.tree.flatten(tx.init(jax.tree.unflatten(treedef, one)))
+    if new_def != state_def:  # a rule of the leaves' ranks (a mask by ndim, say)
+        got = f"a state of another structure for one layer ({new_def}) than for the stack"
+        raise ValueError(f"`tx.init` makes {got} ({state_def})")
     return None, [jax.device_put(new[i], jax.memory.Space.Host) for i in mine_o]
 
 
@@ -418,14 +425,21 @@ def check_init(tx: Any, params: Any, kinds: Any) -> None:
         probe = _probe(params, 0)
         try:
             split = _split_init(tx, probe, kinds)
+            whole = tx.init(probe)
+            if jax.tree.structure(split) != jax.tree.structure(whole):
+                got = f"{jax.tree.structure(split)}, not {jax.tree.structure(whole)}"
+                raise ValueError(f"`tx.init` makes a state of another structure: {got}")
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{_INIT}: `tx.init` fails on one layer ({e}): {_INIT_FIX}.") from e
-        differs = _first_difference(split, tx.init(probe))
+            got = f"`tx.init` fails on a stack's layers apart ({e})"
+            fix = f"{_INIT} makes the state a layer at a time; {got}: {_INIT_FIX}"
+            raise ValueError(f"{fix}.") from e
+        differs = _first_difference(split, whole)
     if differs is not None:
         where, a, b = differs
         raise StreamError(
             f"{_INIT} makes the state a layer at a time, exact only for an optimiser whose "
             f"state for each element is made from that element alone (sgd, adam, adamw, "
-            f"lion); `tx.init` is not: on a probe, the state's {where} got {a.ravel()[:4]} a "
-            f"layer at a time; expected the whole tree's {b.ravel()[:4]}: {_INIT_FIX}."
+            f"lion); `tx.init` is not: on a probe, the state's {where} got "
+            f"{a.ravel()[:4].tolist()} a layer at a time; expected the whole tree's "
+            f"{b.ravel()[:4].tolist()}: {_INIT_FIX}."
         )

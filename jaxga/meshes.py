@@ -1,6 +1,7 @@
 """Mesh facts, read in one place: axis types, Manual axes, device counts, specs over axes."""
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -182,3 +183,28 @@ def in_memory_of(where: NamedSharding, x: Any) -> NamedSharding:
 def memory_space(leaf: Any) -> Any:
     """Where ``leaf`` lives: ``jax.memory.Space.Host`` or ``Device`` (its abstract value's)."""
     return getattr(jax.typeof(leaf), "memory_space", jax.memory.Space.Device)
+
+
+def jit_on_mesh_of(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``jax.jit(fn)(tree)`` on ``tree``'s devices: under the mesh of its first leaf laid out
+    by a `NamedSharding` (`jax.set_mesh`: Explicit axes type what ``fn`` makes there), every
+    argument kept (one ``fn`` does not read still says where the outputs go); traced, as a
+    nested ``jax.jit`` (the enclosing one places it).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxga.meshes import jit_on_mesh_of
+        >>> mesh = jax.make_mesh((1,), ("data",))
+        >>> x = jax.device_put(jnp.ones(2), jax.NamedSharding(mesh, jax.P()))
+        >>> jit_on_mesh_of(jnp.zeros_like, x).sharding.mesh == mesh
+        True
+    """
+    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(tree)]
+    jitted = jax.jit(fn, keep_unused=True)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
+        return jitted(tree)
+    mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
+    if mesh is None:
+        return jitted(tree)
+    with jax.set_mesh(mesh):
+        return jitted(tree)

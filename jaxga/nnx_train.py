@@ -177,9 +177,10 @@ def _check_wrt(model: Any, optimizer: Any) -> None:
 
 
 def _check_variables(model: Any, optimizer: Any, options: steps.StepOptions) -> None:
-    """Raises unless `_check_wrt`, ``offload=True`` finds an optimiser state to offload, and
+    """Raises unless `_check_wrt`, ``offload=True`` finds an optimiser state to offload,
     ``model``'s variables lie on the device but where ``options.stream`` takes them in host
-    memory (or ``offload`` picks)."""
+    memory (or ``offload`` picks), and the optimiser's state on the device unless
+    ``offload``."""
     _check_wrt(model, optimizer)
     if options.offload is True and not jax.tree.leaves(nnx.state(optimizer.opt_state)):
         got = "an `optimizer` whose tx keeps no state (as optax.sgd)"
@@ -190,6 +191,9 @@ def _check_variables(model: Any, optimizer: Any, options: steps.StepOptions) -> 
     check_on_device(
         variables, name="model", params=None, offload=options.offload, stream=options.stream
     )
+    opt_state = nnx.as_pure(nnx.state(optimizer.opt_state))  # as a Flax step checks its own
+    name = "optimizer.opt_state"  # params="": no leaf of it a parameter
+    check_on_device(opt_state, name=name, params="", offload=options.offload)
 
 
 def _nnx_step(loss: Callable[..., Any], options: steps.StepOptions) -> Callable[..., Any]:

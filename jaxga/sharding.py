@@ -272,54 +272,67 @@ def offload(
     return jax.tree.unflatten(treedef, [move(x) if m else x for (_, x), m in zip(flat, moved)])
 
 
-def init_offloaded(tx: Any, *, select: Any = True) -> Any:
-    """``tx``, its ``init`` making the state in pinned host memory and never whole on the
-    device: ``offload(tx.init(params), select=select)``, but the state's copies of a layer
-    stack in host memory (a parameter with a leading layer axis, as
-    ``remat_scan(stream=True)`` reads; Adam's moments, a `jaxga.MultiSteps`' sums) made a
-    layer at a time on the device and written to host memory, whatever ``select`` says.
-
-    Only for an optimiser whose state for each element is made from that element alone
-    (sgd, adam, adamw, lion, ``inject_hyperparams``, `jaxga.MultiSteps` of these): ``init``
-    checks it on small probes first and raises otherwise. Made for a step built with
-    ``offload=`` the same ``select`` and ``stream="layers"`` (docs/streaming.md).
+def with_offloaded_init(tx: Any) -> Any:
+    """``tx``, its ``init`` making the optimiser state in pinned host memory, never whole on
+    the device: where a step built with ``offload=True`` keeps it (`offload`'s rule: all of
+    it but a `jaxga.MultiSteps`' sums), and the state's copies of each layer stack in host
+    memory (a parameter with a leading layer axis, as ``remat_scan(stream=True)`` reads:
+    Adam's moments, a MultiSteps' sums too) made a layer at a time on the device and
+    written there. For ``TrainState.create`` and ``nnx.Optimizer`` before a step built with
+    ``stream="layers", offload=True`` (docs/streaming.md). Wrap the outermost transformation.
 
     Args:
-        tx: an optax transformation; its ``update`` is kept.
-        select: which other leaves are made in host memory (`offload`'s ``select``):
-            ``True``, the whole optimiser state but a MultiSteps' accumulator; ``False``,
-            none; or a function ``(path, leaf) -> bool`` of the state's leaves.
+        tx: an optax transformation, whose state for each element is made from that element
+            alone (sgd, adam, adamw, lion, `jaxga.MultiSteps` of these); its ``update`` is
+            kept.
 
     Returns:
-        A transformation of ``tx``'s type, with the new ``init`` (jitted).
+        ``tx`` with the new ``init`` (jitted, on the parameters' mesh): of ``tx``'s type
+        where that is a NamedTuple (optax's and jaxga's transformations), else an
+        ``optax.GradientTransformationExtraArgs``.
+
+    Raises:
+        TypeError: ``tx`` is not an optax transformation (here); ``init``'s ``params``
+            hold a leaf that is not an array.
+        ValueError: from ``init``: a stack in host memory split over a mesh (streaming
+            takes replicated stacks), or a ``tx`` whose state made a layer at a time is
+            not ``tx.init``'s, checked on small probes first (a ``StreamError``), or fails.
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, jaxga
         >>> stack = jax.device_put(jnp.ones((4, 3)), jax.memory.Space.Host)
-        >>> tx = jaxga.sharding.init_offloaded(optax.adam(0.1))
+        >>> tx = jaxga.sharding.with_offloaded_init(optax.adam(0.1))
         >>> tx.init({"w": stack})[0].nu["w"].sharding.memory_kind
         'pinned_host'
     """
     _checks.check_optimizer(tx, "tx")
-    check_select(select, "select")
-    init = functools.partial(_init_offloaded, tx, select)
+    init = functools.partial(_offloaded_init, tx)
     if hasattr(tx, "_replace"):  # a NamedTuple: optax's, a MultiSteps
         return tx._replace(init=init)
     return optax.GradientTransformationExtraArgs(init, tx.update)
 
 
-def _init_offloaded(tx: Any, select: Any, params: Any) -> Any:
-    """`init_offloaded`'s ``init``: the state made by layer, then offloaded, jitted."""
+def _offloaded_init(tx: Any, params: Any) -> Any:
+    """`with_offloaded_init`'s ``init``: the state made by layer, then offloaded."""
+    _checks.array_leaves(params, "params", "`{where}` is {got}; expected {expected}.")
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if meshes.memory_space(x) != jax.memory.Space.Host:
+            continue
+        if isinstance(x, jax.core.Tracer):  # its type says how Explicit axes split it
+            split, spec = any(a is not None for a in meshes.type_spec(x)), meshes.type_spec(x)
+        else:
+            split, spec = not x.sharding.is_fully_replicated, getattr(x.sharding, "spec", P())
+        if split:
+            raise ValueError(
+                f"`params`{jax.tree_util.keystr(path)}, a stack in host memory, is split over "
+                f"the mesh by {spec}; expected it replicated, P() (streaming keeps a copy on "
+                "every device)."
+            )
 
     def made(params: Any) -> Any:
-        return offload(init_by_layer(tx, params), select=select)
+        return offload(init_by_layer(tx, params))
 
-    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(params)]
-    mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
-    if mesh is None or isinstance(mesh, jax.sharding.AbstractMesh):  # traced; or one device
-        return jax.jit(made)(params)
-    with jax.set_mesh(mesh):  # Explicit axes type what the state makes (zeros) on the mesh
-        return jax.jit(made)(params)
+    return meshes.jit_on_mesh_of(made, params)
 
 
 def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:

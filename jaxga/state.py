@@ -1,6 +1,7 @@
 """The train state: Flax's ``TrainState`` with model state and a key, checked and read."""
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -46,7 +47,7 @@ class TrainState(train_state.TrainState):
         """Returns the initial state, with copies of ``params``, ``model_state`` and ``rng``;
         with parameters in host memory (streamed stacks), ``tx.init`` jitted: the optimiser
         state on the device, where a step keeps it unless ``offload=True``
-        (`jaxga.sharding.init_offloaded(tx)` makes it in host memory instead)."""
+        (`jaxga.sharding.with_offloaded_init(tx)` makes it in host memory instead)."""
         _checks.check_optimizer(tx, "tx")
         check_arrays(params, "params")
         model_state = {} if model_state is None else model_state
@@ -56,7 +57,8 @@ class TrainState(train_state.TrainState):
         # stacks: an eager zeros_like cannot make host arrays), the state made on the device
         init = tx
         if any(meshes.memory_space(x) == jax.memory.Space.Host for x in jax.tree.leaves(params)):
-            init = optax.GradientTransformation(jax.jit(tx.init), tx.update)
+            jitted = functools.partial(meshes.jit_on_mesh_of, tx.init)  # on params' mesh
+            init = optax.GradientTransformation(jitted, tx.update)
         state = super().create(
             apply_fn=apply_fn, params=params, tx=init, model_state=model_state, rng=rng, **kwargs
         )

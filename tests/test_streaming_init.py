@@ -1,4 +1,4 @@
-"""`jaxga.sharding.init_offloaded(tx)`: the optimiser state made in pinned host memory, the
+"""`jaxga.sharding.with_offloaded_init(tx)`: the optimiser state made in pinned host memory, the
 copies of a layer stack in host memory made a layer at a time, never whole on the device;
 equal to `tx.init` bit for bit, and a state so made trains as one made on the device."""
 
@@ -40,21 +40,22 @@ def stack_paths(tree):
     return ["['layers']" in jax.tree_util.keystr(path) for path, _ in paths]
 
 
-@pytest.mark.parametrize("select", [True, False])
 @pytest.mark.parametrize("name", sorted(INITS))
-def test_the_state_made_by_layer_is_txs_init_bit_for_bit(name, select):
+def test_the_state_made_by_layer_is_txs_init_bit_for_bit(name):
     tx = INITS[name]()
-    state = jaxga.sharding.init_offloaded(tx, select=select).init(host_params())
+    state = jaxga.sharding.with_offloaded_init(tx).init(host_params())
     want = tx.init(model_params())
     assert_equal(state, want)
     # each copy of the stack in host memory; the other leaves where `offload` puts them
-    moved = jaxga.sharding.offload(want, select=select)
+    moved = jaxga.sharding.offload(want)
     expected = [
         "pinned_host" if stack else x.sharding.memory_kind
         for stack, x in zip(stack_paths(want), jax.tree.leaves(moved))
     ]
     assert [x.sharding.memory_kind for x in jax.tree.leaves(state)] == expected
     assert any(stack_paths(want))
+    if name == "multisteps":  # its sums, which `offload` leaves on the device
+        assert "device" in expected
 
 
 def test_the_state_is_made_a_layer_at_a_time():
@@ -62,7 +63,7 @@ def test_the_state_is_made_a_layer_at_a_time():
     on the device, none of a stack's shape) and the compiled one (the moments of the stack
     host-memory results, ``S(5)``; its temporaries under a quarter of one stack)."""
     params = {"w": jax.device_put(jnp.ones((16, 64, 64)), HOST), "head": jnp.ones((64, 3))}
-    init = jax.jit(jaxga.sharding.init_offloaded(optax.adam(0.1)).init)
+    init = jax.jit(jaxga.sharding.with_offloaded_init(optax.adam(0.1)).init)
     moves = {shape for shape, _ in _device_puts(jax.make_jaxpr(init)(params).jaxpr)}
     assert (64, 64) in moves and (16, 64, 64) not in moves, moves
     compiled = init.lower(params).compile()
@@ -74,12 +75,12 @@ def test_the_state_is_made_a_layer_at_a_time():
 @pytest.mark.parametrize("name", ["adamw", "multisteps"])
 def test_a_state_made_in_host_memory_trains_as_one_made_on_the_device(name):
     """Three steps with `stream="layers"` and `offload=True` from a state made by
-    `init_offloaded`, and from one made on the device with its stack moved after:
+    `with_offloaded_init`, and from one made on the device with its stack moved after:
     equal bit for bit; the copies of the stack stay in host memory."""
     tx = OPTIMIZERS[name]()
     loss = functools.partial(step_loss, stream=True, policy="full")
     step = jaxga.make_train_step(loss, 4, stream="layers", offload=True)
-    made = jaxga.TrainState.create(params=host_params(), tx=jaxga.sharding.init_offloaded(tx))
+    made = jaxga.TrainState.create(params=host_params(), tx=jaxga.sharding.with_offloaded_init(tx))
     moved = jaxga.TrainState.create(params=model_params(), tx=tx)
     moved = moved.replace(params=host_params())
     with jax.default_matmul_precision("highest"):
@@ -93,12 +94,12 @@ def test_a_state_made_in_host_memory_trains_as_one_made_on_the_device(name):
 
 def test_an_nnx_optimizer_is_made_in_host_memory_and_trains_as_one_made_on_the_device():
     """`nnx.Optimizer` runs `tx.init` eagerly, which JAX refuses on parameters in host
-    memory; with `init_offloaded(tx)` it makes the moments there, and trains as the
+    memory; with `with_offloaded_init(tx)` it makes the moments there, and trains as the
     optimizer made before the blocks moved, bit for bit."""
     model = test_streaming_nnx.Stack(nnx.Rngs(0), stream=True)
     nnx.update(model.blocks, jax.device_put(nnx.state(model.blocks), HOST))
     tx = test_streaming_nnx.optimizer()
-    opt = nnx.Optimizer(model, jaxga.sharding.init_offloaded(tx), wrt=nnx.Param)
+    opt = nnx.Optimizer(model, jaxga.sharding.with_offloaded_init(tx), wrt=nnx.Param)
     assert kinds(nnx.as_pure(opt.opt_state)) == {"pinned_host"}
     made, moved = (model, opt), test_streaming_nnx.model_and_optimizer("layers")
     step = jaxga.nnx_train_step(nnx_loss, 4, stream="layers", offload=True)
@@ -110,20 +111,66 @@ def test_an_nnx_optimizer_is_made_in_host_memory_and_trains_as_one_made_on_the_d
     assert kinds(test_streaming_nnx.moments(nnx.as_pure(opt.opt_state))) == {"pinned_host"}
 
 
+@pytest.mark.parametrize("kind", ["flax", "nnx"])
+def test_both_steps_name_a_state_in_host_memory_without_offload(kind):
+    """The state `with_offloaded_init` makes needs `offload=True`: both steps say so."""
+    tx = jaxga.sharding.with_offloaded_init(OPTIMIZERS["adamw"]())
+    if kind == "flax":
+        state = jaxga.TrainState.create(params=host_params(), tx=tx)
+        loss = functools.partial(step_loss, stream=True, policy="full")
+        args = jaxga.make_train_step(loss, 2, stream="layers"), (state,)
+        where = r"`state`.opt_state\[0\]"
+    else:
+        model = test_streaming_nnx.Stack(nnx.Rngs(0), stream=True)
+        nnx.update(model.blocks, jax.device_put(nnx.state(model.blocks), HOST))
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        args = jaxga.nnx_train_step(nnx_loss, 2, stream="layers"), (model, opt)
+        where = r"`optimizer.opt_state`\[0\]"
+    step, state = args
+    with pytest.raises(ValueError, match=where + r".* is in host memory .*: pass offload=True"):
+        step(*state, batch_of(0))
+
+
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_the_state_of_a_stack_replicated_on_a_mesh_is_made_on_every_device(axis_type):
+    """Through `TrainState.create` (which jits `init`) as through `init` itself."""
     mesh = jax.make_mesh((8,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
     replicated = jax.NamedSharding(mesh, jax.P(), memory_kind="pinned_host")
     params = jax.device_put(host_params(), replicated)
-    state = jaxga.sharding.init_offloaded(optimizer_of("adamw")).init(params)
-    assert_equal(state, optimizer_of("adamw").init(model_params()))
-    for x in jax.tree.leaves(state):
-        assert x.sharding.memory_kind == "pinned_host" and x.sharding.mesh == mesh
-        assert x.sharding.is_fully_replicated
+    tx = jaxga.sharding.with_offloaded_init(OPTIMIZERS["adamw"]())
+    made = jaxga.TrainState.create(params=params, tx=tx).opt_state
+    for state in (tx.init(params), made):
+        assert_equal(state, OPTIMIZERS["adamw"]().init(model_params()))
+        for x in jax.tree.leaves(state):
+            assert x.sharding.memory_kind == "pinned_host" and x.sharding.mesh == mesh
+            assert x.sharding.is_fully_replicated
+    # a plain `tx`: `create` makes its state on the mesh's devices (it failed on Explicit
+    # axes and made it on one device on Auto ones)
+    plain = jaxga.TrainState.create(params=params, tx=OPTIMIZERS["adamw"]()).opt_state
+    for x in jax.tree.leaves(plain):
+        assert x.sharding.memory_kind == "device" and x.sharding.mesh == mesh
 
 
-def optimizer_of(name):
-    return OPTIMIZERS[name]()
+def test_with_offloaded_init_refuses_a_stack_split_over_a_mesh():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    params = jax.device_put(
+        host_params(), jax.NamedSharding(mesh, jax.P(), memory_kind="pinned_host")
+    )
+    split = jax.NamedSharding(mesh, jax.P(None, "data"), memory_kind="pinned_host")
+    params["layers"]["w"] = jax.device_put(params["layers"]["w"], split)
+    message = (
+        r"`params`\['layers'\]\['w'\], a stack in host memory, is split over the mesh by "
+        r"(P|PartitionSpec)\(None, 'data'\); expected it replicated, P\(\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        jaxga.sharding.with_offloaded_init(optax.adam(0.1)).init(params)
+
+
+def test_a_stack_of_no_layers_is_made_as_tx_init_makes_it():
+    params = {"w": jax.device_put(jnp.ones((0, 3)), HOST), "h": jnp.ones(2)}
+    state = jaxga.sharding.with_offloaded_init(optax.adam(0.1)).init(params)
+    assert_equal(state, optax.adam(0.1).init(jax.device_put(params, ON_DEVICE)))
+    assert kinds(state) == {"pinned_host"}
 
 
 def _centred(params):
@@ -136,33 +183,45 @@ def _centred(params):
     [
         (
             optax.GradientTransformation(_centred, optax.identity().update),
-            r"jaxga.sharding.init_offloaded\(tx\) makes the state a layer at a time, exact "
+            r"jaxga.sharding.with_offloaded_init\(tx\) makes the state a layer at a time, exact "
             r"only .* `tx.init` is not: on a probe, the state's \['layers'\]\['b'\] got .* "
             r"expected the whole tree's .*: make it whole on the device",
         ),
         (
             optax.adafactor(1e-3),
-            r"jaxga.sharding.init_offloaded\(tx\): optax.tree_utils.tree_map_params cannot "
+            r"jaxga.sharding.with_offloaded_init\(tx\): optax.tree_utils.tree_map_params cannot "
             r"find the copies .* expected an optimiser whose state holds parameter-shaped",
         ),
     ],
     ids=["cross_layer", "factored"],
 )
-def test_init_offloaded_refuses_a_state_not_made_element_by_element(tx, message):
+def test_with_offloaded_init_refuses_a_state_not_made_element_by_element(tx, message):
     with pytest.raises(ValueError, match=message):
-        jaxga.sharding.init_offloaded(tx).init(host_params())
+        jaxga.sharding.with_offloaded_init(tx).init(host_params())
     on_device = jax.device_put(host_params(), ON_DEVICE)  # nothing to make by layer: offloaded
-    assert kinds(jaxga.sharding.init_offloaded(tx).init(on_device)) == {"pinned_host"}
+    assert kinds(jaxga.sharding.with_offloaded_init(tx).init(on_device)) == {"pinned_host"}
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        ((3,), r"`tx` must be an optax GradientTransformation .* got 3"),
-        ((optax.adam(0.1), "yes"), r"`select` must be a bool or a function of \(path, leaf\)"),
-    ],
-)
-def test_init_offloaded_names_a_bad_argument(args, message):
-    tx, *select = args
+def test_with_offloaded_init_refuses_a_state_whose_structure_follows_the_ranks():
+    """A mask by rank: one layer of a stack (an axis fewer) gets another state's structure."""
+    tx = optax.masked(optax.adam(0.1), lambda ps: jax.tree.map(lambda x: x.ndim > 1, ps))
+    params = {
+        "w": jax.device_put(jnp.ones((4, 6)), HOST),
+        "b": jax.device_put(jnp.ones((4, 3)), HOST),
+    }
+    message = (
+        r"with_offloaded_init\(tx\) makes the state a layer at a time; `tx.init` fails on a "
+        r"stack's layers apart \(`tx.init` makes a state of another structure for one "
+        r"layer .*\): make it whole on the device"
+    )
+    with pytest.raises(ValueError, match=message):
+        jaxga.sharding.with_offloaded_init(tx).init(params)
+
+
+def test_with_offloaded_init_names_a_bad_argument():
+    with pytest.raises(TypeError, match=r"`tx` must be an optax GradientTransformation .* got 3"):
+        jaxga.sharding.with_offloaded_init(3)
+    init = jaxga.sharding.with_offloaded_init(optax.adam(0.1)).init
+    message = r"`params\['w'\]` is 'hello' of type str; expected an array or a number"
     with pytest.raises(TypeError, match=message):
-        jaxga.sharding.init_offloaded(tx, **dict(zip(["select"], select)))
+        init({"w": "hello"})

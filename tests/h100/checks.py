@@ -456,9 +456,9 @@ def test_h100_the_resident_step_keeps_no_micro_batch_gradient_of_the_stack(devic
     assert per_param["jaxga offload=True"] <= 10.5, per_param
 
 
-def test_h100_init_offloaded_makes_the_state_a_layer_at_a_time(device):
+def test_h100_with_offloaded_init_makes_the_state_a_layer_at_a_time(device):
     # docs/streaming.md, "The optimiser state made in host memory": compiled for the H100,
-    # `init_offloaded(tx)`'s init of a 16-layer stack in host memory returns the state in
+    # `with_offloaded_init(tx)`'s init of a 16-layer stack in host memory returns the state in
     # host memory and holds two layers on the device, where `jax.jit` of `tx.init` and
     # `offload` builds the stack's copy there whole (schedule-free AdamW's `z` copies the
     # parameters; Adam's zeros XLA writes to host memory directly either way)
@@ -468,7 +468,7 @@ def test_h100_init_offloaded_makes_the_state_a_layer_at_a_time(device):
     params = biggest_model.on_host(device, params, lambda path: path[0].key == "w")
     layer, peaks = dim * dim * 4, {}
     for name, tx in [("adamw", optax.adamw(1e-3)), ("free", optax.contrib.schedule_free_adamw())]:
-        made = jaxga.memory_report(jax.jit(jaxga.sharding.init_offloaded(tx).init), params)
+        made = jaxga.memory_report(jax.jit(jaxga.sharding.with_offloaded_init(tx).init), params)
         whole = jaxga.memory_report(jax.jit(functools.partial(_offloaded_init, tx)), params)
         assert made.host_bytes == whole.host_bytes >= layers * layer  # the stack's copies
         peaks[name] = made.peak_bytes / layer, whole.peak_bytes / layer
