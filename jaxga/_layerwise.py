@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxga._streaming import fetch_layer, is_streamed, on_device, write_layer
+from jaxga._streaming import fetch_layer, is_streamed, made_by_layer, on_device, write_layer
 from jaxga.multistep import states_in
 
 if TYPE_CHECKING:
@@ -395,17 +395,17 @@ def _split_init(tx: Any, params: Any, kinds: Any) -> Any:
         one = functools.partial(
             _init_layer, tx, params, mine_p=mine_p, mine_o=mine_o, state_def=state_def
         )
-        for i, stack in zip(mine_o, jax.lax.scan(one, None, jnp.arange(size))[1]):
+        for i, stack in zip(mine_o, made_by_layer(one, jnp.arange(size))):
             made[i] = stack
     return jax.tree.unflatten(state_def, made)
 
 
 def _init_layer(
-    tx: Any, params: Any, _: None, layer: jax.Array, *, mine_p: Any, mine_o: Any, state_def: Any
-) -> tuple[None, list[Any]]:
-    """A scan step of `_split_init`: ``tx.init`` of layer ``layer`` of the stacks at flat
-    indices ``mine_p`` (the other leaves stand-ins), its leaves ``mine_o`` in host memory;
-    raises if that state is not of the whole state's structure ``state_def``."""
+    tx: Any, params: Any, layer: jax.Array, *, mine_p: Any, mine_o: Any, state_def: Any
+) -> list[Any]:
+    """`_split_init`'s state of one layer: ``tx.init`` of layer ``layer`` of the stacks at
+    flat indices ``mine_p`` (the other leaves stand-ins), its leaves ``mine_o``; raises if
+    that state is not of the whole state's structure ``state_def``."""
     p, treedef = jax.tree.flatten(params)
     one = [_empty(x) for x in p]
     for i in mine_p:
@@ -414,7 +414,7 @@ def _init_layer(
     if new_def != state_def:  # a rule of the leaves' ranks (a mask by ndim, say)
         got = f"a state of another structure for one layer ({new_def}) than for the stack"
         raise ValueError(f"`tx.init` makes {got} ({state_def})")
-    return None, [jax.device_put(new[i], jax.memory.Space.Host) for i in mine_o]
+    return [new[i] for i in mine_o]
 
 
 def check_init(tx: Any, params: Any, kinds: Any) -> None:

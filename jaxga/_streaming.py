@@ -74,13 +74,32 @@ def zeros_placed_like(tree: Any, homes: Any) -> Any:
     def put(leaf: Any, home: Any) -> Any:
         if not is_streamed(home):
             return placed_like(leaf, home)
-
-        def body(_: None, __: None) -> tuple[None, jax.Array]:
-            return None, jax.device_put(jnp.zeros(leaf.shape[1:], leaf.dtype), _HOST)
-
-        return jax.lax.scan(body, None, length=leaf.shape[0])[1]
+        zeros = functools.partial(_zeros, leaf.shape[1:], leaf.dtype)
+        return made_by_layer(zeros, jnp.arange(leaf.shape[0]))
 
     return jax.tree.map(put, tree, homes)
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any, _: Any) -> jax.Array:
+    return jnp.zeros(shape, dtype)
+
+
+def made_by_layer(fn: Callable[[Any], Any], xs: Any) -> Any:
+    """``fn(x)`` for each slice ``x`` of ``xs``' leading axis, made on the device and written
+    to host memory, stacked there: a ``lax.scan``'s output (the stack never on the device).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxga._streaming import made_by_layer
+        >>> stack = jax.jit(made_by_layer, static_argnums=0)(jnp.square, jnp.arange(3.0))
+        >>> stack.tolist(), stack.sharding.memory_kind
+        ([0.0, 1.0, 4.0], 'pinned_host')
+    """
+
+    def body(_: None, x: Any) -> tuple[None, Any]:
+        return None, jax.device_put(fn(x), _HOST)
+
+    return jax.lax.scan(body, None, xs)[1]
 
 
 def fetch_layer(stacked: Any, index: Any) -> Any:
@@ -452,15 +471,16 @@ def layerwise(fn: Callable[..., Any], home: Any, *others: Any) -> Any:
         def written(stack: Any, index: jax.Array) -> tuple[Any, None]:  # over ``leaf``
             return write_layer(stack, fn(*fetch_layer((stack, *rest), index)), index), None
 
-        def stacked(_: None, slices: tuple[Any, ...]) -> tuple[None, Any]:  # a new stack
-            return None, jax.device_put(fn(*on_device(slices)), _HOST)
-
         layer = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (leaf, *rest)]
         if jax.eval_shape(fn, *layer).dtype == leaf.dtype:  # in place, a layer at a time
             return jax.lax.scan(written, leaf, jnp.arange(leaf.shape[0]))[0]
-        return jax.lax.scan(stacked, None, (leaf, *rest))[1]
+        return made_by_layer(functools.partial(_fetched, fn), (leaf, *rest))  # a new stack
 
     return jax.tree.map(one, home, *others)
+
+
+def _fetched(fn: Callable[..., Any], slices: tuple[Any, ...]) -> Any:
+    return fn(*on_device(slices))
 
 
 def psum_by_layer(stacks: list[jax.Array], axes: Any) -> list[jax.Array]:

@@ -1,6 +1,7 @@
 """Train states and batches on a mesh: layouts (ZeRO-1, FSDP...); the loop is the engine's."""
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -13,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, meshes
 from jaxga._layerwise import init_by_layer
+from jaxga._streaming import made_by_layer
 from jaxga.microbatch import IndivisibleBatchError  # noqa: F401 (importable from here too)
 
 
@@ -333,6 +335,44 @@ def _offloaded_init(tx: Any, params: Any) -> Any:
         return offload(init_by_layer(tx, params))
 
     return meshes.jit_on_mesh_of(made, params)
+
+
+def stacked_on_host(init_layer: Callable[[Any], Any], keys: Any) -> Any:
+    """The layer stack ``jax.vmap(init_layer)(keys)``, made a layer at a time on the device
+    and each layer written to pinned host memory (a ``lax.scan``, jitted on ``keys``' mesh):
+    the parameters of a stack that fits only in host memory, for
+    ``remat_scan(stream=True)``; never whole on the device.
+
+    Args:
+        init_layer: ``key -> a layer's parameters`` (a pytree of arrays), as ``Dense.init``
+            or an Equinox layer's arrays make them.
+        keys: one input a layer, on a leading axis: PRNG keys (``jax.random.split(key, L)``)
+            or a pytree of arrays; on a mesh, replicated (each device's host memory gets the
+            stack).
+
+    Returns:
+        ``init_layer``'s pytree, each leaf with a leading axis of ``len(keys)`` layers, in
+        pinned host memory.
+
+    Raises:
+        TypeError: ``init_layer`` is not callable, or ``keys`` holds a leaf that is not an
+            array (or holds none, or scalars).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> def layer(key):
+        ...     return {"w": jax.random.normal(key, (16, 16)) / 4, "b": jnp.zeros(16)}
+        >>> stack = jaxga.sharding.stacked_on_host(layer, jax.random.split(jax.random.key(0), 8))
+        >>> stack["w"].shape, stack["w"].sharding.memory_kind
+        ((8, 16, 16), 'pinned_host')
+    """
+    if not callable(init_layer):
+        raise TypeError(f"`init_layer` must be a function of a key; got {init_layer!r:.60}.")
+    leaves = _checks.array_leaves(keys, "keys", "`{where}` is {got}; expected {expected}.")
+    if not leaves or any(not jnp.ndim(x) for _, x in leaves):
+        got = [jnp.shape(x) for _, x in leaves]
+        raise TypeError(f"`keys` must hold arrays with a leading layer axis; got shapes {got}.")
+    return meshes.jit_on_mesh_of(functools.partial(made_by_layer, init_layer), keys)
 
 
 def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:

@@ -1,9 +1,12 @@
 """`jaxga.sharding.with_offloaded_init(tx)`: the optimiser state made in pinned host memory, the
 copies of a layer stack in host memory made a layer at a time, never whole on the device;
-equal to `tx.init` bit for bit, and a state so made trains as one made on the device."""
+equal to `tx.init` bit for bit, and a state so made trains as one made on the device. And
+`jaxga.sharding.stacked_on_host`: a stack's parameters made there a layer at a time."""
 
 import functools
 
+import equinox
+import flax.linen
 import jax
 import jax.numpy as jnp
 import optax
@@ -225,3 +228,78 @@ def test_with_offloaded_init_names_a_bad_argument():
     message = r"`params\['w'\]` is 'hello' of type str; expected an array or a number"
     with pytest.raises(TypeError, match=message):
         init({"w": "hello"})
+
+
+# `jaxga.sharding.stacked_on_host`: a stack's parameters made in host memory, by layer.
+
+
+def _random_layer(key):
+    k1, k2 = jax.random.split(key)
+    return {
+        "w": jax.random.normal(k1, (16, 16)) / 4,
+        "u": jax.random.uniform(k2, (3,), jnp.bfloat16),
+        "b": jnp.zeros(16),
+    }
+
+
+def _dense_layer(key):
+    return flax.linen.Dense(16).init(key, jnp.ones((1, 16)))["params"]
+
+
+def _equinox_layer(key):
+    return equinox.filter(equinox.nn.Linear(16, 16, key=key), equinox.is_array)
+
+
+@pytest.mark.parametrize("layer", [_random_layer, _dense_layer, _equinox_layer])
+def test_stacked_on_host_is_vmap_bit_for_bit_in_host_memory(layer):
+    keys = jax.random.split(jax.random.key(3), 6)
+    stack = jaxga.sharding.stacked_on_host(layer, keys)
+    assert_equal(stack, jax.vmap(layer)(keys))
+    assert kinds(stack) == {"pinned_host"}
+    assert {x.shape[0] for x in jax.tree.leaves(stack)} == {6}
+
+
+def test_stacked_on_host_makes_a_layer_at_a_time():
+    """Traced, every move between memories is one layer's; compiled, the stack is a
+    host-memory result (``S(5)``). (The device peak: tests/h100/checks.py.)"""
+    keys = jax.random.split(jax.random.key(0), 16)
+    made = jax.jit(jaxga.sharding.stacked_on_host, static_argnums=0)
+    moves = {
+        shape
+        for shape, _ in _device_puts(
+            jax.make_jaxpr(made, static_argnums=0)(_random_layer, keys).jaxpr
+        )
+    }
+    assert moves == {(16, 16), (3,), (16,)}, moves
+    compiled = made.lower(_random_layer, keys).compile()
+    assert "f32[16,16,16]{2,1,0:S(5)}" in compiled.as_text().splitlines()[0].split("->")[1]
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_stacked_on_host_on_a_mesh_gives_every_device_the_stack(axis_type):
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+    keys = jax.random.split(jax.random.key(3), 4)
+    stack = jaxga.sharding.stacked_on_host(
+        _random_layer, jax.device_put(keys, jax.NamedSharding(mesh, jax.P()))
+    )
+    assert_equal(stack, jax.vmap(_random_layer)(keys))
+    for x in jax.tree.leaves(stack):
+        assert x.sharding.memory_kind == "pinned_host" and x.sharding.mesh == mesh
+        assert x.sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((3, jnp.zeros(2)), r"`init_layer` must be a function of a key; got 3"),
+        ((_random_layer, "k"), r"`keys` is 'k' of type str; expected a pytree of arrays"),
+        (
+            (_random_layer, jax.random.key(0)),
+            r"`keys` must hold arrays with a leading layer axis; got shapes \[\(\)\]",
+        ),
+    ],
+    ids=["not_a_function", "not_an_array", "no_layer_axis"],
+)
+def test_stacked_on_host_names_a_bad_argument(args, message):
+    with pytest.raises(TypeError, match=message):
+        jaxga.sharding.stacked_on_host(*args)

@@ -479,3 +479,27 @@ def test_h100_with_offloaded_init_makes_the_state_a_layer_at_a_time(device):
 
 def _offloaded_init(tx, params):
     return jaxga.sharding.offload(tx.init(params))
+
+
+def test_h100_stacked_on_host_makes_the_parameters_a_layer_at_a_time(device):
+    # docs/streaming.md, "The parameters made in host memory": compiled for the H100,
+    # `stacked_on_host` of 16 layers of 1024 x 1024 float32 weights holds one layer on the
+    # device and returns the stack in host memory, where `jax.jit` of `jax.vmap(init)`
+    # followed by a move to host memory makes the whole stack on the device first
+    layers, dim = 16, 1024
+
+    def layer(key):
+        return {"w": jax.random.normal(key, (dim, dim)) / 32, "b": jnp.zeros(dim)}
+
+    keys = gpu.on(device, jax.random.split(jax.random.key(0), layers))
+    made = jax.jit(jaxga.sharding.stacked_on_host, static_argnums=0)
+    made = jaxga.memory_report(made, layer, keys)
+    whole = jaxga.memory_report(jax.jit(functools.partial(_vmapped_to_host, layer)), keys)
+    size = dim * dim * 4
+    print(made.peak_bytes / size, whole.peak_bytes / size)  # docs/streaming.md's, -s
+    assert made.host_bytes == whole.host_bytes >= layers * size
+    assert made.peak_bytes <= 1.1 * size and whole.peak_bytes >= layers * size
+
+
+def _vmapped_to_host(layer, keys):
+    return jax.device_put(jax.vmap(layer)(keys), jax.memory.Space.Host)
