@@ -19,6 +19,8 @@ from tests.test_streaming import (
     HOST,
     ON_DEVICE,
     OPTIMIZERS,
+    Block,
+    Stack,
     _device_puts,
     assert_equal,
     batch_of,
@@ -99,7 +101,7 @@ def test_an_nnx_optimizer_is_made_in_host_memory_and_trains_as_one_made_on_the_d
     """`nnx.Optimizer` runs `tx.init` eagerly, which JAX refuses on parameters in host
     memory; with `with_offloaded_init(tx)` it makes the moments there, and trains as the
     optimizer made before the blocks moved, bit for bit."""
-    model = test_streaming_nnx.Stack(nnx.Rngs(0), stream=True)
+    model = Stack(nnx.Rngs(0), stream=True)
     nnx.update(model.blocks, jax.device_put(nnx.state(model.blocks), HOST))
     tx = test_streaming_nnx.optimizer()
     opt = nnx.Optimizer(model, jaxga.sharding.with_offloaded_init(tx), wrt=nnx.Param)
@@ -124,7 +126,7 @@ def test_both_steps_name_a_state_in_host_memory_without_offload(kind):
         args = jaxga.make_train_step(loss, 2, stream="layers"), (state,)
         where = r"`state`.opt_state\[0\]"
     else:
-        model = test_streaming_nnx.Stack(nnx.Rngs(0), stream=True)
+        model = Stack(nnx.Rngs(0), stream=True)
         nnx.update(model.blocks, jax.device_put(nnx.state(model.blocks), HOST))
         opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
         args = jaxga.nnx_train_step(nnx_loss, 2, stream="layers"), (model, opt)
@@ -303,3 +305,37 @@ def test_stacked_on_host_on_a_mesh_gives_every_device_the_stack(axis_type):
 def test_stacked_on_host_names_a_bad_argument(args, message):
     with pytest.raises(TypeError, match=message):
         jaxga.sharding.stacked_on_host(*args)
+
+
+def _block_state(key):
+    """One NNX block's variables (`nnx.state`), made from a key."""
+    return nnx.state(Block(nnx.Rngs(key)))
+
+
+def _nnx_model(blocks):
+    """The test NNX model with no arrays made (`nnx.eval_shape`), given these ``blocks``'
+    variables and a head."""
+    model = nnx.eval_shape(lambda: Stack(nnx.Rngs(0), stream=True))
+    nnx.update(model.blocks, blocks)
+    nnx.update(model.head, nnx.state(nnx.Linear(8, 11, rngs=nnx.Rngs(1))))
+    return model
+
+
+def test_an_nnx_model_made_in_host_memory_trains_as_one_whose_blocks_moved_there():
+    """docs/streaming.md's NNX recipe: an `nnx.eval_shape`'d model given blocks made by
+    `stacked_on_host` and an optimizer by `with_offloaded_init`, never whole on the device,
+    trains as the same model made on the device and moved, bit for bit."""
+    keys = jax.random.split(jax.random.key(5), 4)
+    made = _nnx_model(jaxga.sharding.stacked_on_host(_block_state, keys))
+    assert kinds(nnx.state(made.blocks)) == {"pinned_host"}
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(nnx.state(made)))
+    moved = _nnx_model(jax.vmap(_block_state)(keys))
+    nnx.update(moved.blocks, jax.device_put(nnx.state(moved.blocks), HOST))
+    tx = jaxga.sharding.with_offloaded_init(test_streaming_nnx.optimizer())
+    models = [(m, nnx.Optimizer(m, tx, wrt=nnx.Param)) for m in (made, moved)]
+    step = jaxga.nnx_train_step(nnx_loss, 4, stream="layers", offload=True)
+    with jax.default_matmul_precision("highest"):
+        for i in range(2):
+            got, want = (step(*m, batch_of(i)) for m in models)
+    states = [(nnx.state(m), nnx.as_pure(o.opt_state)) for m, o in models]
+    assert_equal((*states[0], got), (*states[1], want))
