@@ -424,8 +424,12 @@ def check_init(tx: Any, params: Any, kinds: Any) -> None:
     with jax.ensure_compile_time_eval(), jax.disable_jit():  # op by op, scans as loops
         probe = _probe(params, 0)
         try:
-            split = _split_init(tx, probe, kinds)
             whole = tx.init(probe)
+        except (TypeError, ValueError) as e:
+            got = f"`tx.init` fails on its probes (2 layers, size 3 on other axes: {e})"
+            raise ValueError(f"{_INIT} checks {got}: {_INIT_FIX}.") from e
+        try:
+            split = _split_init(tx, probe, kinds)
             if jax.tree.structure(split) != jax.tree.structure(whole):
                 got = f"{jax.tree.structure(split)}, not {jax.tree.structure(whole)}"
                 raise ValueError(f"`tx.init` makes a state of another structure: {got}")

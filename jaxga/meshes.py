@@ -185,26 +185,32 @@ def memory_space(leaf: Any) -> Any:
     return getattr(jax.typeof(leaf), "memory_space", jax.memory.Space.Device)
 
 
-def jit_on_mesh_of(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """``jax.jit(fn)(tree)`` on ``tree``'s devices: under the mesh of its first leaf laid out
-    by a `NamedSharding` (`jax.set_mesh`: Explicit axes type what ``fn`` makes there), every
+def jit_on_mesh_of(fn: Callable[[Any], Any], tree: Any, name: str) -> Any:
+    """``jax.jit(fn)(tree)`` on ``tree``'s devices: under the mesh its leaves laid out by a
+    `NamedSharding` share (`jax.set_mesh`: Explicit axes type what ``fn`` makes there), every
     argument kept (one ``fn`` does not read still says where the outputs go); traced, as a
-    nested ``jax.jit`` (the enclosing one places it).
+    nested ``jax.jit`` (the enclosing one places it). Raises, naming the argument ``name``,
+    if its leaves lie on two meshes. On Auto axes XLA lays out what ``fn`` makes from
+    nothing (zeros): replicated.
 
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> from jaxga.meshes import jit_on_mesh_of
         >>> mesh = jax.make_mesh((1,), ("data",))
         >>> x = jax.device_put(jnp.ones(2), jax.NamedSharding(mesh, jax.P()))
-        >>> jit_on_mesh_of(jnp.zeros_like, x).sharding.mesh == mesh
+        >>> jit_on_mesh_of(jnp.zeros_like, x, "x").sharding.mesh == mesh
         True
     """
-    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(tree)]
     jitted = jax.jit(fn, keep_unused=True)
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
+    leaves = jax.tree.leaves(tree)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return jitted(tree)
-    mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
-    if mesh is None:
+    shardings = [getattr(x, "sharding", None) for x in leaves]
+    found = list(dict.fromkeys(s.mesh for s in shardings if isinstance(s, NamedSharding)))
+    if len(found) > 1:
+        got = " and ".join(f"{dict(m.shape)}" for m in found[:2])
+        raise ValueError(f"`{name}` lies on more than one mesh ({got}); expected one.")
+    if not found:
         return jitted(tree)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(found[0]):
         return jitted(tree)

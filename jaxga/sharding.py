@@ -1,6 +1,7 @@
 """Train states and batches on a mesh: layouts (ZeRO-1, FSDP...); the loop is the engine's."""
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -289,7 +290,8 @@ def with_offloaded_init(tx: Any) -> Any:
             kept.
 
     Returns:
-        ``tx`` with the new ``init`` (jitted, on the parameters' mesh): of ``tx``'s type
+        ``tx`` with the new ``init`` (jitted, on the parameters' mesh; on Auto axes the
+        state comes out replicated, and a step lays it out): of ``tx``'s type
         where that is a NamedTuple (optax's and jaxga's transformations), else an
         ``optax.GradientTransformationExtraArgs``.
 
@@ -334,29 +336,34 @@ def _offloaded_init(tx: Any, params: Any) -> Any:
     def made(params: Any) -> Any:
         return offload(init_by_layer(tx, params))
 
-    return meshes.jit_on_mesh_of(made, params)
+    return meshes.jit_on_mesh_of(made, params, "params")
 
 
 def stacked_on_host(init_layer: Callable[[Any], Any], keys: Any) -> Any:
-    """The layer stack ``jax.vmap(init_layer)(keys)``, made a layer at a time on the device
-    and each layer written to pinned host memory (a ``lax.scan``, jitted on ``keys``' mesh):
-    the parameters of a stack that fits only in host memory, for
-    ``remat_scan(stream=True)``; never whole on the device.
+    """The layer stack of ``init_layer(key)`` for each of ``keys``, made a layer at a time on
+    the device (a ``lax.scan``, jitted on ``keys``' mesh) and each layer written to pinned
+    host memory: the parameters of a stack that fits only in host memory, for
+    ``remat_scan(stream=True)``; never whole on the device. The values are those of a loop
+    over the keys, which are ``jax.vmap(init_layer)(keys)``'s for threefry keys (JAX's
+    default) and elementwise draws; with ``rbg`` keys, or an ``init_layer`` that reduces
+    (a norm, an orthogonal init), ``vmap``'s may differ from the loop's.
 
     Args:
         init_layer: ``key -> a layer's parameters`` (a pytree of arrays), as ``Dense.init``
             or an Equinox layer's arrays make them.
         keys: one input a layer, on a leading axis: PRNG keys (``jax.random.split(key, L)``)
-            or a pytree of arrays; on a mesh, replicated (each device's host memory gets the
-            stack).
+            or a pytree of arrays of one leading size; replicated on a mesh (each device's
+            host memory gets the stack), on one device otherwise.
 
     Returns:
         ``init_layer``'s pytree, each leaf with a leading axis of ``len(keys)`` layers, in
         pinned host memory.
 
     Raises:
-        TypeError: ``init_layer`` is not callable, or ``keys`` holds a leaf that is not an
-            array (or holds none, or scalars).
+        TypeError: ``init_layer`` is not callable or returns what is not a pytree of
+            arrays, or ``keys`` holds a leaf that is not an array, or no leaves, or leaves
+            without one leading size.
+        ValueError: a leaf of ``keys`` is split over its mesh; or ``keys`` lie on two meshes.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxga
@@ -369,10 +376,20 @@ def stacked_on_host(init_layer: Callable[[Any], Any], keys: Any) -> Any:
     if not callable(init_layer):
         raise TypeError(f"`init_layer` must be a function of a key; got {init_layer!r:.60}.")
     leaves = _checks.array_leaves(keys, "keys", "`{where}` is {got}; expected {expected}.")
-    if not leaves or any(not jnp.ndim(x) for _, x in leaves):
-        got = [jnp.shape(x) for _, x in leaves]
-        raise TypeError(f"`keys` must hold arrays with a leading layer axis; got shapes {got}.")
-    return meshes.jit_on_mesh_of(functools.partial(made_by_layer, init_layer), keys)
+    sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for _, x in leaves}
+    if len(sizes) != 1 or None in sizes:
+        got = {f"keys{jax.tree_util.keystr(p)}": jnp.shape(x) for p, x in leaves} or keys
+        raise TypeError(f"`keys` must hold arrays of one leading (layer) axis; got {got}.")
+    for path, x in leaves:
+        if not isinstance(x, jax.core.Tracer) and not x.sharding.is_fully_replicated:
+            got = f"`keys{jax.tree_util.keystr(path)}` is split by {x.sharding}"
+            raise ValueError(f"{got}; expected it whole on each device (replicated).")
+    try:
+        jax.eval_shape(init_layer, jax.tree.map(operator.itemgetter(0), keys))
+    except TypeError as e:
+        raise TypeError(f"`init_layer` must return a pytree of arrays; on one key: {e}") from e
+    made = functools.partial(made_by_layer, init_layer)
+    return meshes.jit_on_mesh_of(made, keys, "keys")
 
 
 def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:

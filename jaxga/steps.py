@@ -61,6 +61,8 @@ def check_on_device(
     another leaf unless ``offload`` (a function: any leaf)."""
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
         kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+        if isinstance(x, jax.core.Tracer) and meshes.memory_space(x) == jax.memory.Space.Host:
+            kind = "pinned_host"  # inside an enclosing jit its type says host memory
         param = params is None or (bool(path) and getattr(path[0], "name", None) == params)
         unpinned = param and stream and kind == "unpinned_host"  # JAX streams from pinned
         allowed = kind not in HOST_KINDS or callable(offload) or (stream if param else offload)

@@ -47,10 +47,10 @@ class TrainStep(steps.JittedStep):
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None
     ) -> tuple[Any, ...]:
         layout = self.options.layout
+        self._once(state, _check_state, state, self.options.offload, self.options.stream)
         if steps.is_traced(state):  # inside a jit: inlined, with the enclosing jit's options
             _warn_unread(layout)
             return None, state, batch, num_real_microbatches, steps.check_end_group(end_group)
-        self._once(state, _check_state, state, self.options.offload, self.options.stream)
         static = (self._as_laid_out(state, layout),)
         return self._laid_out(
             static, state, batch, num_real_microbatches, end_group=end_group, layout=layout

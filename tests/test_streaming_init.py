@@ -252,11 +252,22 @@ def _equinox_layer(key):
     return equinox.filter(equinox.nn.Linear(16, 16, key=key), equinox.is_array)
 
 
-@pytest.mark.parametrize("layer", [_random_layer, _dense_layer, _equinox_layer])
-def test_stacked_on_host_is_vmap_bit_for_bit_in_host_memory(layer):
+def _normalised_layer(key):
+    """A draw scaled by its norm: a reduction, whose order `jax.vmap` may change."""
+    w = jax.random.normal(key, (257, 33))
+    return {"w": w / jnp.linalg.norm(w)}
+
+
+@pytest.mark.parametrize("layer", [_random_layer, _dense_layer, _equinox_layer, _normalised_layer])
+def test_stacked_on_host_is_the_loop_over_the_keys_bit_for_bit_in_host_memory(layer):
+    """Each layer as `jax.jit(init_layer)` makes it from its key; `jax.vmap`'s values too,
+    but for the norm (vmap reduces in another order)."""
     keys = jax.random.split(jax.random.key(3), 6)
     stack = jaxga.sharding.stacked_on_host(layer, keys)
-    assert_equal(stack, jax.vmap(layer)(keys))
+    made = [jax.jit(layer)(key) for key in keys]
+    assert_equal(stack, jax.tree.map(lambda *layers: jnp.stack(layers), *made))
+    if layer is not _normalised_layer:
+        assert_equal(stack, jax.vmap(layer)(keys))
     assert kinds(stack) == {"pinned_host"}
     assert {x.shape[0] for x in jax.tree.leaves(stack)} == {6}
 
@@ -290,21 +301,78 @@ def test_stacked_on_host_on_a_mesh_gives_every_device_the_stack(axis_type):
         assert x.sharding.is_fully_replicated
 
 
+def _a_function(key):
+    return {"w": jnp.tanh}
+
+
 @pytest.mark.parametrize(
-    "args, message",
+    "args, error, message",
     [
-        ((3, jnp.zeros(2)), r"`init_layer` must be a function of a key; got 3"),
-        ((_random_layer, "k"), r"`keys` is 'k' of type str; expected a pytree of arrays"),
+        ((3, jnp.zeros(2)), TypeError, r"`init_layer` must be a function of a key; got 3"),
+        ((_random_layer, "k"), TypeError, r"`keys` is 'k' of type str; expected a pytree of"),
         (
             (_random_layer, jax.random.key(0)),
-            r"`keys` must hold arrays with a leading layer axis; got shapes \[\(\)\]",
+            TypeError,
+            r"`keys` must hold arrays of one leading \(layer\) axis; got \{'keys': \(\)\}",
+        ),
+        (
+            (_random_layer, {"a": jnp.zeros(3), "b": jnp.zeros(4)}),
+            TypeError,
+            r"`keys` must hold arrays of one leading \(layer\) axis; got \{\"keys\['a'\]\": "
+            r"\(3,\), \"keys\['b'\]\": \(4,\)\}",
+        ),
+        (
+            (_a_function, jax.random.split(jax.random.key(0), 2)),
+            TypeError,
+            r"`init_layer` must return a pytree of arrays; on one key: ",
         ),
     ],
-    ids=["not_a_function", "not_an_array", "no_layer_axis"],
+    ids=["not_a_function", "not_an_array", "no_layer_axis", "unlike_sizes", "returns_a_function"],
 )
-def test_stacked_on_host_names_a_bad_argument(args, message):
-    with pytest.raises(TypeError, match=message):
+def test_stacked_on_host_names_a_bad_argument(args, error, message):
+    with pytest.raises(error, match=message):
         jaxga.sharding.stacked_on_host(*args)
+
+
+def test_stacked_on_host_names_keys_split_over_a_mesh():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    keys = jax.random.split(jax.random.key(0), 8)
+    keys = jax.device_put(keys, jax.NamedSharding(mesh, jax.P("data")))
+    with pytest.raises(ValueError, match=r"`keys` is split by .*; expected it whole on each"):
+        jaxga.sharding.stacked_on_host(_random_layer, keys)
+
+
+def test_parameters_on_two_meshes_are_named():
+    devices = jax.devices()
+    one, other = (jax.sharding.Mesh(devices[i : i + 4], ("data",)) for i in (0, 4))
+    params = host_params()
+    params["layers"] = jax.device_put(
+        params["layers"], jax.NamedSharding(one, jax.P(), memory_kind="pinned_host")
+    )
+    params["head"] = jax.device_put(params["head"], jax.NamedSharding(other, jax.P()))
+    with pytest.raises(
+        ValueError, match=r"`params` lies on more than one mesh \(\{'data': 4\} and"
+    ):
+        jaxga.TrainState.create(params=params, tx=optax.adam(0.1))
+
+
+@pytest.mark.parametrize("kind", ["flax", "nnx"])
+def test_both_steps_inside_a_jit_name_a_state_in_host_memory_without_offload(kind):
+    """Inside an enclosing `jax.jit` / `nnx.jit` too: the traced types say host memory."""
+    tx = jaxga.sharding.with_offloaded_init(OPTIMIZERS["adamw"]())
+    if kind == "flax":
+        state = jaxga.TrainState.create(params=host_params(), tx=tx)
+        loss = functools.partial(step_loss, stream=True, policy="full")
+        run = jax.jit(jaxga.make_train_step(loss, 2, stream="layers"))
+        args, where = (state,), r"`state`.opt_state\[0\]"
+    else:
+        model = Stack(nnx.Rngs(0), stream=True)
+        nnx.update(model.blocks, jax.device_put(nnx.state(model.blocks), HOST))
+        run = nnx.jit(jaxga.nnx_train_step(nnx_loss, 2, stream="layers"))
+        args = (model, nnx.Optimizer(model, tx, wrt=nnx.Param))
+        where = r"`optimizer.opt_state`\[0\]"
+    with pytest.raises(ValueError, match=where + r".* is in host memory .*: pass offload=True"):
+        run(*args, batch_of(0))
 
 
 def _block_state(key):
