@@ -1,8 +1,10 @@
 """The optimiser's update a layer at a time over layer stacks in host memory (both train
 steps' ``stream="layers"``): each layer's parameters, gradient and optimiser-state slices
 fetched to the device, updated, and written back; a probe refuses a ``tx`` that is not
-elementwise (docs/streaming.md). A step's kind says how to reach its parameters and
-optimiser state (`skeleton.OptimizerAccess`): a Flax TrainState's, an NNX optimizer's.
+elementwise (docs/streaming.md). Its state made the same way
+(`jaxga.sharding.with_offloaded_init`), checked by a probe of ``tx.init``. A step's kind
+says how to reach its parameters and optimiser state (`skeleton.OptimizerAccess`): a Flax
+TrainState's, an NNX optimizer's.
 """
 
 import functools

@@ -97,25 +97,6 @@ def test_a_state_made_in_host_memory_trains_as_one_made_on_the_device(name):
     assert copies and kinds(copies) == {"pinned_host"}
 
 
-def test_an_nnx_optimizer_is_made_in_host_memory_and_trains_as_one_made_on_the_device():
-    """`nnx.Optimizer` runs `tx.init` eagerly, which JAX refuses on parameters in host
-    memory; with `with_offloaded_init(tx)` it makes the moments there, and trains as the
-    optimizer made before the blocks moved, bit for bit."""
-    model = Stack(nnx.Rngs(0), stream=True)
-    nnx.update(model.blocks, jax.device_put(nnx.state(model.blocks), HOST))
-    tx = test_streaming_nnx.optimizer()
-    opt = nnx.Optimizer(model, jaxga.sharding.with_offloaded_init(tx), wrt=nnx.Param)
-    assert kinds(nnx.as_pure(opt.opt_state)) == {"pinned_host"}
-    made, moved = (model, opt), test_streaming_nnx.model_and_optimizer("layers")
-    step = jaxga.nnx_train_step(nnx_loss, 4, stream="layers", offload=True)
-    with jax.default_matmul_precision("highest"):
-        for i in range(2):
-            got, want = step(*made, batch_of(i)), step(*moved, batch_of(i))
-    states = [(nnx.state(m), nnx.as_pure(o.opt_state)) for m, o in (made, moved)]
-    assert_equal((*states[0], got), (*states[1], want))
-    assert kinds(test_streaming_nnx.moments(nnx.as_pure(opt.opt_state))) == {"pinned_host"}
-
-
 @pytest.mark.parametrize("kind", ["flax", "nnx"])
 def test_both_steps_name_a_state_in_host_memory_without_offload(kind):
     """The state `with_offloaded_init` makes needs `offload=True`: both steps say so."""
@@ -391,19 +372,25 @@ def _nnx_model(blocks):
 
 def test_an_nnx_model_made_in_host_memory_trains_as_one_whose_blocks_moved_there():
     """docs/streaming.md's NNX recipe: an `nnx.eval_shape`'d model given blocks made by
-    `stacked_on_host` and an optimizer by `with_offloaded_init`, never whole on the device,
-    trains as the same model made on the device and moved, bit for bit."""
+    `stacked_on_host` and an optimizer by `with_offloaded_init` (a plain `tx` JAX refuses on
+    blocks in host memory: `nnx.Optimizer` runs `init` eagerly), never whole on the
+    device, trains as the same model made on the device, its optimizer made there, and its
+    blocks moved after, bit for bit."""
     keys = jax.random.split(jax.random.key(5), 4)
     made = _nnx_model(jaxga.sharding.stacked_on_host(_block_state, keys))
     assert kinds(nnx.state(made.blocks)) == {"pinned_host"}
     assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(nnx.state(made)))
+    tx = test_streaming_nnx.optimizer()
+    made = made, nnx.Optimizer(made, jaxga.sharding.with_offloaded_init(tx), wrt=nnx.Param)
+    assert kinds(nnx.as_pure(made[1].opt_state)) == {"pinned_host"}
     moved = _nnx_model(jax.vmap(_block_state)(keys))
-    nnx.update(moved.blocks, jax.device_put(nnx.state(moved.blocks), HOST))
-    tx = jaxga.sharding.with_offloaded_init(test_streaming_nnx.optimizer())
-    models = [(m, nnx.Optimizer(m, tx, wrt=nnx.Param)) for m in (made, moved)]
+    moved = moved, nnx.Optimizer(moved, tx, wrt=nnx.Param)  # on the device, then moved
+    nnx.update(moved[0].blocks, jax.device_put(nnx.state(moved[0].blocks), HOST))
     step = jaxga.nnx_train_step(nnx_loss, 4, stream="layers", offload=True)
     with jax.default_matmul_precision("highest"):
         for i in range(2):
-            got, want = (step(*m, batch_of(i)) for m in models)
-    states = [(nnx.state(m), nnx.as_pure(o.opt_state)) for m, o in models]
+            got, want = step(*made, batch_of(i)), step(*moved, batch_of(i))
+    states = [(nnx.state(m), nnx.as_pure(o.opt_state)) for m, o in (made, moved)]
     assert_equal((*states[0], got), (*states[1], want))
+    moments = test_streaming_nnx.moments(nnx.as_pure(made[1].opt_state))
+    assert moments and kinds(moments) == {"pinned_host"}
