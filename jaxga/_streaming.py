@@ -81,12 +81,20 @@ def zeros_placed_like(tree: Any, homes: Any) -> Any:
 
 
 def _zeros(shape: tuple[int, ...], dtype: Any, _: Any) -> jax.Array:
+    """Zeros of ``shape`` and ``dtype``, whatever the third argument (a layer's index)."""
     return jnp.zeros(shape, dtype)
 
 
 def made_by_layer(fn: Callable[[Any], Any], xs: Any) -> Any:
     """``fn(x)`` for each slice ``x`` of ``xs``' leading axis, made on the device and written
     to host memory, stacked there: a ``lax.scan``'s output (the stack never on the device).
+
+    Args:
+        fn: a function of one slice, returning a pytree of arrays (a layer's).
+        xs: a pytree of arrays of one leading size (the layers').
+
+    Returns:
+        ``fn``'s pytree, each leaf stacked on a leading axis, in host memory.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -474,12 +482,13 @@ def layerwise(fn: Callable[..., Any], home: Any, *others: Any) -> Any:
         layer = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (leaf, *rest)]
         if jax.eval_shape(fn, *layer).dtype == leaf.dtype:  # in place, a layer at a time
             return jax.lax.scan(written, leaf, jnp.arange(leaf.shape[0]))[0]
-        return made_by_layer(functools.partial(_fetched, fn), (leaf, *rest))  # a new stack
+        return made_by_layer(functools.partial(_on_fetched, fn), (leaf, *rest))  # a new stack
 
     return jax.tree.map(one, home, *others)
 
 
-def _fetched(fn: Callable[..., Any], slices: tuple[Any, ...]) -> Any:
+def _on_fetched(fn: Callable[..., Any], slices: tuple[Any, ...]) -> Any:
+    """``fn`` of ``slices`` fetched to the device."""
     return fn(*on_device(slices))
 
 

@@ -189,9 +189,19 @@ def jit_on_mesh_of(fn: Callable[[Any], Any], tree: Any, name: str) -> Any:
     """``jax.jit(fn)(tree)`` on ``tree``'s devices: under the mesh its leaves laid out by a
     `NamedSharding` share (`jax.set_mesh`: Explicit axes type what ``fn`` makes there), every
     argument kept (one ``fn`` does not read still says where the outputs go); traced, as a
-    nested ``jax.jit`` (the enclosing one places it). Raises, naming the argument ``name``,
-    if its leaves lie on two meshes. On Auto axes XLA lays out what ``fn`` makes from
-    nothing (zeros): replicated.
+    nested ``jax.jit`` (the enclosing one places it). On Auto axes XLA lays out what ``fn``
+    makes from nothing (zeros): replicated.
+
+    Args:
+        fn: a function of ``tree``.
+        tree: a pytree of arrays (concrete or traced).
+        name: the argument ``tree`` is, for the error.
+
+    Returns:
+        ``fn(tree)``, jitted.
+
+    Raises:
+        ValueError: ``tree``'s leaves lie on more than one mesh.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -208,7 +218,9 @@ def jit_on_mesh_of(fn: Callable[[Any], Any], tree: Any, name: str) -> Any:
     shardings = [getattr(x, "sharding", None) for x in leaves]
     found = list(dict.fromkeys(s.mesh for s in shardings if isinstance(s, NamedSharding)))
     if len(found) > 1:
-        got = " and ".join(f"{dict(m.shape)}" for m in found[:2])
+        got = " and ".join(
+            f"{dict(m.shape)} of devices {[d.id for d in m.devices.flat]}" for m in found[:2]
+        )
         raise ValueError(f"`{name}` lies on more than one mesh ({got}); expected one.")
     if not found:
         return jitted(tree)

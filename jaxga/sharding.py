@@ -275,6 +275,21 @@ def offload(
     return jax.tree.unflatten(treedef, [move(x) if m else x for (_, x), m in zip(flat, moved)])
 
 
+_NOT_AN_ARRAY = "`{where}` is {got}; expected {expected}."
+
+
+def _split_by(x: Any) -> Any:
+    """The spec splitting array ``x`` over its mesh (a traced one's: its type's, on Explicit
+    axes), or None where each device holds it whole (a NumPy array too)."""
+    if isinstance(x, jax.core.Tracer):
+        spec = meshes.type_spec(x)
+        return spec if any(axis is not None for axis in spec) else None
+    sharding = getattr(x, "sharding", None)
+    if sharding is None or sharding.is_fully_replicated:
+        return None
+    return getattr(sharding, "spec", sharding)
+
+
 def with_offloaded_init(tx: Any) -> Any:
     """``tx``, its ``init`` making the optimiser state in pinned host memory, never whole on
     the device: where a step built with ``offload=True`` keeps it (`offload`'s rule: all of
@@ -318,15 +333,9 @@ def with_offloaded_init(tx: Any) -> Any:
 
 def _offloaded_init(tx: Any, params: Any) -> Any:
     """`with_offloaded_init`'s ``init``: the state made by layer, then offloaded."""
-    _checks.array_leaves(params, "params", "`{where}` is {got}; expected {expected}.")
-    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if meshes.memory_space(x) != jax.memory.Space.Host:
-            continue
-        if isinstance(x, jax.core.Tracer):  # its type says how Explicit axes split it
-            split, spec = any(a is not None for a in meshes.type_spec(x)), meshes.type_spec(x)
-        else:
-            split, spec = not x.sharding.is_fully_replicated, getattr(x.sharding, "spec", P())
-        if split:
+    for path, x in _checks.array_leaves(params, "params", _NOT_AN_ARRAY):
+        host = meshes.memory_space(x) == jax.memory.Space.Host
+        if host and (spec := _split_by(x)) is not None:
             raise ValueError(
                 f"`params`{jax.tree_util.keystr(path)}, a stack in host memory, is split over "
                 f"the mesh by {spec}; expected it replicated, P() (streaming keeps a copy on "
@@ -375,19 +384,21 @@ def stacked_on_host(init_layer: Callable[[Any], Any], keys: Any) -> Any:
     """
     if not callable(init_layer):
         raise TypeError(f"`init_layer` must be a function of a key; got {init_layer!r:.60}.")
-    leaves = _checks.array_leaves(keys, "keys", "`{where}` is {got}; expected {expected}.")
+    leaves = _checks.array_leaves(keys, "keys", _NOT_AN_ARRAY)
     sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for _, x in leaves}
     if len(sizes) != 1 or None in sizes:
         got = {f"keys{jax.tree_util.keystr(p)}": jnp.shape(x) for p, x in leaves} or keys
         raise TypeError(f"`keys` must hold arrays of one leading (layer) axis; got {got}.")
     for path, x in leaves:
-        if not isinstance(x, jax.core.Tracer) and not x.sharding.is_fully_replicated:
-            got = f"`keys{jax.tree_util.keystr(path)}` is split by {x.sharding}"
+        if (spec := _split_by(x)) is not None:
+            got = f"`keys{jax.tree_util.keystr(path)}` is split over its mesh by {spec}"
             raise ValueError(f"{got}; expected it whole on each device (replicated).")
     try:
-        jax.eval_shape(init_layer, jax.tree.map(operator.itemgetter(0), keys))
+        layer = jax.eval_shape(init_layer, jax.tree.map(operator.itemgetter(0), keys))
     except TypeError as e:
         raise TypeError(f"`init_layer` must return a pytree of arrays; on one key: {e}") from e
+    if not jax.tree.leaves(layer):
+        raise TypeError(f"`init_layer` must return a pytree of arrays; got {layer!r:.60}.")
     made = functools.partial(made_by_layer, init_layer)
     return meshes.jit_on_mesh_of(made, keys, "keys")
 

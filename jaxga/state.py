@@ -103,6 +103,7 @@ class TrainState(train_state.TrainState):
 
 
 def _init_on_mesh(init: Callable[[Any], Any], params: Any) -> Any:
+    """``init(params)``, jitted on the parameters' mesh (`meshes.jit_on_mesh_of`)."""
     return meshes.jit_on_mesh_of(init, params, "params")
 
 

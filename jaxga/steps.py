@@ -58,7 +58,8 @@ def check_on_device(
     """Raises if a leaf of ``tree`` (the argument ``name``) is in host memory where the step
     does not take it: a parameter (under the field ``params``; ``None``: every leaf, a model's
     variables) unless ``stream`` (and then in pinned host memory, which JAX streams from);
-    another leaf unless ``offload`` (a function: any leaf)."""
+    another leaf unless ``offload`` (a function: any leaf). A traced leaf's type says host
+    memory but not which kind: taken as pinned."""
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
         kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
         if isinstance(x, jax.core.Tracer) and meshes.memory_space(x) == jax.memory.Space.Host:
@@ -78,10 +79,16 @@ def check_on_device(
 
 
 def signature(tree: Any) -> tuple[Any, ...]:
-    """What a check or plan is kept for: ``tree``'s structure, leaves' shapes, dtypes, shardings."""
+    """What a check or plan is kept for: ``tree``'s structure, leaves' shapes, dtypes, shardings
+    (a traced leaf's type: its memory and sharding)."""
     xs, treedef = jax.tree.flatten(tree)
-    kinds = [(jnp.shape(x), getattr(x, "dtype", type(x)), getattr(x, "sharding", None)) for x in xs]
+    kinds = [(jnp.shape(x), getattr(x, "dtype", type(x)), _placement(x)) for x in xs]
     return treedef, tuple(kinds)
+
+
+def _placement(x: Any) -> Any:
+    """Where ``x`` lies, hashable: its sharding, or a traced leaf's type."""
+    return jax.typeof(x) if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
 
 
 def is_traced(tree: Any) -> bool:

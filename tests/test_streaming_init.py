@@ -9,6 +9,7 @@ import equinox
 import flax.linen
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -286,6 +287,10 @@ def _a_function(key):
     return {"w": jnp.tanh}
 
 
+def _nothing(key):
+    return None
+
+
 @pytest.mark.parametrize(
     "args, error, message",
     [
@@ -307,20 +312,67 @@ def _a_function(key):
             TypeError,
             r"`init_layer` must return a pytree of arrays; on one key: ",
         ),
+        (
+            (_nothing, jax.random.split(jax.random.key(0), 2)),
+            TypeError,
+            r"`init_layer` must return a pytree of arrays; got None",
+        ),
     ],
-    ids=["not_a_function", "not_an_array", "no_layer_axis", "unlike_sizes", "returns_a_function"],
+    ids=[
+        "not_a_function",
+        "not_an_array",
+        "no_layer_axis",
+        "unlike_sizes",
+        "returns_a_function",
+        "returns_nothing",
+    ],
 )
 def test_stacked_on_host_names_a_bad_argument(args, error, message):
     with pytest.raises(error, match=message):
         jaxga.sharding.stacked_on_host(*args)
 
 
+def test_stacked_on_host_takes_numpy_inputs():
+    def layer(x):
+        return {"w": x * 2.0}
+
+    stack = jaxga.sharding.stacked_on_host(layer, np.arange(4.0))
+    assert_equal(stack, {"w": np.arange(4.0) * 2.0})
+    assert kinds(stack) == {"pinned_host"}
+
+
 def test_stacked_on_host_names_keys_split_over_a_mesh():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     keys = jax.random.split(jax.random.key(0), 8)
     keys = jax.device_put(keys, jax.NamedSharding(mesh, jax.P("data")))
-    with pytest.raises(ValueError, match=r"`keys` is split by .*; expected it whole on each"):
+    with pytest.raises(
+        ValueError,
+        match=r"`keys` is split over its mesh by (P|PartitionSpec)\('data',?\); expected it whole",
+    ):
         jaxga.sharding.stacked_on_host(_random_layer, keys)
+
+
+@pytest.mark.parametrize("kind", ["flax", "nnx"])
+def test_a_jitted_step_checks_a_state_that_moved_to_host_memory_since_its_last_call(kind):
+    """The check inside an enclosing jit is kept by where the traced leaves lie, not only
+    their shapes: the same step refuses the state once its optimiser state moved."""
+    tx = OPTIMIZERS["adamw"]()
+    if kind == "flax":
+        state = jaxga.TrainState.create(params=host_params(), tx=tx)
+        loss = functools.partial(step_loss, stream=True, policy="full")
+        run = jax.jit(jaxga.make_train_step(loss, 2, stream="layers"))
+        state, _ = run(state, batch_of(0))
+        args, where = (jaxga.sharding.offload(state),), r"`state`.opt_state\[0\]"
+    else:
+        model = Stack(nnx.Rngs(0), stream=True)
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        nnx.update(model.blocks, jax.device_put(nnx.state(model.blocks), HOST))
+        run = nnx.jit(jaxga.nnx_train_step(nnx_loss, 2, stream="layers"))
+        run(model, opt, batch_of(0))
+        nnx.update(opt, jaxga.sharding.offload(nnx.state(opt)))
+        args, where = (model, opt), r"`optimizer.opt_state`\[0\]"
+    with pytest.raises(ValueError, match=where + r".* is in host memory .*: pass offload=True"):
+        run(*args, batch_of(1))
 
 
 def test_parameters_on_two_meshes_are_named():
@@ -332,7 +384,9 @@ def test_parameters_on_two_meshes_are_named():
     )
     params["head"] = jax.device_put(params["head"], jax.NamedSharding(other, jax.P()))
     with pytest.raises(
-        ValueError, match=r"`params` lies on more than one mesh \(\{'data': 4\} and"
+        ValueError,
+        match=r"`params` lies on more than one mesh \(\{'data': 4\} of devices \[4, 5, 6, 7\] and "
+        r"\{'data': 4\} of devices \[0, 1, 2, 3\]\)",  # the head's mesh first: leaves in order
     ):
         jaxga.TrainState.create(params=params, tx=optax.adam(0.1))
 

@@ -469,7 +469,7 @@ def test_h100_with_offloaded_init_makes_the_state_a_layer_at_a_time(device):
     layer, peaks = dim * dim * 4, {}
     for name, tx in [("adamw", optax.adamw(1e-3)), ("free", optax.contrib.schedule_free_adamw())]:
         made = jaxga.memory_report(jax.jit(jaxga.sharding.with_offloaded_init(tx).init), params)
-        whole = jaxga.memory_report(jax.jit(functools.partial(_offloaded_init, tx)), params)
+        whole = jaxga.memory_report(jax.jit(functools.partial(_whole_then_offloaded, tx)), params)
         assert made.host_bytes == whole.host_bytes >= layers * layer  # the stack's copies
         peaks[name] = made.peak_bytes / layer, whole.peak_bytes / layer
     print(peaks)  # docs/streaming.md's, -s
@@ -477,7 +477,7 @@ def test_h100_with_offloaded_init_makes_the_state_a_layer_at_a_time(device):
     assert peaks["adamw"][0] <= 0.01 and peaks["adamw"][1] <= 0.01
 
 
-def _offloaded_init(tx, params):
+def _whole_then_offloaded(tx, params):
     return jaxga.sharding.offload(tx.init(params))
 
 
