@@ -98,24 +98,26 @@ def test_a_state_made_in_host_memory_trains_as_one_made_on_the_device(name):
     assert copies and kinds(copies) == {"pinned_host"}
 
 
+@pytest.mark.parametrize("jitted", [False, True], ids=["called", "inside_a_jit"])
 @pytest.mark.parametrize("kind", ["flax", "nnx"])
-def test_both_steps_name_a_state_in_host_memory_without_offload(kind):
-    """The state `with_offloaded_init` makes needs `offload=True`: both steps say so."""
+def test_both_steps_name_a_state_in_host_memory_without_offload(kind, jitted):
+    """The state `with_offloaded_init` makes needs `offload=True`: both steps say so, inside
+    an enclosing `jax.jit` / `nnx.jit` too (the traced types say host memory)."""
     tx = jaxga.sharding.with_offloaded_init(OPTIMIZERS["adamw"]())
     if kind == "flax":
         state = jaxga.TrainState.create(params=host_params(), tx=tx)
         loss = functools.partial(step_loss, stream=True, policy="full")
-        args = jaxga.make_train_step(loss, 2, stream="layers"), (state,)
-        where = r"`state`.opt_state\[0\]"
+        run = jaxga.make_train_step(loss, 2, stream="layers")
+        run, args, where = jax.jit(run) if jitted else run, (state,), r"`state`.opt_state\[0\]"
     else:
         model = Stack(nnx.Rngs(0), stream=True)
         nnx.update(model.blocks, jax.device_put(nnx.state(model.blocks), HOST))
-        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
-        args = jaxga.nnx_train_step(nnx_loss, 2, stream="layers"), (model, opt)
+        run = jaxga.nnx_train_step(nnx_loss, 2, stream="layers")
+        run = nnx.jit(run) if jitted else run
+        args = (model, nnx.Optimizer(model, tx, wrt=nnx.Param))
         where = r"`optimizer.opt_state`\[0\]"
-    step, state = args
     with pytest.raises(ValueError, match=where + r".* is in host memory .*: pass offload=True"):
-        step(*state, batch_of(0))
+        run(*args, batch_of(0))
 
 
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
@@ -389,25 +391,6 @@ def test_parameters_on_two_meshes_are_named():
         r"\{'data': 4\} of devices \[0, 1, 2, 3\]\)",  # the head's mesh first: leaves in order
     ):
         jaxga.TrainState.create(params=params, tx=optax.adam(0.1))
-
-
-@pytest.mark.parametrize("kind", ["flax", "nnx"])
-def test_both_steps_inside_a_jit_name_a_state_in_host_memory_without_offload(kind):
-    """Inside an enclosing `jax.jit` / `nnx.jit` too: the traced types say host memory."""
-    tx = jaxga.sharding.with_offloaded_init(OPTIMIZERS["adamw"]())
-    if kind == "flax":
-        state = jaxga.TrainState.create(params=host_params(), tx=tx)
-        loss = functools.partial(step_loss, stream=True, policy="full")
-        run = jax.jit(jaxga.make_train_step(loss, 2, stream="layers"))
-        args, where = (state,), r"`state`.opt_state\[0\]"
-    else:
-        model = Stack(nnx.Rngs(0), stream=True)
-        nnx.update(model.blocks, jax.device_put(nnx.state(model.blocks), HOST))
-        run = nnx.jit(jaxga.nnx_train_step(nnx_loss, 2, stream="layers"))
-        args = (model, nnx.Optimizer(model, tx, wrt=nnx.Param))
-        where = r"`optimizer.opt_state`\[0\]"
-    with pytest.raises(ValueError, match=where + r".* is in host memory .*: pass offload=True"):
-        run(*args, batch_of(0))
 
 
 def _block_state(key):
