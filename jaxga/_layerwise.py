@@ -8,6 +8,7 @@ TrainState's, an NNX optimizer's.
 """
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -65,9 +66,7 @@ def leaf_kinds(
         return kind
 
     try:
-        marked = optax.tree_utils.tree_map_params(
-            tx, mirror, opt_state, kinds, params, transform_non_params=_non_param
-        )
+        marked = map_mirrors(tx, mirror, opt_state, kinds, params, transform_non_params=_non_param)
     except (TypeError, ValueError, AttributeError) as e:
         raise StreamError(
             f"{who}: optax.tree_utils.tree_map_params cannot find the copies of the "
@@ -75,6 +74,51 @@ def leaf_kinds(
             f"state holds parameter-shaped trees: {fix}."
         ) from e
     return jax.tree.leaves(kinds), jax.tree.leaves(marked)
+
+
+def map_mirrors(
+    tx: Any,
+    fn: Callable[..., Any],
+    opt_state: Any,
+    *rest: Any,
+    transform_non_params: Callable[[Any], Any] | None = None,
+) -> Any:
+    """``optax.tree_utils.tree_map_params(tx, fn, opt_state, *rest, ...)``: ``fn`` of each
+    optimiser-state leaf that mirrors a parameter and of that parameter's leaves in ``rest``;
+    a parameter `optax.masked` or `optax.multi_transform` leaves out of a state (an
+    ``optax.MaskedNode``: no array) is kept, where optax's would find ``rest`` unlike it.
+
+    Args:
+        tx: the optax transformation ``opt_state`` is of.
+        fn: a function of a state leaf and the leaves of ``rest`` at its parameter.
+        opt_state: ``tx``'s state (or its shapes, `jax.eval_shape`).
+        rest: trees shaped like the parameters (a tree of specs, of kinds).
+        transform_non_params: a function of each subtree that mirrors no parameter.
+
+    Returns:
+        ``opt_state`` mapped.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax
+        >>> from jaxga._layerwise import map_mirrors
+        >>> params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+        >>> tx = optax.masked(optax.adam(0.1), {"a": True, "b": False})
+        >>> state = map_mirrors(tx, lambda x, p: p.size, tx.init(params), params)
+        >>> state.inner_state[0].mu
+        {'a': 2, 'b': MaskedNode()}
+    """
+
+    def mapped(leaf: Any, *others: Any) -> Any:
+        return leaf if isinstance(leaf, optax.MaskedNode) else fn(leaf, *others)
+
+    return optax.tree_utils.tree_map_params(
+        tx,
+        mapped,
+        opt_state,
+        *rest,
+        transform_non_params=transform_non_params,
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    )
 
 
 def _non_param(tree: Any) -> Any:

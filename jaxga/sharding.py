@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, meshes
-from jaxga._layerwise import init_by_layer
+from jaxga._layerwise import init_by_layer, map_mirrors
 from jaxga._streaming import made_by_layer
 from jaxga.microbatch import IndivisibleBatchError  # noqa: F401 (importable from here too)
 
@@ -305,8 +305,8 @@ def with_offloaded_init(tx: Any) -> Any:
             kept.
 
     Returns:
-        ``tx`` with the new ``init`` (jitted, on the parameters' mesh; on Auto axes the
-        state comes out replicated, and a step lays it out): of ``tx``'s type
+        ``tx`` with the new ``init`` (jitted, on the parameters' mesh, each copy of a
+        parameter laid out as it, `init_on_mesh`): of ``tx``'s type
         where that is a NamedTuple (optax's and jaxga's transformations), else an
         ``optax.GradientTransformationExtraArgs``.
 
@@ -345,7 +345,72 @@ def _offloaded_init(tx: Any, params: Any) -> Any:
     def made(params: Any) -> Any:
         return offload(init_by_layer(tx, params))
 
+    return init_on_mesh(tx, made, params)
+
+
+def init_on_mesh(tx: Any, init: Callable[[Any], Any], params: Any) -> Any:
+    """``init(params)``, a state of ``tx``, jitted on the parameters' mesh
+    (`meshes.jit_on_mesh_of`), each leaf that mirrors a parameter laid out as that parameter:
+    Explicit axes type it so; on Auto axes, where XLA would lay out what ``init`` makes from
+    nothing replicated, it is constrained to its parameter's spec, in the memory ``init``
+    makes it in (concrete parameters; traced ones, the enclosing jit lays it out).
+
+    Args:
+        tx: the optax transformation the state is of (its mirrors found by
+            ``optax.tree_utils.tree_map_params``).
+        init: a function of ``params`` that makes ``tx``'s state (``tx.init``).
+        params: the parameters.
+
+    Returns:
+        ``init(params)``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from jaxga.sharding import init_on_mesh
+        >>> devices = jax.device_count()
+        >>> mesh = jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+        >>> split = jax.NamedSharding(mesh, jax.P("data"))
+        >>> w = jax.device_put(jnp.ones((4 * devices, 2)), split)
+        >>> tx = optax.adam(0.1)
+        >>> init_on_mesh(tx, tx.init, {"w": w})[0].mu["w"].sharding.is_equivalent_to(split, 2)
+        True
+    """
+    mesh, specs = _auto_specs(params)
+
+    def made(params: Any) -> Any:
+        state = init(params)
+        if mesh is None:
+            return state
+        return map_mirrors(tx, functools.partial(_constrained, mesh), state, specs)
+
     return meshes.jit_on_mesh_of(made, params, "params")
+
+
+def _auto_specs(params: Any) -> tuple[Mesh | None, Any]:
+    """The mesh of concrete ``params`` laid out on Auto axes and each leaf's spec there
+    (``P()`` off it), or ``(None, None)``: traced leaves, no mesh, an Explicit axis."""
+    leaves = jax.tree.leaves(params)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return None, None
+    named = [x.sharding for x in leaves if isinstance(getattr(x, "sharding", None), NamedSharding)]
+    if not named or any(t != AxisType.Auto for t in named[0].mesh.axis_types):
+        return None, None
+    mesh = named[0].mesh
+
+    def spec(x: Any) -> P:
+        sharding = getattr(x, "sharding", None)
+        on_mesh = isinstance(sharding, NamedSharding) and sharding.mesh == mesh
+        return sharding.spec if on_mesh else P()
+
+    return mesh, jax.tree.map(spec, params)
+
+
+def _constrained(mesh: Mesh, leaf: Any, spec: P) -> Any:
+    """``leaf`` constrained to ``spec`` on ``mesh``, in its own memory; replicated: as it is."""
+    if all(axis is None for axis in spec):
+        return leaf
+    kind = "pinned_host" if meshes.memory_space(leaf) == jax.memory.Space.Host else "device"
+    return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec, memory_kind=kind))
 
 
 def stacked_on_host(init_layer: Callable[[Any], Any], keys: Any) -> Any:
@@ -527,14 +592,7 @@ def state_specs(
     def follow(_: Any, spec: P) -> P:  # optimiser state shaped like the parameters
         return spec
 
-    opt_state = optax.tree_map_params(
-        state.tx,
-        follow,
-        state.opt_state,
-        strategy,
-        transform_non_params=shard,
-        is_leaf=meshes.is_spec,
-    )
+    opt_state = map_mirrors(state.tx, follow, state.opt_state, strategy, transform_non_params=shard)
     return specs.replace(params=strategy, opt_state=opt_state)
 
 

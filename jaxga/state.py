@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
-from jaxga import _checks, meshes, modules
+from jaxga import _checks, meshes, modules, sharding
 from jaxga.arguments import is_key
 
 
@@ -57,7 +57,7 @@ class TrainState(train_state.TrainState):
         # stacks: an eager zeros_like cannot make host arrays), the state made on the device
         init = tx
         if any(meshes.memory_space(x) == jax.memory.Space.Host for x in jax.tree.leaves(params)):
-            jitted = functools.partial(_init_on_mesh, tx.init)  # on the params' mesh
+            jitted = functools.partial(sharding.init_on_mesh, tx, tx.init)  # on their mesh
             init = optax.GradientTransformation(jitted, tx.update)
         state = super().create(
             apply_fn=apply_fn, params=params, tx=init, model_state=model_state, rng=rng, **kwargs
@@ -100,11 +100,6 @@ class TrainState(train_state.TrainState):
         updates, opt_state = update(grads, self.opt_state, self.params)  # arrays, tuples...
         params = optax.apply_updates(self.params, updates)
         return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)
-
-
-def _init_on_mesh(init: Callable[[Any], Any], params: Any) -> Any:
-    """``init(params)``, jitted on the parameters' mesh (`meshes.jit_on_mesh_of`)."""
-    return meshes.jit_on_mesh_of(init, params, "params")
 
 
 def check_arrays(tree: Any, name: str, empty_ok: bool = False) -> None:

@@ -437,3 +437,40 @@ def test_state_specs_none_keeps_a_zero1_optimiser_state_split():
     step = jaxga.make_train_step(loss, 2, mesh=mesh, strategy=None)
     new, _ = step(state, jnp.ones((16, 8)))
     assert new.opt_state[0].mu["w"].sharding.is_equivalent_to(where, 2)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_a_tree_of_specs_lays_out_a_multi_transforms_state(axis_type):
+    """`optax.multi_transform` keeps an ``optax.MaskedNode`` where a group leaves a parameter
+    out: a tree of specs still lays out each group's moments as its parameter, and the step
+    on 8 devices is `jax.grad` of the whole batch with the same optax update."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    params = {"w": jnp.arange(32.0).reshape(8, 4) / 32, "b": jnp.ones(4)}
+    tx = optax.multi_transform(
+        {"adam": optax.adam(0.1), "sgd": optax.sgd(0.1)}, {"w": "adam", "b": "sgd"}
+    )
+    state = jaxga.TrainState.create(params=params, tx=tx)
+    specs = jaxga.sharding.state_specs(state, mesh, {"w": P("data"), "b": P()})
+    assert specs.opt_state.inner_states["adam"].inner_state[0].mu == {
+        "w": P("data"),
+        "b": optax.MaskedNode(),
+    }
+
+    def loss(params, batch, model_state, rng):
+        return jaxga.Mean.of(((batch @ params["w"]) + params["b"]) ** 2), model_state
+
+    batch = jnp.arange(128.0).reshape(16, 8) / 128
+    step = jaxga.make_train_step(loss, 2, mesh=mesh, strategy={"w": P("data"), "b": P()})
+    with jax.default_matmul_precision("highest"):
+        new, metrics = step(state, batch)
+        value, grads = jax.value_and_grad(lambda p: jnp.mean(((batch @ p["w"]) + p["b"]) ** 2))(
+            params
+        )
+        updates, _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_allclose(metrics["loss"], value, rtol=1e-6)
+    for got, want in zip(
+        jax.tree.leaves(new.params), jax.tree.leaves(optax.apply_updates(params, updates))
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    split = new.opt_state.inner_states["adam"].inner_state[0].mu["w"].sharding
+    assert split.is_equivalent_to(NamedSharding(mesh, P("data")), 2)

@@ -552,6 +552,38 @@ def test_the_update_by_layer_is_the_resident_update_to_rounding(k, name, offload
     assert kinds((state.params["embed"], state.params["head"])) == {"device"}
 
 
+def _multi_transform():
+    """Leaves the embedding out of Adam's state (an ``optax.MaskedNode`` there): sgd for it."""
+    labels = jax.tree.map(lambda _: "adam", model_params()) | {"embed": "sgd"}
+    return optax.multi_transform({"adam": optax.adam(0.05), "sgd": optax.sgd(0.1)}, labels)
+
+
+def _tree_mask():
+    """Adam's scaling masked by a tree to all but the embedding (an ``optax.MaskedNode`` in
+    its moments there), whose gradient is taken as it is: sgd."""
+    adam = jax.tree.map(lambda _: True, model_params()) | {"embed": False}
+    return optax.chain(optax.masked(optax.scale_by_adam(), adam), optax.scale(-0.05))
+
+
+# optimisers that leave some parameters out of a state (``optax.MaskedNode`` there)
+PARTIAL = {"multi_transform": _multi_transform, "tree_mask": _tree_mask}
+
+
+@pytest.mark.parametrize("name", sorted(PARTIAL))
+def test_the_update_by_layer_takes_an_optimiser_that_leaves_parameters_out(name):
+    """A state whose ``MaskedNode``s stand where a parameter is left out: updated a layer at a
+    time, the resident update to rounding, its moments of the stack kept in host memory."""
+    tx = PARTIAL[name]()
+    state, metrics = train(4, "full", stream="layers", offload=True, steps=2, tx=tx)
+    resident, resident_metrics = train(4, "full", stream=False, steps=2, tx=tx)
+    assert_rounding((state.params, state.opt_state), (resident.params, resident.opt_state))
+    np.testing.assert_allclose(
+        metrics.pop("grad_norm"), resident_metrics.pop("grad_norm"), rtol=1e-6
+    )
+    assert_rounding(metrics, resident_metrics)
+    assert _moments(state.opt_state) and kinds(_moments(state.opt_state)) == {"pinned_host"}
+
+
 @pytest.mark.parametrize(
     "tx",
     [

@@ -20,6 +20,7 @@ from tests.test_streaming import (
     HOST,
     ON_DEVICE,
     OPTIMIZERS,
+    PARTIAL,
     Block,
     Stack,
     _device_puts,
@@ -32,6 +33,7 @@ from tests.test_streaming import (
 )
 
 INITS = OPTIMIZERS | {"schedule_free": lambda: optax.contrib.schedule_free_adamw(0.05)}
+INITS |= PARTIAL
 
 
 def host_params():
@@ -138,6 +140,30 @@ def test_the_state_of_a_stack_replicated_on_a_mesh_is_made_on_every_device(axis_
     plain = jaxga.TrainState.create(params=params, tx=OPTIMIZERS["adamw"]()).opt_state
     for x in jax.tree.leaves(plain):
         assert x.sharding.memory_kind == "device" and x.sharding.mesh == mesh
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_the_state_of_a_split_parameter_is_split_as_it(axis_type):
+    """The embedding split over the mesh, the stack replicated in host memory: `create` and
+    `with_offloaded_init` lay out the embedding's moments as the embedding (on Auto axes,
+    where XLA would make them replicated, too), as eager optax does, in the memory each is
+    made in; the values are `tx.init`'s bit for bit."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+    on_mesh = functools.partial(jax.NamedSharding, mesh)
+    params = host_params()
+    where = {"embed": on_mesh(jax.P(None, "data")), "head": on_mesh(jax.P())}
+    params = jax.device_put(params, where | {"layers": on_mesh(jax.P(), memory_kind="pinned_host")})
+    tx = OPTIMIZERS["adamw"]()
+    eager = tx.init({"embed": params["embed"]})[0].mu["embed"].sharding
+    assert not eager.is_fully_replicated
+    offloaded = jaxga.sharding.with_offloaded_init(tx).init(params)
+    created = jaxga.TrainState.create(params=params, tx=tx).opt_state
+    for state, kind in ((offloaded, "pinned_host"), (created, "device")):
+        assert_equal(state, tx.init(model_params()))
+        for moment in (state[0].mu, state[0].nu):
+            assert moment["embed"].sharding.is_equivalent_to(eager.with_memory_kind(kind), 2)
+            assert moment["head"].sharding.is_fully_replicated
+            assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(moment["layers"]))
 
 
 def test_with_offloaded_init_refuses_a_stack_split_over_a_mesh():
