@@ -101,6 +101,24 @@ def test_stream_layers_is_the_resident_step_to_rounding(k, monkeypatch):
     assert {shape[1:] for shape in stacks} <= moves and not moves & stacks, (moves, stacks)
 
 
+def test_stream_layers_takes_a_multi_transform_by_path():
+    """Adam for the blocks, sgd for the rest (labels by path: an ``optax.MaskedNode`` in
+    each group's state where the other's parameters are): a layer at a time, the resident
+    step to rounding, the blocks' moments kept in host memory."""
+
+    def labels(state):
+        def label(path, _):
+            return "adam" if "'blocks'" in jax.tree_util.keystr(path) else "sgd"
+
+        return jax.tree_util.tree_map_with_path(label, state)
+
+    tx = optax.multi_transform({"adam": optax.adam(0.05), "sgd": optax.sgd(0.1)}, labels)
+    params, opt_state, metrics = train(4, stream="layers", offload=True, tx=tx)
+    resident = train(4, stream=False, tx=tx)
+    assert_rounding((params, opt_state, metrics), resident)
+    assert moments(opt_state) and kinds(moments(opt_state)) == {"pinned_host"}
+
+
 def test_stream_true_on_a_one_device_mesh_is_the_step_without_one():
     """On a mesh (eight devices: tests/multidevice/dp_checks.py) each device streams its own
     copy of the blocks, kept in host memory, and reduces their sums a layer at a time."""
