@@ -67,13 +67,15 @@ def leaf_kinds(
 
     try:
         marked = map_mirrors(tx, mirror, opt_state, kinds, params, transform_non_params=_non_param)
-    except (TypeError, ValueError, AttributeError) as e:
+    except UnmappedState as e:
         raise StreamError(
-            f"{who}: optax.tree_utils.tree_map_params cannot find the copies of the "
-            f"parameters in `tx`'s state ({type(e).__name__}: {e}); expected an optimiser whose "
-            f"state holds parameter-shaped trees: {fix}."
+            f"{who}: {e}; expected an optimiser whose state holds parameter-shaped trees: {fix}."
         ) from e
     return jax.tree.leaves(kinds), jax.tree.leaves(marked)
+
+
+class UnmappedState(ValueError):
+    """`map_mirrors` cannot pair an optimiser state's copies of the parameters with them."""
 
 
 def map_mirrors(
@@ -98,6 +100,10 @@ def map_mirrors(
     Returns:
         ``opt_state`` mapped.
 
+    Raises:
+        UnmappedState: ``tree_map_params`` fails (``tx.init`` on its placeholder, a state
+            unlike ``rest``, ``fn``), naming what it raised.
+
     Examples:
         >>> import jax.numpy as jnp, optax
         >>> from jaxga._layerwise import map_mirrors
@@ -111,14 +117,20 @@ def map_mirrors(
     def mapped(leaf: Any, *others: Any) -> Any:
         return leaf if isinstance(leaf, optax.MaskedNode) else fn(leaf, *others)
 
-    return optax.tree_utils.tree_map_params(
-        tx,
-        mapped,
-        opt_state,
-        *rest,
-        transform_non_params=transform_non_params,
-        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
-    )
+    try:
+        return optax.tree_utils.tree_map_params(
+            tx,
+            mapped,
+            opt_state,
+            *rest,
+            transform_non_params=transform_non_params,
+            is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+        )
+    except (TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
+        raise UnmappedState(
+            "optax.tree_utils.tree_map_params cannot find the copies of the parameters in "
+            f"`tx`'s state ({type(e).__name__}: {e})"
+        ) from e
 
 
 def _non_param(tree: Any) -> Any:

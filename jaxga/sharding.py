@@ -14,7 +14,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSh
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, meshes
-from jaxga._layerwise import init_by_layer, map_mirrors
+from jaxga._layerwise import UnmappedState, init_by_layer, map_mirrors
 from jaxga._streaming import made_by_layer
 from jaxga.microbatch import IndivisibleBatchError  # noqa: F401 (importable from here too)
 
@@ -352,8 +352,10 @@ def init_on_mesh(tx: Any, init: Callable[[Any], Any], params: Any) -> Any:
     """``init(params)``, a state of ``tx``, jitted on the parameters' mesh
     (`meshes.jit_on_mesh_of`), each leaf that mirrors a parameter laid out as that parameter:
     Explicit axes type it so; on Auto axes, where XLA would lay out what ``init`` makes from
-    nothing replicated, it is constrained to its parameter's spec, in the memory ``init``
-    makes it in (concrete parameters; traced ones, the enclosing jit lays it out).
+    nothing replicated, each leaf of its parameter's shape is constrained to its parameter's
+    spec, in the memory ``init`` makes it in (concrete parameters; traced ones, the enclosing
+    jit lays it out). A state ``optax.tree_utils.tree_map_params`` cannot map (L-BFGS's) is
+    left as XLA lays it out; a step lays it out.
 
     Args:
         tx: the optax transformation the state is of (its mirrors found by
@@ -381,14 +383,18 @@ def init_on_mesh(tx: Any, init: Callable[[Any], Any], params: Any) -> Any:
         state = init(params)
         if mesh is None:
             return state
-        return map_mirrors(tx, functools.partial(_constrained, mesh), state, specs)
+        try:
+            return map_mirrors(tx, functools.partial(_constrained, mesh), state, specs, params)
+        except UnmappedState:  # optax cannot pair them: as XLA lays it out (a step lays it out)
+            return state
 
     return meshes.jit_on_mesh_of(made, params, "params")
 
 
 def _auto_specs(params: Any) -> tuple[Mesh | None, Any]:
     """The mesh of concrete ``params`` laid out on Auto axes and each leaf's spec there
-    (``P()`` off it), or ``(None, None)``: traced leaves, no mesh, an Explicit axis."""
+    (``P()`` off it), or ``(None, None)``: traced leaves, no mesh, an Explicit axis, no
+    leaf split."""
     leaves = jax.tree.leaves(params)
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return None, None
@@ -402,12 +408,16 @@ def _auto_specs(params: Any) -> tuple[Mesh | None, Any]:
         on_mesh = isinstance(sharding, NamedSharding) and sharding.mesh == mesh
         return sharding.spec if on_mesh else P()
 
-    return mesh, jax.tree.map(spec, params)
+    specs = jax.tree.map(spec, params)
+    if all(axis is None for s in jax.tree.leaves(specs, is_leaf=meshes.is_spec) for axis in s):
+        return None, None
+    return mesh, specs
 
 
-def _constrained(mesh: Mesh, leaf: Any, spec: P) -> Any:
-    """``leaf`` constrained to ``spec`` on ``mesh``, in its own memory; replicated: as it is."""
-    if all(axis is None for axis in spec):
+def _constrained(mesh: Mesh, leaf: Any, spec: P, param: Any) -> Any:
+    """``leaf`` constrained to ``spec`` on ``mesh``, in its own memory, where it is shaped as
+    ``param`` (not a factored or stacked copy); replicated: as it is."""
+    if all(axis is None for axis in spec) or jnp.shape(leaf) != jnp.shape(param):
         return leaf
     kind = "pinned_host" if meshes.memory_space(leaf) == jax.memory.Space.Host else "device"
     return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec, memory_kind=kind))

@@ -166,6 +166,33 @@ def test_the_state_of_a_split_parameter_is_split_as_it(axis_type):
             assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(moment["layers"]))
 
 
+@pytest.mark.parametrize(
+    "tx, split_copies",
+    [
+        (optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1)), 2),  # mu, nu
+        (optax.adafactor(1e-3), 0),  # its moments of the parameter: factored
+        (optax.lbfgs(), 0),  # 2 copies and 2 histories, unmapped
+    ],
+    ids=["clipped_adam", "adafactor", "lbfgs"],
+)
+def test_create_on_auto_axes_lays_out_only_the_copies_of_a_parameter(tx, split_copies):
+    """A split parameter on Auto axes beside a stack in host memory: `create` constrains a
+    state leaf to the parameter's spec only where it is shaped as the parameter (not
+    adafactor's factored moments), and leaves as XLA lays it out a state optax's
+    ``tree_map_params`` cannot map (L-BFGS's); the values are `tx.init`'s either way."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    split = jax.NamedSharding(mesh, jax.P("data"))
+    host = jax.NamedSharding(mesh, jax.P(), memory_kind="pinned_host")
+    params = {"w": jnp.arange(128 * 256.0).reshape(128, 256) / 1e4, "stack": jnp.ones((2, 4, 4))}
+    placed = jax.device_put(params, {"w": split, "stack": host})
+    state = jaxga.TrainState.create(params=placed, tx=tx).opt_state
+    assert_equal(state, tx.init(params))
+    laid_out = [x for x in jax.tree.leaves(state) if x.sharding.is_equivalent_to(split, 2)]
+    assert len(laid_out) == split_copies and all(x.shape == (128, 256) for x in laid_out)
+    others = [x for x in jax.tree.leaves(state) if x.ndim and id(x) not in set(map(id, laid_out))]
+    assert others and all(x.sharding.is_fully_replicated for x in others)
+
+
 def test_with_offloaded_init_refuses_a_stack_split_over_a_mesh():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     params = jax.device_put(
