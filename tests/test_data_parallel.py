@@ -439,22 +439,32 @@ def test_state_specs_none_keeps_a_zero1_optimiser_state_split():
     assert new.opt_state[0].mu["w"].sharding.is_equivalent_to(where, 2)
 
 
+def _adam_of(state, kind):
+    """Adam's state inside a `multi_transform`'s ("adam" group) or an `optax.masked`'s."""
+    if kind == "multi_transform":
+        return state.inner_states["adam"].inner_state[0]  # optax.adam: a chain
+    return state[0].inner_state
+
+
+@pytest.mark.parametrize("kind", ["multi_transform", "masked"])
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
-def test_a_tree_of_specs_lays_out_a_multi_transforms_state(axis_type):
-    """`optax.multi_transform` keeps an ``optax.MaskedNode`` where a group leaves a parameter
-    out: a tree of specs still lays out each group's moments as its parameter, and the step
-    on 8 devices is `jax.grad` of the whole batch with the same optax update."""
+def test_a_tree_of_specs_lays_out_a_state_that_leaves_parameters_out(axis_type, kind):
+    """`optax.multi_transform` and `optax.masked` keep an ``optax.MaskedNode`` where Adam
+    leaves a parameter out: a tree of specs still lays out Adam's moments as their
+    parameter, and the step on 8 devices is `jax.grad` of the whole batch with the same optax
+    update."""
     mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
     params = {"w": jnp.arange(32.0).reshape(8, 4) / 32, "b": jnp.ones(4)}
-    tx = optax.multi_transform(
-        {"adam": optax.adam(0.1), "sgd": optax.sgd(0.1)}, {"w": "adam", "b": "sgd"}
-    )
+    if kind == "multi_transform":
+        tx = optax.multi_transform(
+            {"adam": optax.adam(0.1), "sgd": optax.sgd(0.1)}, {"w": "adam", "b": "sgd"}
+        )
+    else:  # Adam's scaling for w alone, b's gradient as it is: sgd
+        adam = optax.masked(optax.scale_by_adam(), {"w": True, "b": False})
+        tx = optax.chain(adam, optax.scale(-0.1))
     state = jaxga.TrainState.create(params=params, tx=tx)
     specs = jaxga.sharding.state_specs(state, mesh, {"w": P("data"), "b": P()})
-    assert specs.opt_state.inner_states["adam"].inner_state[0].mu == {
-        "w": P("data"),
-        "b": optax.MaskedNode(),
-    }
+    assert _adam_of(specs.opt_state, kind).mu == {"w": P("data"), "b": optax.MaskedNode()}
 
     def loss(params, batch, model_state, rng):
         return jaxga.Mean.of(((batch @ params["w"]) + params["b"]) ** 2), model_state
@@ -472,5 +482,5 @@ def test_a_tree_of_specs_lays_out_a_multi_transforms_state(axis_type):
         jax.tree.leaves(new.params), jax.tree.leaves(optax.apply_updates(params, updates))
     ):
         np.testing.assert_allclose(got, want, rtol=1e-6)
-    split = new.opt_state.inner_states["adam"].inner_state[0].mu["w"].sharding
+    split = _adam_of(new.opt_state, kind).mu["w"].sharding
     assert split.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
