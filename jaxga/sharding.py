@@ -561,9 +561,10 @@ def state_specs(
         state: a train state with ``params``, ``opt_state`` and ``tx`` (a Flax ``TrainState``).
         mesh: the mesh the state is laid out on.
         strategy: a name in `STRATEGIES`; a tree of `PartitionSpec`s shaped as the
-            parameters (the optimiser's leaves shaped like a parameter follow it, the others
-            split as `fsdp_specs` splits them); or ``None``, the parameters and the optimiser
-            state as they are laid out.
+            parameters (the optimiser's copies of a parameter follow it, its other leaves
+            for a parameter, such as adafactor's factored moments, are replicated, the rest
+            split as `fsdp_specs` splits them); or ``None``, the parameters and the
+            optimiser state as they are laid out.
         axis_name: the batch's mesh axis (or axes), which the named strategies split over.
 
     Returns:
@@ -599,10 +600,19 @@ def state_specs(
         return specs.replace(params=params, opt_state=opt_state)
     _check_param_specs(strategy, state.params, mesh)
 
-    def follow(_: Any, spec: P) -> P:  # optimiser state shaped like the parameters
-        return spec
+    def follow(leaf: Any, spec: P, param: Any) -> P:  # a copy of a parameter: its spec
+        return spec if jnp.shape(leaf) == jnp.shape(param) else P()  # factored: whole
 
-    opt_state = map_mirrors(state.tx, follow, state.opt_state, strategy, transform_non_params=shard)
+    try:
+        opt_state = map_mirrors(
+            state.tx, follow, state.opt_state, strategy, state.params, transform_non_params=shard
+        )
+    except UnmappedState as e:
+        raise ValueError(
+            f"`strategy`, a tree of specs, lays the optimiser state's copies of the parameters "
+            f"out as the parameters, but {e}; expected an optimiser whose state holds "
+            "parameter-shaped trees, or a named strategy."
+        ) from e
     return specs.replace(params=strategy, opt_state=opt_state)
 
 

@@ -484,3 +484,35 @@ def test_a_tree_of_specs_lays_out_a_state_that_leaves_parameters_out(axis_type, 
         np.testing.assert_allclose(got, want, rtol=1e-6)
     split = _adam_of(new.opt_state, kind).mu["w"].sharding
     assert split.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_a_tree_of_specs_replicates_the_factored_moments_of_a_parameter(axis_type):
+    """Adafactor's factored moments of a parameter (its rows', its columns') are not shaped
+    as it: replicated (the parameter's spec would not fit them), and the step on 8 devices
+    is `jax.grad` of the whole batch with the same optax update. A state optax cannot map
+    (L-BFGS's) is named."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    params = {"w": jnp.arange(128 * 256.0).reshape(128, 256) / 1e5, "b": jnp.zeros(256)}
+    specs = {"w": P(None, "data"), "b": P()}
+    tx = optax.adafactor(1e-2)
+    state = jaxga.TrainState.create(params=params, tx=tx)
+    laid_out = jaxga.sharding.state_specs(state, mesh, specs).opt_state[0]
+    assert laid_out.v_row["w"] == laid_out.v_col["w"] == P() and laid_out.v["b"] == P()
+
+    def loss(params, batch, model_state, rng):
+        return jaxga.Mean.of(((batch @ params["w"]) + params["b"]) ** 2), model_state
+
+    batch = jnp.arange(16 * 128.0).reshape(16, 128) / 1e3
+    step = jaxga.make_train_step(loss, 2, mesh=mesh, strategy=specs)
+    with jax.default_matmul_precision("highest"):
+        new, _ = step(state, batch)
+        grads = jax.grad(lambda p: jnp.mean(((batch @ p["w"]) + p["b"]) ** 2))(params)
+        updates, _ = tx.update(grads, tx.init(params), params)
+    for got, want in zip(
+        jax.tree.leaves(new.params), jax.tree.leaves(optax.apply_updates(params, updates))
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    lbfgs = jaxga.TrainState.create(params=params, tx=optax.lbfgs())
+    with pytest.raises(ValueError, match=r"`strategy`, a tree of specs, .*tree_map_params cannot"):
+        jaxga.sharding.state_specs(lbfgs, mesh, specs)
