@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 # `_STREAMED` (a parameter in host memory with a layer axis, or a state leaf mirroring one).
 _STATE, _RESIDENT, _STREAMED = 0, 1, 2
 _FIX = "build the step with stream=True (the whole-tree update) for this `tx`"
+_BY_RANK = (
+    "a mask or labels by the leaves' rank, shape or size treat a layer's slice (an axis "
+    "fewer) unlike its stack: give them by the parameters' paths"
+)
 _WHO = '`stream`="layers"'
 
 
@@ -298,9 +302,7 @@ def check_elementwise(
             try:
                 split = split_update(access, split, probe_grads, kinds=kinds, **probe)
             except (TypeError, ValueError) as e:
-                raise ValueError(
-                    f'`stream`="layers": `tx` fails on one layer ({e}): {_FIX}.'
-                ) from e
+                raise _fails_on_a_layer(e) from e
             _check_same(_trees(access, split), _trees(access, whole), t)
     if key is not None:
         if len(_PROBED) >= 64:
@@ -358,7 +360,7 @@ def _check_same(split: Any, whole: Any, t: int) -> None:
         f'`stream`="layers" updates a layer at a time, exact only for an optimiser '
         f"that updates each element from its own values (sgd, adam, adamw, lion); "
         f"`tx` is not (it reduces across leaves or layers: clipping by global norm, "
-        f"trust ratios, factored moments). On a probe, update {t + 1}'s {where} got "
+        f"trust ratios, factored moments; or {_BY_RANK}). On a probe, update {t + 1}'s {where} got "
         f"{a.ravel()[:4].tolist()} a layer at a time; expected the whole-tree "
         f"{b.ravel()[:4].tolist()}: {_FIX}."
     )
@@ -391,7 +393,17 @@ def updated_by_layer(access: "OptimizerAccess", state: Any, grads: Any, **extra:
     """
     kinds = leaf_kinds(access.tx, *_trees(access, state))
     check_elementwise(access, state, grads, kinds, **extra)
-    return split_update(access, state, grads, kinds=kinds, **extra)
+    try:
+        return split_update(access, state, grads, kinds=kinds, **extra)
+    except StreamError:
+        raise
+    except (TypeError, ValueError) as e:  # passed the probe, fails at these sizes
+        raise _fails_on_a_layer(e) from e
+
+
+def _fails_on_a_layer(e: Exception) -> StreamError:
+    """The error of a ``tx`` that fails on a layer's slices (``e``), naming ``stream=``."""
+    return StreamError(f'`stream`="layers": `tx` fails on one layer ({e}); {_BY_RANK}: {_FIX}.')
 
 
 def streamed_leaves(access: "OptimizerAccess", state: Any) -> Any:
@@ -406,7 +418,11 @@ def streamed_leaves(access: "OptimizerAccess", state: Any) -> Any:
 
 # The optimiser's state made a layer at a time (`jaxga.sharding.with_offloaded_init`).
 _INIT = "jaxga.sharding.with_offloaded_init(tx)"
-_INIT_FIX = "make it whole on the device (jax.jit(tx.init)) and move it with jaxga.sharding.offload"
+_INIT_FIX = (
+    "make it whole on the device (jax.jit(tx.init)), move it with jaxga.sharding.offload and "
+    "build the step with stream=True; a mask or labels by the leaves' rank, shape or size "
+    "treat a layer unlike its stack: give them by the parameters' paths"
+)
 
 
 def init_by_layer(tx: Any, params: Any) -> Any:
@@ -437,15 +453,30 @@ def init_by_layer(tx: Any, params: Any) -> Any:
         return tx.init(params)
     kinds = leaf_kinds(tx, params, jax.eval_shape(tx.init, params), who=_INIT, fix=_INIT_FIX)
     check_init(tx, params, kinds)
-    return _split_init(tx, params, kinds)
+    try:
+        return _split_init(tx, params, kinds)
+    except (TypeError, ValueError) as e:  # passed the probes, fails at these sizes
+        raise _init_fails_apart(e) from e
+
+
+def _init_fails_apart(e: Exception) -> ValueError:
+    """The error of a ``tx.init`` that fails on a stack's layers apart (``e``)."""
+    got = f"`tx.init` fails on a stack's layers apart ({e})"
+    return ValueError(f"{_INIT} makes the state a layer at a time; {got}: {_INIT_FIX}.")
 
 
 def _split_init(tx: Any, params: Any, kinds: Any) -> Any:
     """`init_by_layer`'s ``tx.init(params)``, the leaves of ``kinds`` `_STREAMED` by layer."""
     (p, treedef), (pk, ok) = jax.tree.flatten(params), kinds
-    shapes = [jnp.shape(x) for x in jax.tree.leaves(jax.eval_shape(tx.init, params))]
+    shapes, whole_def = jax.tree.flatten(jax.eval_shape(tx.init, params))
+    shapes = [jnp.shape(x) for x in shapes]
     stood = [_empty(x) if k == _STREAMED else x for x, k in zip(p, pk)]
     made, state_def = jax.tree.flatten(tx.init(jax.tree.unflatten(treedef, stood)))
+    if state_def != whole_def:  # a rule of the leaves' sizes (a stand-in has none)
+        got = (
+            f"a state of another structure for stacks of no layers ({state_def.num_leaves} leaves)"
+        )
+        raise ValueError(f"`tx.init` makes {got} than for the stacks ({whole_def.num_leaves})")
     sizes = {jnp.shape(x)[0] for x, k in zip(p, pk) if k == _STREAMED} - {0}  # 0: made above
     for size in sorted(sizes):
         mine_p = [i for i, (x, k) in enumerate(zip(p, pk)) if k == _STREAMED and x.shape[0] == size]
@@ -470,8 +501,8 @@ def _init_layer(
         one[i] = fetch_layer(p[i], layer)
     new, new_def = jax.tree.flatten(tx.init(jax.tree.unflatten(treedef, one)))
     if new_def != state_def:  # a rule of the leaves' ranks (a mask by ndim, say)
-        got = f"a state of another structure for one layer ({new_def}) than for the stack"
-        raise ValueError(f"`tx.init` makes {got} ({state_def})")
+        got = f"a state of another structure for one layer ({new_def.num_leaves} leaves)"
+        raise ValueError(f"`tx.init` makes {got} than for the stack ({state_def.num_leaves})")
     return [new[i] for i in mine_o]
 
 
@@ -492,9 +523,7 @@ def check_init(tx: Any, params: Any, kinds: Any) -> None:
                 got = f"{jax.tree.structure(split)}, not {jax.tree.structure(whole)}"
                 raise ValueError(f"`tx.init` makes a state of another structure: {got}")
         except (TypeError, ValueError) as e:
-            got = f"`tx.init` fails on a stack's layers apart ({e})"
-            fix = f"{_INIT} makes the state a layer at a time; {got}: {_INIT_FIX}"
-            raise ValueError(f"{fix}.") from e
+            raise _init_fails_apart(e) from e
         differs = _first_difference(split, whole)
     if differs is not None:
         where, a, b = differs

@@ -30,6 +30,7 @@ from tests.test_streaming import (
     model_params,
     nnx_loss,
     step_loss,
+    train,
 )
 
 INITS = OPTIMIZERS | {"schedule_free": lambda: optax.contrib.schedule_free_adamw(0.05)}
@@ -191,6 +192,20 @@ def test_create_on_auto_axes_lays_out_only_the_copies_of_a_parameter(tx, split_c
     assert len(laid_out) == split_copies and all(x.shape == (128, 256) for x in laid_out)
     others = [x for x in jax.tree.leaves(state) if x.ndim and id(x) not in set(map(id, laid_out))]
     assert others and all(x.sharding.is_fully_replicated for x in others)
+
+
+def test_a_mask_by_size_that_a_layer_falls_under_is_named_with_the_fix():
+    """The decoder's stack of ``w`` (256 elements) is masked in, a layer of it (64) out: the
+    probes (size 3 on each axis) pass, the step's update and `init` fail on a layer at the
+    real sizes, and both errors say what to do (labels by path; the whole-tree update)."""
+    tx = optax.masked(optax.adam(0.05), lambda ps: jax.tree.map(lambda x: x.size > 100, ps))
+    fix = r"treat a layer.* unlike its stack: give them by the parameters' paths"
+    with pytest.raises(
+        ValueError, match=r'(?s)`stream`="layers": `tx` fails on one layer .*' + fix
+    ):
+        train(1, "full", stream="layers", tx=tx, steps=1)
+    with pytest.raises(ValueError, match=r"(?s)layers apart .*stream=True; a mask .*" + fix):
+        jaxga.sharding.with_offloaded_init(tx).init(host_params())
 
 
 def test_with_offloaded_init_refuses_a_stack_split_over_a_mesh():
