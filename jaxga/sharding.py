@@ -428,9 +428,9 @@ def stacked_on_host(init_layer: Callable[[Any], Any], keys: Any) -> Any:
     the device (a ``lax.scan``, jitted on ``keys``' mesh) and each layer written to pinned
     host memory: the parameters of a stack that fits only in host memory, for
     ``remat_scan(stream=True)``; never whole on the device. The values are those of a loop
-    over the keys, which are ``jax.vmap(init_layer)(keys)``'s for threefry keys (JAX's
-    default) and elementwise draws; with ``rbg`` keys, or an ``init_layer`` that reduces
-    (a norm, an orthogonal init), ``vmap``'s may differ from the loop's.
+    over the keys, which are ``jax.jit(jax.vmap(init_layer))(keys)``'s for threefry keys
+    (JAX's default) and elementwise draws; with ``rbg`` keys, an ``init_layer`` that reduces
+    (a norm, an orthogonal init), or ``vmap`` run eagerly, ``vmap``'s may round otherwise.
 
     Args:
         init_layer: ``key -> a layer's parameters`` (a pytree of arrays), as ``Dense.init``
