@@ -451,10 +451,11 @@ def init_by_layer(tx: Any, params: Any) -> Any:
     """
     if not any(map(is_streamed, jax.tree.leaves(params))):
         return tx.init(params)
-    kinds = leaf_kinds(tx, params, jax.eval_shape(tx.init, params), who=_INIT, fix=_INIT_FIX)
+    whole = jax.eval_shape(tx.init, params)
+    kinds = leaf_kinds(tx, params, whole, who=_INIT, fix=_INIT_FIX)
     check_init(tx, params, kinds)
     try:
-        return _split_init(tx, params, kinds)
+        return _split_init(tx, params, kinds, whole)
     except (TypeError, ValueError) as e:  # passed the probes, fails at these sizes
         raise _init_fails_apart(e) from e
 
@@ -465,10 +466,11 @@ def _init_fails_apart(e: Exception) -> ValueError:
     return ValueError(f"{_INIT} makes the state a layer at a time; {got}: {_INIT_FIX}.")
 
 
-def _split_init(tx: Any, params: Any, kinds: Any) -> Any:
-    """`init_by_layer`'s ``tx.init(params)``, the leaves of ``kinds`` `_STREAMED` by layer."""
+def _split_init(tx: Any, params: Any, kinds: Any, whole: Any) -> Any:
+    """`init_by_layer`'s ``tx.init(params)``, the leaves of ``kinds`` `_STREAMED` by layer;
+    ``whole``: ``tx.init(params)`` or its shapes (`jax.eval_shape`)."""
     (p, treedef), (pk, ok) = jax.tree.flatten(params), kinds
-    shapes, whole_def = jax.tree.flatten(jax.eval_shape(tx.init, params))
+    shapes, whole_def = jax.tree.flatten(whole)
     shapes = [jnp.shape(x) for x in shapes]
     stood = [_empty(x) if k == _STREAMED else x for x, k in zip(p, pk)]
     made, state_def = jax.tree.flatten(tx.init(jax.tree.unflatten(treedef, stood)))
@@ -518,7 +520,7 @@ def check_init(tx: Any, params: Any, kinds: Any) -> None:
             got = f"`tx.init` fails on its probes (2 layers, size 3 on other axes: {e})"
             raise ValueError(f"{_INIT} checks {got}: {_INIT_FIX}.") from e
         try:
-            split = _split_init(tx, probe, kinds)
+            split = _split_init(tx, probe, kinds, whole)
             if jax.tree.structure(split) != jax.tree.structure(whole):
                 got = f"{jax.tree.structure(split)}, not {jax.tree.structure(whole)}"
                 raise ValueError(f"`tx.init` makes a state of another structure: {got}")

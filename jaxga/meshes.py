@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 HOST_KINDS = ("pinned_host", "unpinned_host")  # memory kinds of host memory
@@ -185,12 +185,47 @@ def memory_space(leaf: Any) -> Any:
     return getattr(jax.typeof(leaf), "memory_space", jax.memory.Space.Device)
 
 
+def mesh_of(tree: Any, name: str) -> Mesh | None:
+    """The one mesh the concrete leaves of ``tree`` laid out by a `NamedSharding` share, or
+    ``None``: a traced leaf (the enclosing jit places them), no such leaf.
+
+    Args:
+        tree: a pytree of arrays (concrete or traced).
+        name: the argument ``tree`` is, for the error.
+
+    Returns:
+        The mesh, or ``None``.
+
+    Raises:
+        ValueError: ``tree``'s leaves lie on more than one mesh.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxga.meshes import mesh_of
+        >>> mesh = jax.make_mesh((1,), ("data",))
+        >>> x = jax.device_put(jnp.ones(2), jax.NamedSharding(mesh, jax.P()))
+        >>> mesh_of({"x": x}, "x") == mesh, mesh_of(jnp.ones(2), "y")
+        (True, None)
+    """
+    leaves = jax.tree.leaves(tree)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return None
+    shardings = [getattr(x, "sharding", None) for x in leaves]
+    found = list(dict.fromkeys(s.mesh for s in shardings if isinstance(s, NamedSharding)))
+    if len(found) > 1:
+        got = " and ".join(
+            f"{dict(m.shape)} of devices {[d.id for d in m.devices.flat]}" for m in found[:2]
+        )
+        raise ValueError(f"`{name}` lies on more than one mesh ({got}); expected one.")
+    return found[0] if found else None
+
+
 def jit_on_mesh_of(fn: Callable[[Any], Any], tree: Any, name: str) -> Any:
     """``jax.jit(fn)(tree)`` on ``tree``'s devices: under the mesh its leaves laid out by a
-    `NamedSharding` share (`jax.set_mesh`: Explicit axes type what ``fn`` makes there), every
-    argument kept (one ``fn`` does not read still says where the outputs go); traced, as a
-    nested ``jax.jit`` (the enclosing one places it). On Auto axes XLA lays out what ``fn``
-    makes from nothing (zeros): replicated.
+    `NamedSharding` share (`mesh_of`; `jax.set_mesh`: Explicit axes type what ``fn`` makes
+    there), every argument kept (one ``fn`` does not read still says where the outputs go);
+    traced, as a nested ``jax.jit`` (the enclosing one places it). On Auto axes XLA lays out
+    what ``fn`` makes from nothing (zeros): replicated.
 
     Args:
         fn: a function of ``tree``.
@@ -212,17 +247,8 @@ def jit_on_mesh_of(fn: Callable[[Any], Any], tree: Any, name: str) -> Any:
         True
     """
     jitted = jax.jit(fn, keep_unused=True)
-    leaves = jax.tree.leaves(tree)
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    mesh = mesh_of(tree, name)
+    if mesh is None:
         return jitted(tree)
-    shardings = [getattr(x, "sharding", None) for x in leaves]
-    found = list(dict.fromkeys(s.mesh for s in shardings if isinstance(s, NamedSharding)))
-    if len(found) > 1:
-        got = " and ".join(
-            f"{dict(m.shape)} of devices {[d.id for d in m.devices.flat]}" for m in found[:2]
-        )
-        raise ValueError(f"`{name}` lies on more than one mesh ({got}); expected one.")
-    if not found:
-        return jitted(tree)
-    with jax.set_mesh(found[0]):
+    with jax.set_mesh(mesh):
         return jitted(tree)

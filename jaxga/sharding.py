@@ -377,11 +377,12 @@ def init_on_mesh(tx: Any, init: Callable[[Any], Any], params: Any) -> Any:
         >>> init_on_mesh(tx, tx.init, {"w": w})[0].mu["w"].sharding.is_equivalent_to(split, 2)
         True
     """
-    mesh, specs = _auto_specs(params)
+    mesh = meshes.mesh_of(params, "params")
+    specs = _auto_specs(mesh, params)
 
     def made(params: Any) -> Any:
         state = init(params)
-        if mesh is None:
+        if specs is None:
             return state
         try:
             return map_mirrors(tx, functools.partial(_constrained, mesh), state, specs, params)
@@ -391,17 +392,12 @@ def init_on_mesh(tx: Any, init: Callable[[Any], Any], params: Any) -> Any:
     return meshes.jit_on_mesh_of(made, params, "params")
 
 
-def _auto_specs(params: Any) -> tuple[Mesh | None, Any]:
-    """The mesh of concrete ``params`` laid out on Auto axes and each leaf's spec there
-    (``P()`` off it), or ``(None, None)``: traced leaves, no mesh, an Explicit axis, no
-    leaf split."""
-    leaves = jax.tree.leaves(params)
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
-        return None, None
-    named = [x.sharding for x in leaves if isinstance(getattr(x, "sharding", None), NamedSharding)]
-    if not named or any(t != AxisType.Auto for t in named[0].mesh.axis_types):
-        return None, None
-    mesh = named[0].mesh
+def _auto_specs(mesh: Mesh | None, params: Any) -> Any:
+    """Each leaf of ``params``' spec on ``mesh`` (`meshes.mesh_of`) where its axes are all
+    Auto and some leaf is split there (``P()`` off it), or ``None``: no mesh, an Explicit
+    axis (JAX's types lay the state out), no leaf split."""
+    if mesh is None or any(t != AxisType.Auto for t in mesh.axis_types):
+        return None
 
     def spec(x: Any) -> P:
         sharding = getattr(x, "sharding", None)
@@ -410,8 +406,8 @@ def _auto_specs(params: Any) -> tuple[Mesh | None, Any]:
 
     specs = jax.tree.map(spec, params)
     if all(axis is None for s in jax.tree.leaves(specs, is_leaf=meshes.is_spec) for axis in s):
-        return None, None
-    return mesh, specs
+        return None
+    return specs
 
 
 def _constrained(mesh: Mesh, leaf: Any, spec: P, param: Any) -> Any:
