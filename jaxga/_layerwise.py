@@ -1,12 +1,13 @@
 """The optimiser's update a layer at a time over layer stacks in host memory (both train
 steps' ``stream="layers"``): each layer's parameters, gradient and optimiser-state slices
-fetched to the device, updated, and written back; a probe refuses a ``tx`` that is not
-elementwise (docs/streaming.md). Its state made the same way
+fetched to the device, updated, and written back; a probe, and a trace at the stacks'
+real sizes, refuse a ``tx`` that is not elementwise (docs/streaming.md). Its state made the same way
 (`jaxga.sharding.with_offloaded_init`), checked by a probe of ``tx.init``. A step's kind
 says how to reach its parameters and optimiser state (`skeleton.OptimizerAccess`): a Flax
 TrainState's, an NNX optimizer's.
 """
 
+import collections
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.extend import core
 
 from jaxga._streaming import fetch_layer, is_streamed, made_by_layer, on_device, write_layer
 from jaxga.multistep import states_in
@@ -264,9 +266,9 @@ def check_elementwise(
 ) -> None:
     """Raises unless `split_update` gives exactly ``access.update``'s whole-tree result, on
     small concrete probes of ``state``'s structure: four updates (layers of unlike scale, a
-    NaN in the last; ``end_group`` alternating where ``access.tx`` holds a `jaxga.MultiSteps`).
-    Once per ``tx``, ``access.static``, params' structure, shapes, dtypes and kinds, and
-    ``extra``'s names (a ``tx`` that cannot be hashed: every time).
+    NaN in the last; ``end_group`` alternating where ``access.tx`` holds a `jaxga.MultiSteps`);
+    then `check_at_size`. Once per ``tx``, ``access.static``, params' structure, shapes,
+    dtypes and kinds, and ``extra``'s names (a ``tx`` that cannot be hashed: every time).
 
     Args:
         access: a `skeleton.OptimizerAccess` (its ``tx``, ``update``, and how it reaches the
@@ -304,10 +306,123 @@ def check_elementwise(
             except (TypeError, ValueError) as e:
                 raise _fails_on_a_layer(e) from e
             _check_same(_trees(access, split), _trees(access, whole), t)
+    check_at_size(access, state, grads, kinds, **extra)
     if key is not None:
         if len(_PROBED) >= 64:
             _PROBED.clear()
         _PROBED[key] = None
+
+
+def check_at_size(
+    access: "OptimizerAccess", state: Any, grads: Any, kinds: Any, **extra: Any
+) -> None:
+    """Raises unless ``access.update`` applies the same operations (`_operations`) to the
+    stacks of each layer count as to one layer of them, traced (not run) at the stacks' real
+    sizes: what the probes of `check_elementwise`, small, cannot see (a weight-decay mask by
+    size that takes a stack and leaves its layers out).
+
+    Args:
+        access: a `skeleton.OptimizerAccess` (its ``update``, and how it reaches the
+            parameters and the optimiser state of ``state``).
+        state: a train state of the step (its leaves' shapes and dtypes).
+        grads: the step's gradient (its shapes).
+        kinds: `leaf_kinds` of ``state``'s params and optimiser state.
+        extra: the keywords the step passes ``update``.
+
+    Returns:
+        None.
+
+    Raises:
+        StreamError: the operations differ, or ``update`` fails on a layer's shapes.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, jaxga
+        >>> from jaxga._layerwise import check_at_size
+        >>> big = lambda ps: jax.tree.map(lambda x: x.size > 4, ps)  # a stack of 6, layers of 3
+        >>> state = jaxga.TrainState.create(params=jnp.ones((2, 3)), tx=optax.adamw(0.1, mask=big))
+        >>> access = jaxga.train._Flax(None, None, None).optimizer(state)
+        >>> check_at_size(access, state, state.params, ([2], [0, 2, 2]))
+        Traceback (most recent call last):
+        ...
+        jaxga._layerwise.StreamError: `stream`="layers" updates a layer at a time, ...
+    """
+    (p, o), pk = _parts(access, state), kinds[0]
+    whole = jax.tree.map(_abstract, (state, p, o, grads, extra))
+    counted = _operations(jax.make_jaxpr(functools.partial(_updated, access))(whole).jaxpr)
+    for size in sorted({jnp.shape(x)[0] for x, k in zip(p, pk) if k == _STREAMED}):
+        try:
+            jaxpr = jax.make_jaxpr(functools.partial(_updated, access))(
+                _layer_of(whole, kinds, size=size)
+            ).jaxpr
+        except (TypeError, ValueError) as e:  # a state of another structure for a layer
+            raise _fails_on_a_layer(e) from e
+        if (per_layer := _operations(jaxpr)) != counted:
+            paths = jax.tree_util.tree_leaves_with_path(access.params(state))
+            mine = (
+                path for (path, x), k in zip(paths, pk) if k == _STREAMED and x.shape[0] == size
+            )
+            stacks = f"the stacks of {size} layers ({', '.join(map(jax.tree_util.keystr, mine))})"
+            more, fewer = _listed(counted - per_layer), _listed(per_layer - counted)
+            got = f"on them {more} more, on one {fewer} more"
+            raise StreamError(
+                f'`stream`="layers" updates a layer at a time, where `tx` treats {stacks} unlike '
+                f"one of their layers, traced at their sizes ({got}): it reduces over a stack's "
+                f"layers, or {_BY_RANK}: {_FIX}."
+            )
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """``x``'s shape and dtype, on the device."""
+    return jax.ShapeDtypeStruct(jnp.shape(x), jax.typeof(x).dtype)
+
+
+def _updated(access: "OptimizerAccess", trees: tuple[Any, ...]) -> Any:
+    """``access.update``'s params and optimiser-state leaves, flat, from ``trees``: the
+    state, its flat params and optimiser-state leaves, the gradient and the keywords."""
+    state, params, opt_state, grads, extra = trees
+    return _parts(access, access.update(_with(access, state, params, opt_state), grads, **extra))
+
+
+def _layer_of(trees: tuple[Any, ...], kinds: Any, *, size: int) -> tuple[Any, ...]:
+    """`_updated`'s ``trees`` (abstract) with each streamed leaf of ``size`` layers one
+    layer's shape."""
+    (state, p, o, grads, extra), (pk, ok) = trees, kinds
+
+    def one(x: Any, kind: int) -> Any:
+        if kind != _STREAMED or x.shape[0] != size:
+            return x
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+
+    g = jax.tree.unflatten(jax.tree.structure(grads), list(map(one, jax.tree.leaves(grads), pk)))
+    return state, list(map(one, p, pk)), list(map(one, o, ok)), g, extra
+
+
+# Primitives that only lay values out, which a stack and its layer's slice may differ in.
+_LAYOUT = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "copy"})
+
+
+def _listed(counted: collections.Counter) -> str:
+    """``counted``'s operations, ``"mul ×2, add ×1"``, or ``"none"``."""
+    return ", ".join(f"{name} ×{n}" for name, n in counted.items()) or "none"
+
+
+def _operations(jaxpr: core.Jaxpr) -> collections.Counter:
+    """The operations of ``jaxpr`` and the jaxprs it calls, counted by primitive name (a
+    reduction's, a cumulative one's, with its axes counted from the last: ``-1``), those
+    that only lay values out (`_LAYOUT`) left out."""
+    counted = collections.Counter()
+    for eqn in jaxpr.eqns:
+        for inner in core.jaxprs_in_params(eqn.params):
+            counted += _operations(inner)
+        if eqn.primitive.name in _LAYOUT:
+            continue
+        name, axes = eqn.primitive.name, eqn.params.get("axes", eqn.params.get("axis"))
+        axes = (axes,) if isinstance(axes, int) else axes
+        if isinstance(axes, tuple) and axes and all(isinstance(a, int) for a in axes):
+            ndim = jnp.ndim(eqn.invars[0].aval)
+            name = f"{name} over axes {tuple(sorted(a - ndim for a in axes))}"
+        counted[name] += 1
+    return counted
 
 
 # The keys of the probes `check_elementwise` passed: module-level because the probe runs

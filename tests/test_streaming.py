@@ -612,6 +612,48 @@ def test_the_update_by_layer_refuses_an_optimiser_that_reduces_across_leaves(tx)
     train(1, "full", stream=True, tx=tx, steps=1)  # the whole-tree update takes it
 
 
+def _by_size(threshold):
+    """A mask of the leaves of more than ``threshold`` elements."""
+    return lambda params: jax.tree.map(lambda x: x.size > threshold, params)
+
+
+# masks by size that change only values: the state's structure is the same either way
+BY_SIZE = {
+    "weight_decay": lambda threshold: optax.adamw(0.05, weight_decay=0.5, mask=_by_size(threshold)),
+    "learning_rate": lambda threshold: optax.chain(
+        optax.adam(0.05), optax.masked(optax.scale(0.1), _by_size(threshold))
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BY_SIZE))
+def test_the_update_by_layer_refuses_a_mask_by_size_that_changes_only_values(name):
+    """The decoder's stack ``w`` (256 elements) is masked in, a layer of it (64) out: the
+    probes (size 3 on each axis) agree and the state's structure is the same, so the update
+    a layer at a time ran and differed from the whole-tree one; traced at the real sizes, the
+    stack's update has operations a layer's has not, and the step names the fix."""
+    message = (
+        r'`stream`="layers" updates a layer at a time, where `tx` treats the stacks of 4 '
+        r"layers \(.*\['w'\].*\) unlike one of their layers, traced at their sizes \(on them "
+        r"mul ×1.* more, on one none more\).* give them by the parameters' paths: build the "
+        r"step with stream=True"
+    )
+    with pytest.raises(ValueError, match=message):
+        train(1, "full", stream="layers", tx=BY_SIZE[name](100), steps=1)
+
+
+@pytest.mark.parametrize("name", sorted(BY_SIZE))
+def test_the_update_by_layer_takes_a_mask_by_size_that_a_stack_and_its_layers_agree_on(name):
+    """Over 50 elements: ``w``'s stack (256) and its layers (64) both masked in, the other
+    stacks (32) and layers (8) both out: updated a layer at a time, the resident update to
+    rounding."""
+    tx = BY_SIZE[name](50)
+    state, metrics = train(4, "full", stream="layers", offload=True, steps=2, tx=tx)
+    resident, resident_metrics = train(4, "full", stream=False, steps=2, tx=tx)
+    assert_rounding((state.params, state.opt_state), (resident.params, resident.opt_state))
+    assert_rounding(metrics, resident_metrics)
+
+
 def test_the_update_moves_one_layer_at_a_time():
     """Read from the traced step (with `offload=True`): every move between memories, in the
     loss, the micro-batch loop and the update, is one layer's slice or a resident leaf, none

@@ -2,6 +2,8 @@
 pinned host memory trains as the resident model does (`True`: bit for bit; `"layers"`: to
 float rounding), the streamed leaves kept in host memory."""
 
+import functools
+
 import jax
 import numpy as np
 import optax
@@ -117,6 +119,20 @@ def test_stream_layers_takes_a_multi_transform_by_path():
     resident = train(4, stream=False, tx=tx)
     assert_rounding((params, opt_state, metrics), resident)
     assert moments(opt_state) and kinds(moments(opt_state)) == {"pinned_host"}
+
+
+def test_stream_layers_refuses_a_weight_decay_mask_by_size():
+    """The blocks' kernel stack (256 elements) decayed, a layer of it (64) not: the step
+    names the stack and the fix, where it used to update a layer at a time otherwise than
+    the resident step."""
+    by_size = functools.partial(jax.tree.map, lambda x: x.size > 100)
+    tx = optax.adamw(0.05, weight_decay=0.5, mask=by_size)
+    message = (
+        r"treats the stacks of 4 layers \(.*\['blocks'\]\['up'\]\['kernel'\].*\) unlike one of "
+        r"their layers, traced at their sizes .* give them by the parameters' paths"
+    )
+    with pytest.raises(ValueError, match=message):
+        train(1, stream="layers", offload=True, tx=tx, steps=1)
 
 
 def test_stream_true_on_a_one_device_mesh_is_the_step_without_one():
