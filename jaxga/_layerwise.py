@@ -267,7 +267,7 @@ def check_elementwise(
     """Raises unless `split_update` gives exactly ``access.update``'s whole-tree result, on
     small concrete probes of ``state``'s structure: four updates (layers of unlike scale, a
     NaN in the last; ``end_group`` alternating where ``access.tx`` holds a `jaxga.MultiSteps`);
-    then `check_at_size`. Once per ``tx``, ``access.static``, params' structure, shapes,
+    then `check_same_operations`. Once per ``tx``, ``access.static``, params' structure, shapes,
     dtypes and kinds, and ``extra``'s names (a ``tx`` that cannot be hashed: every time).
 
     Args:
@@ -306,20 +306,21 @@ def check_elementwise(
             except (TypeError, ValueError) as e:
                 raise _fails_on_a_layer(e) from e
             _check_same(_trees(access, split), _trees(access, whole), t)
-    check_at_size(access, state, grads, kinds, **extra)
+    check_same_operations(access, state, grads, kinds, **extra)
     if key is not None:
         if len(_PROBED) >= 64:
             _PROBED.clear()
         _PROBED[key] = None
 
 
-def check_at_size(
+def check_same_operations(
     access: "OptimizerAccess", state: Any, grads: Any, kinds: Any, **extra: Any
 ) -> None:
-    """Raises unless ``access.update`` applies the same operations (`_operations`) to the
-    stacks of each layer count as to one layer of them, traced (not run) at the stacks' real
-    sizes: what the probes of `check_elementwise`, small, cannot see (a weight-decay mask by
-    size that takes a stack and leaves its layers out).
+    """Raises unless ``access.update`` computes each streamed leaf of its result by the same
+    operations and from the same inputs (`_cone`) for a whole stack as for one of its
+    layers, traced (not run) at the stacks' real sizes: what the small probes of
+    `check_elementwise` cannot see (a weight-decay mask by size that takes a stack and
+    leaves its layers out).
 
     Args:
         access: a `skeleton.OptimizerAccess` (its ``update``, and how it reaches the
@@ -333,54 +334,82 @@ def check_at_size(
         None.
 
     Raises:
-        StreamError: the operations differ, or ``update`` fails on a layer's shapes.
+        StreamError: a leaf's operations or inputs differ, or ``update`` fails on a layer's
+            shapes.
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, jaxga
-        >>> from jaxga._layerwise import check_at_size
+        >>> from jaxga._layerwise import check_same_operations
         >>> big = lambda ps: jax.tree.map(lambda x: x.size > 4, ps)  # a stack of 6, layers of 3
         >>> state = jaxga.TrainState.create(params=jnp.ones((2, 3)), tx=optax.adamw(0.1, mask=big))
         >>> access = jaxga.train._Flax(None, None, None).optimizer(state)
-        >>> check_at_size(access, state, state.params, ([2], [0, 2, 2]))
+        >>> check_same_operations(access, state, state.params, ([2], [0, 2, 2]))
         Traceback (most recent call last):
         ...
-        jaxga._layerwise.StreamError: `stream`="layers" updates a layer at a time, ...
+        jaxga._layerwise.StreamError: `stream`="layers" updates a layer at a time, and `tx` ...
     """
-    (p, o), pk = _parts(access, state), kinds[0]
+    (p, o), (pk, ok) = _parts(access, state), kinds
+    streamed = [i for i, k in enumerate([*pk, *ok]) if k == _STREAMED]
+    if not streamed:
+        return
     whole = jax.tree.map(_abstract, (state, p, o, grads, extra))
-    counted = _operations(jax.make_jaxpr(functools.partial(_updated, access))(whole).jaxpr)
+    traced = jax.make_jaxpr(functools.partial(_updated, access))
+    whole_jaxpr = traced(whole).jaxpr
     for size in sorted({jnp.shape(x)[0] for x, k in zip(p, pk) if k == _STREAMED}):
         try:
-            jaxpr = jax.make_jaxpr(functools.partial(_updated, access))(
-                _layer_of(whole, kinds, size=size)
-            ).jaxpr
+            layer_jaxpr = traced(_layer_of(whole, kinds, size=size)).jaxpr
+        except StreamError:
+            raise
         except (TypeError, ValueError) as e:  # a state of another structure for a layer
             raise _fails_on_a_layer(e) from e
-        if (per_layer := _operations(jaxpr)) != counted:
-            paths = jax.tree_util.tree_leaves_with_path(access.params(state))
-            mine = (
-                path for (path, x), k in zip(paths, pk) if k == _STREAMED and x.shape[0] == size
-            )
-            stacks = f"the stacks of {size} layers ({', '.join(map(jax.tree_util.keystr, mine))})"
-            more, fewer = _listed(counted - per_layer), _listed(per_layer - counted)
-            got = f"on them {more} more, on one {fewer} more"
-            raise StreamError(
-                f'`stream`="layers" updates a layer at a time, where `tx` treats {stacks} unlike '
-                f"one of their layers, traced at their sizes ({got}): it reduces over a stack's "
-                f"layers, or {_BY_RANK}: {_FIX}."
-            )
+        for i in (i for i in streamed if jnp.shape([*p, *o][i])[0] == size):
+            stack, layer = _cone(whole_jaxpr, [i]), _cone(layer_jaxpr, [i])
+            if stack != layer:
+                raise _differs_on_a_layer(access, state, i, stack, layer)
+
+
+def _differs_on_a_layer(
+    access: "OptimizerAccess", state: Any, leaf: int, stack: Any, layer: Any
+) -> StreamError:
+    """`check_same_operations`'s error: flat leaf ``leaf`` of the update's params and
+    optimiser state is computed by ``stack``'s cone (`_cone`) whole, ``layer``'s a layer at
+    a time."""
+    trees = _trees(access, state)
+    paths = [
+        name + jax.tree_util.keystr(path)
+        for name, tree in zip(("params", "opt_state"), trees)
+        for path, _ in jax.tree_util.tree_leaves_with_path(tree)
+    ]
+    (ops, reads), (layer_ops, layer_reads) = stack, layer
+    parts = []
+    if more := ops - layer_ops:
+        parts.append(f"the stack's has {_listed(more)} that a layer's has not")
+    if fewer := layer_ops - ops:
+        parts.append(f"a layer's has {_listed(fewer)} that the stack's has not")
+    if reads != layer_reads:
+        parts.append("they read other inputs")
+    got = ", ".join(parts)
+    return StreamError(
+        f'`stream`="layers" updates a layer at a time, and `tx` updates {paths[leaf]}, a '
+        f"stack of {jnp.shape(jax.tree.leaves(trees)[leaf])[0]} layers, otherwise than one "
+        f"of its layers (traced at their sizes, not run): {got}; expected the same "
+        f"operations on the stack as on each layer. `tx` reduces across a stack's layers or "
+        f"across leaves (a global norm, trust ratios), or {_BY_RANK}; or {_FIX}."
+    )
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-    """``x``'s shape and dtype, on the device."""
-    return jax.ShapeDtypeStruct(jnp.shape(x), jax.typeof(x).dtype)
+    """``x``'s shape, dtype and weak type, on the device."""
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
 def _updated(access: "OptimizerAccess", trees: tuple[Any, ...]) -> Any:
     """``access.update``'s params and optimiser-state leaves, flat, from ``trees``: the
     state, its flat params and optimiser-state leaves, the gradient and the keywords."""
     state, params, opt_state, grads, extra = trees
-    return _parts(access, access.update(_with(access, state, params, opt_state), grads, **extra))
+    new = access.update(_with(access, state, params, opt_state), grads, **extra)
+    return [*jax.tree.leaves(access.params(new)), *jax.tree.leaves(access.opt_state(new))]
 
 
 def _layer_of(trees: tuple[Any, ...], kinds: Any, *, size: int) -> tuple[Any, ...]:
@@ -391,38 +420,87 @@ def _layer_of(trees: tuple[Any, ...], kinds: Any, *, size: int) -> tuple[Any, ..
     def one(x: Any, kind: int) -> Any:
         if kind != _STREAMED or x.shape[0] != size:
             return x
-        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, weak_type=x.weak_type)
 
     g = jax.tree.unflatten(jax.tree.structure(grads), list(map(one, jax.tree.leaves(grads), pk)))
     return state, list(map(one, p, pk)), list(map(one, o, ok)), g, extra
 
 
+def _listed(counted: collections.Counter, most: int = 6) -> str:
+    """``counted``'s operations, ``"add ×1, mul ×2"`` (the first ``most``), or ``"nothing"``."""
+    named = [f"{name} ×{n}" for name, n in sorted(counted.items())]
+    more = f" and {len(named) - most} more" if len(named) > most else ""
+    return ", ".join(named[:most]) + more or "nothing"
+
+
+def _cone(jaxpr: core.Jaxpr, outs: list[int]) -> tuple[collections.Counter, frozenset]:
+    """What ``jaxpr``'s outputs ``outs`` are computed by: its operations (and those of the
+    jaxprs it calls) that they depend on, counted by `_operation`, and the inputs they read
+    (indices). Through a call (``jit``, custom derivatives, ``checkpoint``) and each branch
+    of a ``cond`` it follows the outputs; a loop (``scan``, ``while``) counts whole."""
+    needed = {v for v in (jaxpr.outvars[i] for i in outs) if isinstance(v, core.Var)}
+    counted = collections.Counter()
+    for eqn in reversed(jaxpr.eqns):
+        used = [i for i, v in enumerate(eqn.outvars) if v in needed]
+        if not used:
+            continue
+        ops, reads = _called(eqn, used)
+        counted += ops
+        needed.update(v for v in reads if isinstance(v, core.Var))
+    return counted, frozenset(i for i, v in enumerate(jaxpr.invars) if v in needed)
+
+
+def _called(eqn: core.JaxprEqn, used: list[int]) -> tuple[collections.Counter, list[Any]]:
+    """`_cone` of one equation's outputs ``used``: the operations (its own, `_operation`, and
+    its jaxprs') and the equation's inputs they read."""
+    own = collections.Counter({_operation(eqn): 1} if eqn.primitive.name not in _LAYOUT else {})
+    inner = list(core.jaxprs_in_params(eqn.params))
+    operands = eqn.invars[1:] if eqn.primitive.name == "cond" else eqn.invars
+    if (
+        not inner
+        or eqn.primitive.name in _LOOPS
+        or any((len(j.invars), len(j.outvars)) != (len(operands), len(eqn.outvars)) for j in inner)
+    ):  # no jaxpr; a loop's, or one not called as the equation is: all of it
+        return own + sum(map(_operations, inner), collections.Counter()), eqn.invars
+    reads = list(eqn.invars[:1]) if operands is not eqn.invars else []  # a cond's index
+    for j in inner:  # a call's jaxpr, or each branch of a cond
+        ops, ins = _cone(j, used)
+        own += ops
+        reads += [operands[i] for i in ins]
+    return own, reads
+
+
+# Primitives whose jaxprs run more than once (`_cone` counts them whole).
+_LOOPS = frozenset({"scan", "while"})
 # Primitives that only lay values out, which a stack and its layer's slice may differ in.
 _LAYOUT = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "copy"})
 
 
-def _listed(counted: collections.Counter) -> str:
-    """``counted``'s operations, ``"mul ×2, add ×1"``, or ``"none"``."""
-    return ", ".join(f"{name} ×{n}" for name, n in counted.items()) or "none"
-
-
 def _operations(jaxpr: core.Jaxpr) -> collections.Counter:
-    """The operations of ``jaxpr`` and the jaxprs it calls, counted by primitive name (a
-    reduction's, a cumulative one's, with its axes counted from the last: ``-1``), those
-    that only lay values out (`_LAYOUT`) left out."""
+    """Every operation of ``jaxpr`` and of the jaxprs it calls, counted by `_operation`
+    (those of `_LAYOUT` left out)."""
     counted = collections.Counter()
     for eqn in jaxpr.eqns:
         for inner in core.jaxprs_in_params(eqn.params):
             counted += _operations(inner)
-        if eqn.primitive.name in _LAYOUT:
-            continue
-        name, axes = eqn.primitive.name, eqn.params.get("axes", eqn.params.get("axis"))
-        axes = (axes,) if isinstance(axes, int) else axes
-        if isinstance(axes, tuple) and axes and all(isinstance(a, int) for a in axes):
-            ndim = jnp.ndim(eqn.invars[0].aval)
-            name = f"{name} over axes {tuple(sorted(a - ndim for a in axes))}"
-        counted[name] += 1
+        if eqn.primitive.name not in _LAYOUT:
+            counted[_operation(eqn)] += 1
     return counted
+
+
+def _operation(eqn: core.JaxprEqn) -> str:
+    """An equation's operation, as a stack's and its layer's may be compared: its
+    primitive's name; the axes it works along (a reduction's, a sort's, a flip's) counted
+    from the last, ``-1``, since a layer's slice has one axis fewer in front; and its
+    constants (a scale's factor)."""
+    name, params = eqn.primitive.name, eqn.params
+    axes = next((params[k] for k in ("axes", "axis", "dimension", "dimensions") if k in params), ())
+    axes = (axes,) if isinstance(axes, int) else axes
+    if eqn.invars and isinstance(axes, tuple) and axes and all(isinstance(a, int) for a in axes):
+        ndim = len(eqn.invars[0].aval.shape)
+        name += f" along {tuple(sorted(a - ndim for a in axes))}"
+    constants = [str(np.asarray(v.val)) for v in eqn.invars if isinstance(v, core.Literal)]
+    return name + (f" by {', '.join(constants)}" if constants else "")
 
 
 # The keys of the probes `check_elementwise` passed: module-level because the probe runs

@@ -617,12 +617,26 @@ def _by_size(threshold):
     return lambda params: jax.tree.map(lambda x: x.size > threshold, params)
 
 
+def _complementary(threshold):
+    """Two masked scales: 0.1 over ``threshold`` elements, 10 at or under it."""
+    at_most = optax.masked(
+        optax.scale(10.0), lambda ps: jax.tree.map(lambda x: x.size <= threshold, ps)
+    )
+    return optax.chain(
+        optax.adam(0.05), optax.masked(optax.scale(0.1), _by_size(threshold)), at_most
+    )
+
+
 # masks by size that change only values: the state's structure is the same either way
 BY_SIZE = {
     "weight_decay": lambda threshold: optax.adamw(0.05, weight_decay=0.5, mask=_by_size(threshold)),
     "learning_rate": lambda threshold: optax.chain(
         optax.adam(0.05), optax.masked(optax.scale(0.1), _by_size(threshold))
     ),
+    "freeze": lambda threshold: optax.chain(
+        optax.adam(0.05), optax.masked(optax.set_to_zero(), _by_size(threshold))
+    ),
+    "complementary": _complementary,
 }
 
 
@@ -630,16 +644,52 @@ BY_SIZE = {
 def test_the_update_by_layer_refuses_a_mask_by_size_that_changes_only_values(name):
     """The decoder's stack ``w`` (256 elements) is masked in, a layer of it (64) out: the
     probes (size 3 on each axis) agree and the state's structure is the same, so the update
-    a layer at a time ran and differed from the whole-tree one; traced at the real sizes, the
-    stack's update has operations a layer's has not, and the step names the fix."""
+    a layer at a time ran and differed from the whole-tree one; traced at the real sizes,
+    ``w``'s new value is computed by other operations (a decay, a scale, zeros, another
+    factor) whole than on a layer, and the step names the leaf and the fix."""
     message = (
-        r'`stream`="layers" updates a layer at a time, where `tx` treats the stacks of 4 '
-        r"layers \(.*\['w'\].*\) unlike one of their layers, traced at their sizes \(on them "
-        r"mul ×1.* more, on one none more\).* give them by the parameters' paths: build the "
-        r"step with stream=True"
+        r'`stream`="layers" updates a layer at a time, and `tx` updates '
+        r"params\['layers'\]\['w'\], a stack of 4 layers, otherwise than one of its layers "
+        r"\(traced at their sizes, not run\): (the stack's|a layer's) has .* that (a layer's|the "
+        r"stack's) has not.*; expected the same operations on the stack as on each layer\. "
+        r".* a mask or labels by .* give them by the parameters' paths; or build the step "
+        r"with stream=True"
     )
     with pytest.raises(ValueError, match=message):
         train(1, "full", stream="layers", tx=BY_SIZE[name](100), steps=1)
+
+
+def test_the_update_by_layer_refuses_a_reduction_the_probes_do_not_reach():
+    """A clip by global norm switched on after the tenth update: the probes' four updates
+    never clip, so they agree; traced at the real sizes, its norm sums over each stack's
+    layer axis (a layer's, over its own elements), and the step refuses it."""
+    late = optax.transforms.conditionally_transform(
+        optax.clip_by_global_norm(1.0), lambda step: step > 10
+    )
+    tx = optax.chain(late, optax.adam(0.05))
+    message = (
+        r"a stack of 4 layers, otherwise than one of its layers .*reduce_sum along "
+        r"\(-3, -2, -1\) ×1.* `tx` reduces across a stack's layers or across leaves"
+    )
+    with pytest.raises(ValueError, match=message):
+        train(1, "full", stream="layers", tx=tx, steps=1)
+    train(1, "full", stream=True, tx=tx, steps=1)  # the whole-tree update takes it
+
+
+def test_the_operations_are_compared_leaf_by_leaf():
+    """A decay mask by a band of sizes that takes the stack ``w`` (256 elements) out and its
+    layers (64) in, and the stack ``v`` (64) in and its layers (16) out: counted over the
+    whole update the two differences cancel; leaf by leaf, ``v``'s is found."""
+    from jaxga._layerwise import check_same_operations, leaf_kinds
+
+    band = functools.partial(jax.tree.map, lambda x: 50 < x.size <= 200)
+    tx = optax.adamw(0.05, weight_decay=0.5, mask=band)
+    params = {"v": jnp.ones((4, 16)), "w": jnp.ones((4, 8, 8))}
+    state = jaxga.TrainState.create(params=params, tx=tx)
+    access = jaxga.train._Flax(None, None, None).optimizer(state)
+    kinds = leaf_kinds(tx, jax.device_put(params, HOST), state.opt_state)
+    with pytest.raises(ValueError, match=r"`tx` updates params\['v'\], a stack of 4 layers"):
+        check_same_operations(access, state, params, kinds)
 
 
 @pytest.mark.parametrize("name", sorted(BY_SIZE))
