@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.extend import core
 
+from jaxga._cones import cone
 from jaxga._streaming import fetch_layer, is_streamed, made_by_layer, on_device, write_layer
 from jaxga.multistep import states_in
 
@@ -317,7 +317,7 @@ def check_same_operations(
     access: "OptimizerAccess", state: Any, grads: Any, kinds: Any, **extra: Any
 ) -> None:
     """Raises unless ``access.update`` computes each streamed leaf of its result by the same
-    operations and from the same inputs (`_cone`) for a whole stack as for one of its
+    operations and from the same inputs (`_cones.cone`) for a whole stack as for one of its
     layers, traced (not run) at the stacks' real sizes: what the small probes of
     `check_elementwise` cannot see (a weight-decay mask by size that takes a stack and
     leaves its layers out).
@@ -363,7 +363,7 @@ def check_same_operations(
         except (TypeError, ValueError) as e:  # a state of another structure for a layer
             raise _fails_on_a_layer(e) from e
         for i in (i for i in streamed if jnp.shape([*p, *o][i])[0] == size):
-            stack, layer = _cone(whole_jaxpr, [i]), _cone(layer_jaxpr, [i])
+            stack, layer = cone(whole_jaxpr, [i]), cone(layer_jaxpr, [i])
             if stack != layer:
                 raise _differs_on_a_layer(access, state, i, stack, layer)
 
@@ -372,7 +372,7 @@ def _differs_on_a_layer(
     access: "OptimizerAccess", state: Any, leaf: int, stack: Any, layer: Any
 ) -> StreamError:
     """`check_same_operations`'s error: flat leaf ``leaf`` of the update's params and
-    optimiser state is computed by ``stack``'s cone (`_cone`) whole, ``layer``'s a layer at
+    optimiser state is computed by ``stack``'s cone (`_cones.cone`) whole, ``layer``'s a layer at
     a time."""
     trees = _trees(access, state)
     paths = [
@@ -431,76 +431,6 @@ def _listed(counted: collections.Counter, most: int = 6) -> str:
     named = [f"{name} ×{n}" for name, n in sorted(counted.items())]
     more = f" and {len(named) - most} more" if len(named) > most else ""
     return ", ".join(named[:most]) + more or "nothing"
-
-
-def _cone(jaxpr: core.Jaxpr, outs: list[int]) -> tuple[collections.Counter, frozenset]:
-    """What ``jaxpr``'s outputs ``outs`` are computed by: its operations (and those of the
-    jaxprs it calls) that they depend on, counted by `_operation`, and the inputs they read
-    (indices). Through a call (``jit``, custom derivatives, ``checkpoint``) and each branch
-    of a ``cond`` it follows the outputs; a loop (``scan``, ``while``) counts whole."""
-    needed = {v for v in (jaxpr.outvars[i] for i in outs) if isinstance(v, core.Var)}
-    counted = collections.Counter()
-    for eqn in reversed(jaxpr.eqns):
-        used = [i for i, v in enumerate(eqn.outvars) if v in needed]
-        if not used:
-            continue
-        ops, reads = _called(eqn, used)
-        counted += ops
-        needed.update(v for v in reads if isinstance(v, core.Var))
-    return counted, frozenset(i for i, v in enumerate(jaxpr.invars) if v in needed)
-
-
-def _called(eqn: core.JaxprEqn, used: list[int]) -> tuple[collections.Counter, list[Any]]:
-    """`_cone` of one equation's outputs ``used``: the operations (its own, `_operation`, and
-    its jaxprs') and the equation's inputs they read."""
-    own = collections.Counter({_operation(eqn): 1} if eqn.primitive.name not in _LAYOUT else {})
-    inner = list(core.jaxprs_in_params(eqn.params))
-    operands = eqn.invars[1:] if eqn.primitive.name == "cond" else eqn.invars
-    if (
-        not inner
-        or eqn.primitive.name in _LOOPS
-        or any((len(j.invars), len(j.outvars)) != (len(operands), len(eqn.outvars)) for j in inner)
-    ):  # no jaxpr; a loop's, or one not called as the equation is: all of it
-        return own + sum(map(_operations, inner), collections.Counter()), eqn.invars
-    reads = list(eqn.invars[:1]) if operands is not eqn.invars else []  # a cond's index
-    for j in inner:  # a call's jaxpr, or each branch of a cond
-        ops, ins = _cone(j, used)
-        own += ops
-        reads += [operands[i] for i in ins]
-    return own, reads
-
-
-# Primitives whose jaxprs run more than once (`_cone` counts them whole).
-_LOOPS = frozenset({"scan", "while"})
-# Primitives that only lay values out, which a stack and its layer's slice may differ in.
-_LAYOUT = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "copy"})
-
-
-def _operations(jaxpr: core.Jaxpr) -> collections.Counter:
-    """Every operation of ``jaxpr`` and of the jaxprs it calls, counted by `_operation`
-    (those of `_LAYOUT` left out)."""
-    counted = collections.Counter()
-    for eqn in jaxpr.eqns:
-        for inner in core.jaxprs_in_params(eqn.params):
-            counted += _operations(inner)
-        if eqn.primitive.name not in _LAYOUT:
-            counted[_operation(eqn)] += 1
-    return counted
-
-
-def _operation(eqn: core.JaxprEqn) -> str:
-    """An equation's operation, as a stack's and its layer's may be compared: its
-    primitive's name; the axes it works along (a reduction's, a sort's, a flip's) counted
-    from the last, ``-1``, since a layer's slice has one axis fewer in front; and its
-    constants (a scale's factor)."""
-    name, params = eqn.primitive.name, eqn.params
-    axes = next((params[k] for k in ("axes", "axis", "dimension", "dimensions") if k in params), ())
-    axes = (axes,) if isinstance(axes, int) else axes
-    if eqn.invars and isinstance(axes, tuple) and axes and all(isinstance(a, int) for a in axes):
-        ndim = len(eqn.invars[0].aval.shape)
-        name += f" along {tuple(sorted(a - ndim for a in axes))}"
-    constants = [str(np.asarray(v.val)) for v in eqn.invars if isinstance(v, core.Literal)]
-    return name + (f" by {', '.join(constants)}" if constants else "")
 
 
 # The keys of the probes `check_elementwise` passed: module-level because the probe runs
