@@ -247,6 +247,21 @@ def test_nnx_step_names_a_state_given_as_the_model_and_an_optimizer_of_another_m
         step(model, nnx.Optimizer(other, optax.adam(0.1), wrt=nnx.Param), jnp.ones((4, 3)))
 
 
+@pytest.mark.parametrize("stream", [False, "layers"])
+def test_an_optimiser_that_wants_other_parameters_is_named(stream):
+    """`optax.lookahead` updates `optax.LookaheadParams` (its ``.fast``); given a dict, its
+    update raised a bare AttributeError from optax, on every route."""
+    from tests.test_streaming import train
+
+    tx = optax.lookahead(optax.adam(0.05), 2, 0.5)
+    message = (
+        r"The optimiser's update fails on these parameters \('dict' object has no attribute "
+        r"'fast'\): was it built for these parameters\?"
+    )
+    with pytest.raises(ValueError, match=message):
+        train(1, "full", stream=stream, tx=tx, steps=1)
+
+
 def test_an_equinox_module_passed_along_is_not_taken_apart():
     model = EqxMLP(jax.random.key(0))
 
