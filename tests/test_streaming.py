@@ -648,12 +648,12 @@ def test_the_update_by_layer_refuses_a_mask_by_size_that_changes_only_values(nam
     ``w``'s new value is computed by other operations (a decay, a scale, zeros, another
     factor) whole than on a layer, and the step names the leaf and the fix."""
     message = (
-        r'`stream`="layers" updates a layer at a time, and `tx` updates '
-        r"params\['layers'\]\['w'\], a stack of 4 layers, otherwise than one of its layers "
-        r"\(traced at their sizes, not run\): (the stack's|a layer's) has .* that (a layer's|the "
-        r"stack's) has not.*; expected the same operations on the stack as on each layer\. "
-        r".* a mask or labels by .* give them by the parameters' paths; or build the step "
-        r"with stream=True"
+        r'`stream`="layers" updates a layer at a time, and `tx` computes the new '
+        r"params\['layers'\]\['w'\] \(a stack of 4 layers\) otherwise than each of its layers "
+        r"\(traced at their sizes, not run\): (the stack's computation|a layer's) has .* that "
+        r"(a layer's|the stack's) lacks.*; expected the same computation for the stack as for "
+        r"each layer\. .* a mask or labels by .* give them by the parameters' paths; or build "
+        r"the step with stream=True"
     )
     with pytest.raises(ValueError, match=message):
         train(1, "full", stream="layers", tx=BY_SIZE[name](100), steps=1)
@@ -668,12 +668,44 @@ def test_the_update_by_layer_refuses_a_reduction_the_probes_do_not_reach():
     )
     tx = optax.chain(late, optax.adam(0.05))
     message = (
-        r"a stack of 4 layers, otherwise than one of its layers .*reduce_sum along "
-        r"\(-3, -2, -1\) ×1.* `tx` reduces across a stack's layers or across leaves"
+        r"\(a stack of 4 layers\) otherwise than each of its layers .*reduce_sum along "
+        r"\(-3, -2, -1\) ×1.* Either `tx` reduces across a stack's layers or across leaves"
     )
     with pytest.raises(ValueError, match=message):
         train(1, "full", stream="layers", tx=tx, steps=1)
     train(1, "full", stream=True, tx=tx, steps=1)  # the whole-tree update takes it
+
+
+@pytest.mark.parametrize("name", ["adam", "adan", "rprop"])
+def test_a_stack_of_one_scalar_a_layer_is_taken_for_an_elementwise_optimiser(name):
+    """A stack of shape (4,), a scalar a layer: jnp lays a constant out by a broadcast for the
+    stack and uses it as it is for a layer's scalar (rprop's and adan's ``jnp.where``); the
+    trace compares them alike, and the update a layer at a time equals the whole-tree one."""
+    from jaxga._layerwise import updated_by_layer
+
+    tx = {"adam": optax.adam(0.1), "adan": optax.adan(0.1), "rprop": optax.rprop(0.1)}[name]
+    params = {"s": jnp.linspace(1.0, 2.0, 4), "w": jnp.linspace(-1.0, 1.0, 32).reshape(4, 8)}
+    grads = jax.tree.map(lambda x: jnp.cos(3.0 * x), params)
+    state = jaxga.TrainState.create(params=params, tx=tx)
+    access = jaxga.train._Flax(None, None, None).optimizer(state)
+    got, want = state.replace(params=jax.device_put(state.params, HOST)), state
+    for _ in range(2):  # rprop's second update reads the first's sign
+        got = jax.jit(functools.partial(updated_by_layer, access))(got, grads)
+        want = jax.jit(access.update)(want, grads)
+    assert kinds(got.params) == {"pinned_host"}
+    assert_rounding((got.params, got.opt_state), (want.params, want.opt_state))
+
+
+def test_the_update_by_layer_takes_adam_with_bfloat16_moments():
+    """Adam's first moment in bfloat16: a layer's update rounds as the stack's to within the
+    probe's few ulps (it was refused, compared bit for bit, NaNs of bfloat16 unequal); a
+    layer at a time, the resident update to rounding."""
+    tx = optax.adam(0.05, mu_dtype=jnp.bfloat16)
+    state, metrics = train(4, "full", stream="layers", offload=True, steps=2, tx=tx)
+    resident, resident_metrics = train(4, "full", stream=False, steps=2, tx=tx)
+    assert {x.dtype for x in jax.tree.leaves(state.opt_state[0].mu)} == {jnp.dtype(jnp.bfloat16)}
+    assert_rounding((state.params, state.opt_state), (resident.params, resident.opt_state))
+    assert_rounding(metrics, resident_metrics)
 
 
 def test_the_operations_are_compared_leaf_by_leaf():
@@ -688,7 +720,7 @@ def test_the_operations_are_compared_leaf_by_leaf():
     state = jaxga.TrainState.create(params=params, tx=tx)
     access = jaxga.train._Flax(None, None, None).optimizer(state)
     kinds = leaf_kinds(tx, jax.device_put(params, HOST), state.opt_state)
-    with pytest.raises(ValueError, match=r"`tx` updates params\['v'\], a stack of 4 layers"):
+    with pytest.raises(ValueError, match=r"computes the new params\['v'\] \(a stack of 4 layers\)"):
         check_same_operations(access, state, params, kinds)
 
 

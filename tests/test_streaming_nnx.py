@@ -128,8 +128,9 @@ def test_stream_layers_refuses_a_weight_decay_mask_by_size():
     by_size = functools.partial(jax.tree.map, lambda x: x.size > 100)
     tx = optax.adamw(0.05, weight_decay=0.5, mask=by_size)
     message = (
-        r"`tx` updates params\['blocks'\]\['up'\]\['kernel'\], a stack of 4 layers, otherwise "
-        r"than one of its layers .* give them by the parameters' paths; or build the step"
+        r"`tx` computes the new params\['blocks'\]\['up'\]\['kernel'\] \(a stack of 4 "
+        r"layers\) otherwise than each of its layers .* give them by the parameters' paths; or "
+        r"build the step"
     )
     with pytest.raises(ValueError, match=message):
         train(1, stream="layers", offload=True, tx=tx, steps=1)
