@@ -1,10 +1,10 @@
 """The optimiser's update a layer at a time over layer stacks in host memory (both train
 steps' ``stream="layers"``): each layer's parameters, gradient and optimiser-state slices
-fetched to the device, updated, and written back; a probe, and a trace at the stacks'
-real sizes, refuse a ``tx`` that is not elementwise (docs/streaming.md). Its state made the same way
-(`jaxga.sharding.with_offloaded_init`), checked by a probe of ``tx.init``. A step's kind
-says how to reach its parameters and optimiser state (`skeleton.OptimizerAccess`): a Flax
-TrainState's, an NNX optimizer's.
+fetched to the device, updated, and written back; a probe, and a trace at the stacks' real
+sizes, refuse a ``tx`` that is not elementwise (docs/streaming.md). Its state made the
+same way (`jaxga.sharding.with_offloaded_init`), checked by a probe of ``tx.init``. A
+step's kind says how to reach its parameters and optimiser state
+(`skeleton.OptimizerAccess`): a Flax TrainState's, an NNX optimizer's.
 """
 
 import collections
@@ -264,11 +264,12 @@ def _probe(tree: Any, seed: int, *, nan: bool = False) -> Any:
 def check_elementwise(
     access: "OptimizerAccess", state: Any, grads: Any, kinds: Any, **extra: Any
 ) -> None:
-    """Raises unless `split_update` gives exactly ``access.update``'s whole-tree result, on
-    small concrete probes of ``state``'s structure: four updates (layers of unlike scale, a
-    NaN in the last; ``end_group`` alternating where ``access.tx`` holds a `jaxga.MultiSteps`);
-    then `check_same_operations`. Once per ``tx``, ``access.static``, params' structure, shapes,
-    dtypes and kinds, and ``extra``'s names (a ``tx`` that cannot be hashed: every time).
+    """Raises unless `split_update` gives ``access.update``'s whole-tree result (to `_ULPS`
+    units in the last place), on small concrete probes of ``state``'s structure: four
+    updates (layers of unlike scale, a NaN in the last; ``end_group`` alternating where
+    ``access.tx`` holds a `jaxga.MultiSteps`); then `check_same_operations`. Once per
+    ``tx``, ``access.static``, params' structure, shapes, dtypes and kinds, and ``extra``'s
+    names (a ``tx`` that cannot be hashed: every time).
 
     Args:
         access: a `skeleton.OptimizerAccess` (its ``tx``, ``update``, and how it reaches the

@@ -37,7 +37,7 @@ def apply_update(
             new = update(state, grads, **keep)
         except StreamError:
             raise
-        except (AttributeError, TypeError, ValueError) as e:  # lookahead's wants .fast
+        except (AttributeError, TypeError, ValueError) as e:  # optax.lookahead wants .fast
             raise ValueError(
                 f"The optimiser's update fails on these parameters ({e}): {_HINT}"
             ) from e
