@@ -350,7 +350,7 @@ def check_same_operations(
         jaxga._layerwise.StreamError: `stream`="layers" updates a layer at a time, and `tx` ...
     """
     (p, o), (pk, ok) = _parts(access, state), kinds
-    streamed = [i for i, k in enumerate([*pk, *ok]) if k == _STREAMED]
+    leaves, streamed = [*p, *o], [i for i, k in enumerate([*pk, *ok]) if k == _STREAMED]
     if not streamed:
         return
     whole = jax.tree.map(_abstract, (state, p, o, grads, extra))
@@ -363,7 +363,7 @@ def check_same_operations(
             raise
         except (AttributeError, TypeError, ValueError) as e:  # another state for a layer
             raise _fails_on_a_layer(e) from e
-        for i in (i for i in streamed if jnp.shape([*p, *o][i])[0] == size):
+        for i in (i for i in streamed if jnp.shape(leaves[i])[0] == size):
             stack, layer = cone(whole_jaxpr, [i]), cone(layer_jaxpr, [i])
             if stack != layer:
                 raise _differs_on_a_layer(access, state, i, stack, layer)
@@ -389,9 +389,9 @@ def _differs_on_a_layer(
         parts.append(f"a layer's has {_listed(fewer)} that the stack's lacks")
     if reads != layer_reads:
         parts.append("they read other inputs")
-    stack = f"{paths[leaf]} (a stack of {jnp.shape(jax.tree.leaves(trees)[leaf])[0]} layers)"
+    where = f"{paths[leaf]} (a stack of {jnp.shape(jax.tree.leaves(trees)[leaf])[0]} layers)"
     return StreamError(
-        f'`stream`="layers" updates a layer at a time, and `tx` computes the new {stack} '
+        f'`stream`="layers" updates a layer at a time, and `tx` computes the new {where} '
         f"otherwise than each of its layers (traced at their sizes, not run): "
         f"{', '.join(parts)}; expected the same computation for the stack as for each layer. "
         f"Either `tx` reduces across a stack's layers or across leaves (a global norm, trust "
