@@ -35,8 +35,10 @@ def leading_size(tree: Any, name: str, axis: str) -> int | None:
         where = f"{name}{jax.tree_util.keystr(path)}"
         shape = getattr(leaf, "shape", () if isinstance(leaf, numbers.Number) else None)
         if not shape:
+            number = shape is None or isinstance(leaf, numbers.Number)
+            got = f"{leaf!r:.60}" if number else leaf.dtype  # not a tracer's repr
             raise (TypeError if shape is None else ValueError)(
-                f"{where} is a {type(leaf).__name__ if shape is None else 'scalar'} ({leaf!r}); "
+                f"{where} is a {type(leaf).__name__ if shape is None else 'scalar'} ({got}); "
                 f"every leaf of {name} must be an array with a leading {axis} axis."
             )
         numeric(leaf, where)

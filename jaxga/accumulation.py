@@ -6,7 +6,7 @@ from typing import Any
 
 from flax import nnx
 
-from jaxga import _checks, arguments, auxiliary, convolution, engine
+from jaxga import _checks, arguments, auxiliary, convolution, engine, meshes
 
 OPTION_CHECKS: dict[str, Callable[[Any], Any]] = {  # the options both entry points check
     "has_aux": functools.partial(_checks.check_bool, name="has_aux"),
@@ -122,7 +122,7 @@ def accumulate(
         state_argnums=state_argnums,
         num_microbatches=k,
         num_real_microbatches=num_real,
-        axis_name=axis_name,
+        axis_name=meshes.check_axis_name(axis_name),
         state_reduction=arguments.check_state_reduction(state_reduction),
         **checked,
     )

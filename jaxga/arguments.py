@@ -369,6 +369,10 @@ def parse_output(out: Any, options: Options, old_state: tuple[Any, ...], *, rows
         raise TypeError(
             f"{called_as} must return a float scalar or a Mean; {what} {shape_and_dtype(total)}."
         )
+    if not _checks.is_value(count):
+        got = f"{count!r:.60} of type {type(count).__name__}"
+        message = f"{called_as} returned a jaxga.Mean whose count is {got}; expected a scalar."
+        raise TypeError(message)
     if jnp.shape(count) != () or not jnp.issubdtype(jnp.result_type(count), jnp.number):
         got = shape_and_dtype(jnp.asarray(count))
         raise TypeError(

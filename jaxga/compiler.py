@@ -2,6 +2,7 @@
 
 import jax
 
+_GPUS = ("gpu", "cuda", "rocm")  # the platform names of a GPU
 _GPU_OPTIONS = {"xla_gpu_enable_dus_accumulator_zero_init_elimination": True}  # see docs/gpus.md
 
 
@@ -12,7 +13,11 @@ def compiler_options(backend: str | None = None) -> dict[str, bool]:
         backend: the platform, e.g. ``"gpu"``; default: ``jax.default_backend()``.
 
     Returns:
-        A new dict: the GPU options on ``"gpu"``, ``"cuda"`` or ``"rocm"``, else ``{}``.
+        A new dict: the GPU options on ``"gpu"``, ``"cuda"`` or ``"rocm"`` (in any case),
+        else ``{}``.
+
+    Raises:
+        ValueError: a platform that is none of these, ``"cpu"``, ``"tpu"`` or JAX's default.
 
     Examples:
         >>> import jaxga
@@ -21,5 +26,7 @@ def compiler_options(backend: str | None = None) -> dict[str, bool]:
     """
     if not isinstance(backend, str | None):
         raise TypeError(f"`backend` must be a platform name ('gpu') or None; got {backend!r}.")
-    gpu = (backend or jax.default_backend()) in ("gpu", "cuda", "rocm")
-    return dict(_GPU_OPTIONS) if gpu else {}
+    known = {*_GPUS, "cpu", "tpu", jax.default_backend().lower()}
+    if (platform := (backend or jax.default_backend()).lower()) not in known:
+        raise ValueError(f"`backend` must be one of {sorted(known)} or None; got {backend!r}.")
+    return dict(_GPU_OPTIONS) if platform in _GPUS else {}

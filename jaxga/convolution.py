@@ -10,6 +10,8 @@ from jax import lax
 from jax.extend import core
 from jax.extend.core import primitives
 
+from jaxga import _checks
+
 Option = bool | str  # True, False or "auto": on CPU backends only
 OPTION_VALUES = (True, False, "auto")
 
@@ -176,6 +178,7 @@ def canonical_convolutions(fun: Callable[..., Any]) -> Callable[..., Any]:
         >>> bool(jnp.allclose(grad, jax.grad(loss)(w, x)))
         True
     """
+    _checks.check_callable(fun, "fun", "a function of arrays, e.g. jax.value_and_grad(loss)")
 
     @functools.wraps(fun)  # its name and __wrapped__: a jit of it is named as fun's
     def rewritten(*args: Any, **kwargs: Any) -> Any:

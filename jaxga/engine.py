@@ -108,10 +108,15 @@ def prepare(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         rows=rows // k,
         rng_argnums=arguments.rng_positions(options, args),
         route=route,
-        sum_dtype=jnp.result_type(*dtypes, *jax.tree.leaves(primals)),
+        sum_dtype=jnp.result_type(*dtypes, *map(_real_dtype, jax.tree.leaves(primals))),
         threaded=Threaded(user=user_state, modules=modules.rest_of(parts)),
     )
     return on_device(call, route) if route.kind == "manual" else call
+
+
+def _real_dtype(x: Any) -> Any:
+    """The real dtype of ``x``'s: a complex parameter's loss is real, as `jax.grad` wants."""
+    return jnp.finfo(jnp.result_type(x)).dtype
 
 
 def on_device(call: Call, route: collectives.Route) -> Call:

@@ -26,6 +26,34 @@ def axes(axis_name: Any) -> tuple[Any, ...]:
     return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
 
 
+def check_axis_name(axis_name: Any) -> Any:
+    """``axis_name``, checked: ``None``, a mesh axis name (a string) or a tuple, list or set
+    of distinct names (``()``: none).
+
+    Raises:
+        TypeError: a name that is not a string (an int is a position to JAX's collectives).
+        ValueError: a name given twice.
+
+    Examples:
+        >>> import jaxga
+        >>> jaxga.meshes.check_axis_name(("data", "fsdp"))
+        ('data', 'fsdp')
+        >>> jaxga.meshes.check_axis_name(0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        TypeError: `axis_name` must be None, a mesh axis name (a string) ...; got 0 of type int.
+    """
+    if axis_name is None:
+        return None
+    names = axes(axis_name)
+    if not all(isinstance(name, str) for name in names):
+        expected = "None, a mesh axis name (a string) or a tuple of them"
+        got = f"{axis_name!r} of type {type(axis_name).__name__}"
+        raise TypeError(f"`axis_name` must be {expected}; got {got}.")
+    if len(set(names)) < len(names):
+        raise ValueError(f"`axis_name`={axis_name!r} names an axis twice; expected distinct axes.")
+    return axis_name
+
+
 def axis_types(mesh: Any) -> dict[Any, AxisType]:
     """``mesh``'s axis types by name: the one place a mesh's types are read."""
     return dict(zip(mesh.axis_names, mesh.axis_types))

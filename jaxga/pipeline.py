@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxga import collectives, meshes
-from jaxga._checks import check_arity, check_callable, positive_int
+from jaxga._checks import check_arity, leading_size, positive_int
 from jaxga.loss import Mean
 from jaxga.pipeline_schedules import SCHEDULES, Inputs, Schedule, Stages, checked_mean, pipelined
 from jaxga.remat import Policy, stack_length
@@ -304,8 +304,11 @@ def pipeline_loss(
         >>> bool(jnp.allclose(grads, jax.grad(plain)(stack), rtol=1e-5))
         True
     """
-    check_callable(head_fn, "head_fn")
+    check_arity(head_fn, "head_fn", 3, "head_fn(head_params, y, targets) -> jaxga.Mean")
     stacked_params, head_params, embed_params = _parts(params, embed_fn)
+    rows = {name: leading_size(v, name, "batch") for name, v in (("x", x), ("targets", targets))}
+    if len(set(rows.values()) - {None}) > 1:
+        raise ValueError(f"`x` and `targets` must have as many rows; got {rows}.")
     options = {"num_microbatches": num_microbatches, "axis_name": axis_name, "policy": policy}
     options |= {"schedule": schedule, "repeats": repeats, "rng": rng, "mesh": mesh}
     if schedule in SCHEDULES and not SCHEDULES[schedule].manual:
@@ -323,7 +326,7 @@ def _parts(params: Any, embed_fn: Callable[..., Any] | None) -> tuple[Any, Any, 
     ``embed_fn``), or a `TypeError` naming what they must be."""
     want = "a pair (stacked_params, head_params)"
     if embed_fn is not None:
-        check_callable(embed_fn, "embed_fn")
+        check_arity(embed_fn, "embed_fn", 2, "embed_fn(embed_params, x) -> x")
         want = "a triple (stacked_params, head_params, embed_params) with `embed_fn`"
     size, sequence = 2 if embed_fn is None else 3, isinstance(params, tuple | list)
     if not (sequence and len(params) == size):

@@ -190,6 +190,7 @@ def put(tree: Any, sharding: Any) -> Any:
         >>> jaxga.sharding.put({"w": jnp.ones(2)}, where)["w"].sharding.spec
         P()
     """
+    _checks.array_leaves(tree, "tree")  # a string, say, named here, not by device_put
     if isinstance(sharding, Sharding):
         sharding = jax.tree.map(lambda _: sharding, tree)
     leaves, treedef = jax.tree.flatten(sharding, is_leaf=lambda x: isinstance(x, Sharding))
@@ -459,6 +460,8 @@ def stacked_on_host(init_layer: Callable[[Any], Any], keys: Any) -> Any:
     sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for _, x in leaves}
     if len(sizes) != 1 or None in sizes:
         got = {f"keys{jax.tree_util.keystr(p)}": jnp.shape(x) for p, x in leaves} or keys
+        if isinstance(keys, int):  # a number of layers
+            got = f"{keys}, a number: for {keys} layers, pass jax.random.split(key, {keys})"
         raise TypeError(f"`keys` must hold arrays of one leading (layer) axis; got {got}.")
     for path, x in leaves:
         if (spec := _split_by(x)) is not None:
@@ -491,6 +494,8 @@ def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:
         P(None, 'data')
     """
     size = _checks.positive_int(size, "size")
+    if not (isinstance(shape, tuple | list) and all(isinstance(n, int) for n in shape)):
+        raise TypeError(f"`shape` must be a tuple of ints, an array's shape; got {shape!r}.")
     dims = [i for i, n in enumerate(shape) if n >= size and n % size == 0]
     dim = max(dims, key=lambda i: (shape[i], -i), default=None)
     return P() if dim is None else P(*(axis_name if i == dim else None for i in range(dim + 1)))

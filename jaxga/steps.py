@@ -16,6 +16,7 @@ from jaxga.arguments import check_num_real
 from jaxga.compiler import compiler_options
 from jaxga.memory import format_bytes
 from jaxga.meshes import HOST_KINDS
+from jaxga.microbatch import IndivisibleBatchError
 from jaxga.state import unaliased
 
 Metrics = dict[str, jax.Array]
@@ -157,6 +158,7 @@ def step_options(
     """Both train steps' arguments, checked once: their `StepOptions` (the layout built).
     ``axis_name`` without a ``mesh``: a one-device mesh of it (a loss's collectives over it
     bind); ``None``: ``"data"``."""
+    axis_name = meshes.check_axis_name(axis_name)
     if mesh is None and axis_name is not None:
         names = meshes.axes(axis_name)
         mesh = jax.make_mesh((1,) * len(names), names, devices=jax.local_devices()[:1])
@@ -175,7 +177,7 @@ def step_options(
     if not isinstance(weight := options.pop("weight"), bool | None):
         raise TypeError(f"`weight` must be None, True or False; got {weight!r}.")
     rate = options.pop("learning_rate") or injected_learning_rate
-    _checks.check_callable(rate, "learning_rate", "a function of the optimiser state or None")
+    _checks.check_arity(rate, "learning_rate", 1, "learning_rate(opt_state) -> a scalar, or None")
     options.setdefault("has_aux", False)
     options.setdefault("aux", None)
     checked = check_options(**{name: options.pop(name) for name in OPTION_CHECKS})
@@ -344,14 +346,23 @@ class JittedStep:
         """What a subclass's ``_arguments`` ends with, the jitted function's arguments:
         ``static``, ``state`` laid out (`layouts.lay_out` on ``layout``, offloaded as the
         step says), ``batch``, ``num_real`` and ``end_group`` checked, then ``extra``."""
-        if not jax.tree.leaves(batch):  # as `accumulate` refuses it, named as the step's
-            got = f"{batch!r:.60}"
-            raise ValueError(f"`batch` must hold arrays, rows on their leading axis; got {got}.")
+        self._check_batch(batch)
         offload = self.options.offload
         state = layouts.lay_out(state, layout, offload_state=offload, wanted=self._wanted)
         batch = layouts.batch_onto(batch, self.options.layout)
         real = check_num_real(num_real, self.options.num_microbatches)
         return (*static, state, batch, real, check_end_group(end_group), *extra)
+
+    def _check_batch(self, batch: Any) -> None:
+        """Raises for a ``batch`` that `accumulate` would refuse, named as the step's."""
+        if not jax.tree.leaves(batch):
+            got = f"{batch!r:.60}"
+            raise ValueError(f"`batch` must hold arrays, rows on their leading axis; got {got}.")
+        rows, k = _checks.leading_size(batch, "batch", "batch"), self.options.num_microbatches
+        if not rows:
+            raise ValueError(f"`batch` must hold rows to split into micro-batches; got {rows}.")
+        if self.options.layout is None and rows % k:  # on a mesh, `layouts.accumulate_on` says it
+            raise IndivisibleBatchError(f"`batch`: {IndivisibleBatchError.of(rows, k)}")
 
     def _planned(self, args: tuple[Any, ...]) -> "JittedStep":
         """This step, or with `"auto"` the step planned for these arguments' shapes."""

@@ -50,6 +50,7 @@ class TrainStep(steps.JittedStep):
         self._once(state, _check_state, state, self.options.offload, self.options.stream)
         if steps.is_traced(state):  # inside a jit: inlined, with the enclosing jit's options
             _warn_unread(layout)
+            self._check_batch(batch)
             return None, state, batch, num_real_microbatches, steps.check_end_group(end_group)
         static = (self._as_laid_out(state, layout),)
         return self._laid_out(

@@ -367,3 +367,97 @@ def test_jaxgas_keywords_given_to_fun_are_accumulates_own():
     from jaxga.arguments import _KEYWORDS
 
     assert set(inspect.signature(jaxga.accumulate).parameters) - {"fun"} == _KEYWORDS
+
+
+# What a probe of the public API with a user's mistakes found (2026-11-29): each named.
+
+
+def _loss(p, b, model_state, rng):  # make_train_step's loss
+    return jnp.mean(b @ p), model_state
+
+
+def test_an_axis_name_must_be_a_string_and_named_once():
+    message = r"`axis_name` must be None, a mesh axis name \(a string\) .*; got 0 of type int"
+    with pytest.raises(TypeError, match=message):  # JAX's collectives take 0 as a position
+        jax.jit(jaxga.value_and_grad(lambda w, x: jnp.mean(x @ w), num_microbatches=2, axis_name=0))
+    with pytest.raises(TypeError, match=message):
+        jaxga.make_train_step(_loss, 2, axis_name=0)
+    with pytest.raises(ValueError, match=r"`axis_name`=\('data', 'data'\) names an axis twice"):
+        jaxga.make_train_step(_loss, 2, axis_name=("data", "data"))
+
+
+@pytest.mark.parametrize(
+    "batch, error, message",
+    [
+        (jnp.ones((6, 3)), ValueError, r"`batch`: The batch size 6 is not divisible by num_mic"),
+        ({"x": jnp.ones((8, 3)), "n": 8}, ValueError, r"batch\['n'\] is a scalar \(8\)"),
+        (jnp.ones((0, 3)), ValueError, r"`batch` must hold rows to split .*; got 0"),
+    ],
+)
+def test_a_train_steps_batch_is_named_as_the_steps(batch, error, message):
+    state = jaxga.TrainState.create(params=jnp.ones(3), tx=optax.sgd(0.1))
+    step = jaxga.make_train_step(lambda p, b, s, r: _loss(p, jnp.asarray(b["x"]), s, r), 4)
+    with pytest.raises(error, match=message):
+        step(state, batch if isinstance(batch, dict) else {"x": batch})
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    nnx_step = jaxga.nnx_train_step(lambda m, b: jnp.mean(m(b["x"])), 4)
+    with pytest.raises(error, match=message):
+        nnx_step(model, optimizer, batch if isinstance(batch, dict) else {"x": batch})
+
+
+def test_a_traced_scalar_leaf_is_named_by_its_dtype_not_its_tracer():
+    step = jaxga.make_train_step(_loss, 2)
+    state = jaxga.TrainState.create(params=jnp.ones(3), tx=optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"batch\['n'\] is a scalar \(int32\)") as error:
+        jax.jit(step)(state, {"x": jnp.ones((4, 3)), "n": 4})
+    assert "Tracer" not in str(error.value)
+
+
+def test_complex_parameters_get_a_real_loss_as_jax_value_and_grad():
+    def loss(p, x):
+        return jnp.mean(jnp.abs(x @ p))
+
+    p = jnp.arange(3.0).astype(jnp.complex64) * (1 + 2j)
+    x = jnp.arange(24.0).reshape(8, 3)
+    value, grads = jaxga.value_and_grad(loss, num_microbatches=4)(p, x)
+    expected_value, expected_grads = jax.value_and_grad(loss)(p, x)
+    assert value.dtype == expected_value.dtype == jnp.float32
+    np.testing.assert_allclose(value, expected_value, rtol=1e-6)
+    np.testing.assert_allclose(grads, expected_grads, rtol=1e-5)
+
+
+def test_a_means_count_that_is_not_a_number_is_named():
+    def loss(w, x):
+        return jaxga.Mean(jnp.sum(x @ w), "4")
+
+    with pytest.raises(TypeError, match=r"a jaxga.Mean whose count is '4' of type str"):
+        jaxga.value_and_grad(loss, num_microbatches=2)(jnp.ones(3), jnp.ones((8, 3)))
+
+
+def test_pipeline_loss_checks_its_heads_arity_and_its_targets_rows():
+    def layer(w, x):
+        return jnp.tanh(x @ w)
+
+    params, x = (jnp.ones((2, 3, 3)), None), jnp.ones((4, 3))
+    with pytest.raises(TypeError, match=r"`head_fn` must be callable as head_fn\(head_params, y"):
+        jaxga.pipeline_loss(layer, lambda y, t: y, params, x, x, num_microbatches=2)
+    with pytest.raises(ValueError, match=r"got \{'x': 4, 'targets': 6\}"):
+        jaxga.pipeline_loss(layer, lambda p, y, t: y, params, x, jnp.ones(6), num_microbatches=2)
+
+
+def test_smaller_helpers_name_what_they_were_given():
+    with pytest.raises(TypeError, match=r"`learning_rate` must be callable as learning_rate\("):
+        jaxga.make_train_step(_loss, 2, learning_rate=lambda: 0.1)
+    with pytest.raises(TypeError, match=r"`fun` must be a function of arrays"):
+        jaxga.canonical_convolutions(None)
+    assert jaxga.compiler_options("GPU") == jaxga.compiler_options("gpu") != {}
+    with pytest.raises(ValueError, match=r"`backend` must be one of .*; got 'cuda12'"):
+        jaxga.compiler_options("cuda12")  # before: {} (no GPU options), silently
+    with pytest.raises(TypeError, match=r"`shape` must be a tuple of ints.*; got 8"):
+        jaxga.sharding.fsdp_spec(8, 4)
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    with pytest.raises(TypeError, match=r"`tree\['name'\]` must be an array or a number; got 'l"):
+        jaxga.sharding.replicate({"w": jnp.ones(3), "name": "lin"}, mesh)
+    with pytest.raises(TypeError, match=r"`keys` must hold arrays .*; got 4, a number: for 4 l"):
+        jaxga.sharding.stacked_on_host(lambda key: jax.random.normal(key, (2,)), 4)
