@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxga import convolution
 from jaxga._checks import check_arity, check_bool, leading_size, positive_int
@@ -179,11 +180,14 @@ def _gives_carry(layer_fn: Callable[..., Any], x: Any, *args: Any) -> bool:
 
 def _apply_layer(layer_fn: Callable[..., Any], stacked: Any, x: Any, params: Any) -> Any:
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    state = _nnx_state(params)
+    values = [v.get_value() for _, v in state]
     try:
         y = layer_fn(params, x)
     except Exception as e:
         error, got = e, f"raised {type(e).__name__}"
     else:
+        _check_unchanged(state, values)
         if _like(x, y):
             return y, None
         got = f"returned {_describe(y)} for x of {_describe(x)}"
@@ -193,6 +197,34 @@ def _apply_layer(layer_fn: Callable[..., Any], stacked: Any, x: Any, params: Any
     if _gives_carry(layer_fn, x, x, params):
         raise TypeError(f"`layer_fn` takes its arguments swapped: as layer_fn(params, x) it {got}.")
     raise error
+
+
+def _nnx_state(params: Any) -> list[tuple[Any, nnx.Variable]]:
+    """The NNX Variables of one layer's ``params`` that are not parameters (a Dropout's RNG
+    count, a BatchNorm's statistics), with their paths."""
+    found = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
+    return [(p, v) for p, v in found if _is_variable(v) and not isinstance(v, nnx.Param)]
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _check_unchanged(state: list[tuple[Any, nnx.Variable]], values: list[Any]) -> None:
+    """Raises if ``layer_fn`` set one of ``state``'s Variables (from ``values``): an update
+    `remat_scan` cannot carry out of its loop, which returns the carry alone."""
+    changed = [(p, v) for (p, v), value in zip(state, values) if v.get_value() is not value]
+    if not changed:
+        return
+    path, variable = changed[0]
+    where = f"stacked_params{jax.tree_util.keystr(path)}, an nnx.{type(variable).__name__}"
+    raise ValueError(
+        f"`layer_fn` updates {where}, which remat_scan cannot carry out of its loop (it "
+        "returns the carry alone): every micro-batch and step would draw the same dropout "
+        "mask, or keep no batch statistics. Expected layers whose state does not change: "
+        "draw dropout from a key passed in the carry, x = (h, key) "
+        "(docs/batchnorm-dropout.md), or run them in eval mode."
+    )
 
 
 def _carry_of(body: Callable[..., Any], params: Any, x: Any) -> Any:

@@ -59,9 +59,11 @@ class TrainState(train_state.TrainState):
         if any(meshes.memory_space(x) == jax.memory.Space.Host for x in jax.tree.leaves(params)):
             jitted = functools.partial(sharding.init_on_mesh, tx, tx.init)  # on their mesh
             init = optax.GradientTransformation(jitted, tx.update)
-        state = super().create(
-            apply_fn=apply_fn, params=params, tx=init, model_state=model_state, rng=rng, **kwargs
-        )
+        given = {"apply_fn": apply_fn, "params": params, "model_state": model_state, "rng": rng}
+        if isinstance(params, Mapping | jax.Array):  # Flax's reads a dict's keys (fp8)
+            state = super().create(tx=init, **given, **kwargs)
+        else:  # a tuple, an Equinox module's arrays: as Flax's makes it
+            state = cls(step=0, tx=init, opt_state=init.init(params), **given, **kwargs)
         return unaliased(state.replace(step=jnp.zeros((), jnp.int32), tx=tx))
 
     def apply_gradients(
@@ -106,8 +108,11 @@ def check_arrays(tree: Any, name: str, empty_ok: bool = False) -> None:
     """Raises unless ``tree`` is a pytree of arrays (``nnx.Param``s only, for an NNX state)."""
     split = "split it as `graphdef, params, rest = nnx.split(model, nnx.Param, ...)` and pass"
     split += " `model_state=rest` (jaxga.TrainState.create)"
-    if modules.holds_module(tree):
+    if modules.holds_graph_node(tree):
         raise TypeError(f"`{name}` is (or holds) a module; {split}, or use jaxga.nnx_train_step.")
+    if modules.holds_module(tree) and not all(map(_checks.is_value, jax.tree.leaves(tree))):
+        fix = "pass its arrays, eqx.filter(model, eqx.is_array), and eqx.combine them in the loss"
+        raise TypeError(f"`{name}` holds an Equinox module with leaves that are not arrays; {fix}.")
     variables = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
     kinds = {type(v).__name__ for v in variables if isinstance(v, nnx.Variable)}
     if name == "params" and (others := kinds - {"Param"}):

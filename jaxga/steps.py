@@ -65,18 +65,48 @@ def check_on_device(
         kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
         if isinstance(x, jax.core.Tracer) and meshes.memory_space(x) == jax.memory.Space.Host:
             kind = "pinned_host"  # inside an enclosing jit its type says host memory
+        where = f"`{name}`{jax.tree_util.keystr(path)} is in host memory ({kind})"
+        if kind in HOST_KINDS and _is_key(x):  # JAX aborts the process on it (jax 0.10, 0.12)
+            fix = "keep keys on the device: move the parameters alone, nnx.state(blocks, nnx.Param)"
+            raise ValueError(f"{where}, a PRNG key, which a compiled step cannot take: {fix}.")
         param = params is None or (bool(path) and getattr(path[0], "name", None) == params)
         unpinned = param and stream and kind == "unpinned_host"  # JAX streams from pinned
         allowed = kind not in HOST_KINDS or callable(offload) or (stream if param else offload)
         if allowed and not unpinned:
             continue
-        where = f"`{name}`{jax.tree_util.keystr(path)} is in host memory ({kind})"
         if unpinned:
             fix = "move it to pinned_host (jax.device_put with memory_kind='pinned_host')"
             raise ValueError(f"{where}; `stream` takes pinned_host alone: {fix}.")
         if params is None:  # a model: every variable is expected on the device
             where += "; expected on the device"
         raise ValueError(f"{where}: {_STREAM_FIX if param else _OFFLOAD_FIX}.")
+
+
+def typed_as_placed(x: Any) -> Any:
+    """``x``, copied where it lies if its sharding says host memory and its type the device
+    (as Orbax restores a leaf into host memory), which JAX's ``jit`` aborts the process on.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> x = jnp.ones(3)
+        >>> jaxga.steps.typed_as_placed(x) is x  # type and sharding agree: as it is
+        True
+    """
+    return jax.device_put(x, x.sharding, may_alias=False) if mistyped(x) else x
+
+
+def mistyped(x: Any) -> bool:
+    """Whether ``x`` lies in host memory by its sharding and on the device by its type."""
+    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+    if kind not in HOST_KINDS or isinstance(x, jax.core.Tracer):
+        return False
+    return meshes.memory_space(x) != jax.memory.Space.Host
+
+
+def _is_key(x: Any) -> bool:
+    """Whether ``x`` is an array of typed PRNG keys (``jax.random.key``'s)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def signature(tree: Any) -> tuple[Any, ...]:
@@ -347,6 +377,8 @@ class JittedStep:
         ``static``, ``state`` laid out (`layouts.lay_out` on ``layout``, offloaded as the
         step says), ``batch``, ``num_real`` and ``end_group`` checked, then ``extra``."""
         self._check_batch(batch)
+        if any(map(mistyped, jax.tree.leaves(state))):  # Orbax's restored leaves, say
+            state = jax.tree.map(typed_as_placed, state)
         offload = self.options.offload
         state = layouts.lay_out(state, layout, offload_state=offload, wanted=self._wanted)
         batch = layouts.batch_onto(batch, self.options.layout)

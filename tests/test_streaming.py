@@ -271,6 +271,53 @@ def test_streamed_train_step_is_the_resident_step_bit_for_bit(k, policy):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
 
 
+def test_a_streamed_state_restored_by_orbax_trains_on_as_without_a_stop(tmp_path):
+    """Orbax restores the stack into pinned host memory typed as device memory, which JAX's
+    jit aborted the process on; the step copies such a leaf where it lies, typed as placed."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    loss = functools.partial(step_loss, stream=True, policy="full")
+    step = jaxga.make_train_step(loss, 2, stream=True)
+    state = streamed(jaxga.TrainState.create(params=model_params(), tx=optimizer()))
+    for i in range(2):
+        state, _ = step(state, batch_of(i))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", state)
+        checkpointer.wait_until_finished()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        restored = checkpointer.restore(tmp_path / "ckpt", abstract)
+    assert kinds(restored.params["layers"]) == {"pinned_host"}
+    assert any(map(jaxga.steps.mistyped, jax.tree.leaves(restored.params["layers"])))
+    for i in range(2, 4):
+        restored, _ = step(restored, batch_of(i))
+        state, _ = step(state, batch_of(i))
+    assert kinds(restored.params["layers"]) == {"pinned_host"}
+    assert_equal(restored.params, state.params)
+    assert_equal(restored.opt_state, state.opt_state)
+
+
+def test_a_restored_stack_typed_as_device_memory_is_taken(tmp_path):
+    """The smallest case JAX's jit aborted the process on (a new user's): a stack of one leaf,
+    its restored copy in pinned host memory typed as device memory, the step donating it."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+
+    def loss(params, batch, model_state, rng):
+        h = jaxga.remat_scan(lambda w, h: jnp.tanh(h @ w), params["layers"], batch, stream=True)
+        return jaxga.Mean.of((h @ params["head"]) ** 2), model_state
+
+    params = {"layers": jax.device_put(jnp.full((4, 8, 8), 0.1), HOST), "head": jnp.ones((8, 1))}
+    state = jaxga.TrainState.create(params=params, tx=optax.adam(1e-2))
+    step = jaxga.make_train_step(loss, 2, stream=True)
+    state, _ = step(state, jnp.ones((4, 8)))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", state)
+        checkpointer.wait_until_finished()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        restored = checkpointer.restore(tmp_path / "ckpt", abstract)
+    restored, _ = step(restored, jnp.ones((4, 8)))
+    state, _ = step(state, jnp.ones((4, 8)))
+    assert_equal(restored.params, state.params)
+
+
 def test_streamed_train_step_with_offload_keeps_both_on_the_host():
     state, _ = train(4, "full", stream=True, offload=True)
     resident, _ = train(4, "full", stream=False)
@@ -608,6 +655,15 @@ def test_the_update_by_layer_refuses_an_optimiser_that_reduces_across_leaves(tx)
         r"build the step with stream=True \(the whole-tree update\)"
     )
     with pytest.raises(ValueError, match=message):
+        train(1, "full", stream="layers", tx=tx, steps=1)
+    train(1, "full", stream=True, tx=tx, steps=1)  # the whole-tree update takes it
+
+
+@pytest.mark.skipif(not hasattr(optax.contrib, "muon"), reason="optax without contrib.muon")
+def test_the_update_by_layer_names_an_optimiser_that_fails_on_a_layer_arithmetically():
+    tx = optax.contrib.muon(1e-3)  # divides by a dimension of a stand-in with no elements
+    message = r'`stream`="layers": `tx` fails on one layer \(division by zero\)'
+    with pytest.raises(ValueError, match=message):  # was optax's bare ZeroDivisionError
         train(1, "full", stream="layers", tx=tx, steps=1)
     train(1, "full", stream=True, tx=tx, steps=1)  # the whole-tree update takes it
 

@@ -2,11 +2,14 @@
 token-weighted loss over k micro-batches, the stack in pinned host memory, equals the
 resident stack's bit for bit, and `jax.value_and_grad` of the whole batch to rounding."""
 
+import functools
+
 import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxga
@@ -93,3 +96,78 @@ def test_a_streamed_stack_is_the_resident_stack_bit_for_bit(library, k):
     np.testing.assert_allclose(np.asarray(value), np.asarray(want_value), rtol=1e-6)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-7)
+
+
+class EquinoxModel(eqx.Module):
+    layers: eqx.nn.Linear  # LAYERS of them, stacked by `eqx.filter_vmap`
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        stack, head = jax.random.split(key)
+        linear = eqx.filter_vmap(lambda k: eqx.nn.Linear(WIDTH, WIDTH, key=k))
+        self.layers = linear(jax.random.split(stack, LAYERS))
+        self.head = eqx.nn.Linear(WIDTH, 1, key=head)
+
+
+def equinox_loss(model, batch, *, stream):
+    """A token-weighted mean through the stack (``remat_scan``) and the head."""
+    arrays, static = eqx.partition(model.layers, eqx.is_array)
+
+    def layer(params, h):
+        return jax.vmap(lambda row: jnp.tanh(eqx.combine(params, static)(row)))(h)
+
+    h = jaxga.remat_scan(layer, arrays, batch["x"], stream=stream)
+    losses = (jax.vmap(model.head)(h)[:, 0] - batch["y"][:, 0]) ** 2
+    return jaxga.Mean(jnp.sum(losses * batch["weights"]), jnp.sum(batch["weights"]))
+
+
+@pytest.mark.parametrize("stream", [False, True, "layers"])
+def test_an_equinox_model_trains_streamed_through_make_train_step(stream):
+    """The arrays of an Equinox model as a TrainState's params (``eqx.filter``), combined
+    with the rest in the loss: 2 steps equal `eqx.filter_value_and_grad` of the whole batch
+    and optax; ``stream=True`` the resident step bit for bit, ``"layers"`` to rounding."""
+    model = EquinoxModel(jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_array)
+    tx = optax.adamw(0.05, weight_decay=0.1)
+
+    def step_loss(params, batch, model_state, rng, *, stream):
+        return equinox_loss(eqx.combine(params, static), batch, stream=stream), model_state
+
+    def train(stream):
+        state = params
+        if stream:  # the stack in pinned host memory
+            state = eqx.tree_at(lambda p: p.layers, params, jax.device_put(params.layers, HOST))
+        state = jaxga.TrainState.create(params=state, tx=tx)
+        loss = functools.partial(step_loss, stream=bool(stream))
+        step = jaxga.make_train_step(loss, 4, stream=stream, offload=stream == "layers")
+        for _ in range(2):
+            state, _ = step(state, batch())
+        return state.params
+
+    got = train(stream)
+    if stream:
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(got.layers)}
+        assert kinds == {"pinned_host"}
+    reference, opt_state = model, tx.init(params)
+    for _ in range(2):
+        grads = eqx.filter_grad(lambda m, b: equinox_loss(m, b, stream=False).value)(
+            reference, batch()
+        )
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(reference, eqx.is_array))
+        reference = eqx.apply_updates(reference, updates)
+    for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(eqx.filter(reference, eqx.is_array))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=2e-5, atol=1e-6)
+    if stream is True:
+        resident = train(False)
+        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(resident)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+def test_an_equinox_module_with_other_leaves_is_refused_naming_the_filter():
+    mlp = eqx.nn.MLP(4, 1, width_size=8, depth=1, key=jax.random.key(0))  # holds functions
+    with pytest.raises(TypeError, match=r"holds an Equinox module .*eqx.filter\(model, eqx.is_a"):
+        jaxga.TrainState.create(params=mlp, tx=optax.sgd(0.1))
+    state = jaxga.TrainState.create(params=eqx.filter(mlp, eqx.is_array), tx=optax.sgd(0.1))
+    assert jax.tree.structure(state.opt_state) == jax.tree.structure(
+        optax.sgd(0.1).init(state.params)
+    )
