@@ -304,7 +304,7 @@ def check_elementwise(
             whole = access.update(whole, probe_grads, **probe)
             try:
                 split = split_update(access, split, probe_grads, kinds=kinds, **probe)
-            except (TypeError, ValueError, ArithmeticError) as e:  # muon: fan_out / fan_in
+            except (TypeError, ValueError, ZeroDivisionError) as e:  # muon: fan_out / fan_in
                 raise _fails_on_a_layer(e) from e
             _check_same(_trees(access, split), _trees(access, whole), t)
     check_same_operations(access, state, grads, kinds, **extra)
@@ -536,7 +536,7 @@ def updated_by_layer(access: "OptimizerAccess", state: Any, grads: Any, **extra:
         return split_update(access, state, grads, kinds=kinds, **extra)
     except StreamError:
         raise
-    except (TypeError, ValueError, ArithmeticError) as e:  # passed the probe, fails at these sizes
+    except (TypeError, ValueError, ZeroDivisionError) as e:  # passed the probe, fails here
         raise _fails_on_a_layer(e) from e
 
 

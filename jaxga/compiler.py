@@ -17,7 +17,8 @@ def compiler_options(backend: str | None = None) -> dict[str, bool]:
         else ``{}``.
 
     Raises:
-        ValueError: a platform that is none of these, ``"cpu"``, ``"tpu"`` or JAX's default.
+        ValueError: a name that holds one of these and is not one (``"cuda12"``), which
+            would otherwise give a GPU no options.
 
     Examples:
         >>> import jaxga
@@ -26,7 +27,7 @@ def compiler_options(backend: str | None = None) -> dict[str, bool]:
     """
     if not isinstance(backend, str | None):
         raise TypeError(f"`backend` must be a platform name ('gpu') or None; got {backend!r}.")
-    known = {*_GPUS, "cpu", "tpu", jax.default_backend().lower()}
-    if (platform := (backend or jax.default_backend()).lower()) not in known:
-        raise ValueError(f"`backend` must be one of {sorted(known)} or None; got {backend!r}.")
+    platform = (backend or jax.default_backend()).lower()
+    if platform not in _GPUS and any(name in platform for name in _GPUS):  # "cuda12", "gpu:0"
+        raise ValueError(f"`backend` must be a platform name, {_GPUS} for a GPU; got {backend!r}.")
     return dict(_GPU_OPTIONS) if platform in _GPUS else {}

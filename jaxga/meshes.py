@@ -30,6 +30,12 @@ def check_axis_name(axis_name: Any) -> Any:
     """``axis_name``, checked: ``None``, a mesh axis name (a string) or a tuple, list or set
     of distinct names (``()``: none).
 
+    Args:
+        axis_name: what a caller passed as ``axis_name``.
+
+    Returns:
+        ``axis_name``, as given.
+
     Raises:
         TypeError: a name that is not a string (an int is a position to JAX's collectives).
         ValueError: a name given twice.
@@ -40,14 +46,15 @@ def check_axis_name(axis_name: Any) -> Any:
         ('data', 'fsdp')
         >>> jaxga.meshes.check_axis_name(0)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        TypeError: `axis_name` must be None, a mesh axis name (a string) ...; got 0 of type int.
+        TypeError: `axis_name` must be None, a mesh axis name (a string) ...; got 0, of type int.
     """
     if axis_name is None:
         return None
     names = axes(axis_name)
-    if not all(isinstance(name, str) for name in names):
-        expected = "None, a mesh axis name (a string) or a tuple of them"
-        got = f"{axis_name!r} of type {type(axis_name).__name__}"
+    if bad := [name for name in names if not isinstance(name, str)]:
+        expected = "None, a mesh axis name (a string) or a tuple, list or set of them"
+        got = f"{bad[0]!r}, of type {type(bad[0]).__name__}"
+        got += "" if bad[0] is axis_name else f", in {axis_name!r}"
         raise TypeError(f"`axis_name` must be {expected}; got {got}.")
     if len(set(names)) < len(names):
         raise ValueError(f"`axis_name`={axis_name!r} names an axis twice; expected distinct axes.")

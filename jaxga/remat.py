@@ -1,12 +1,14 @@
 """Rematerialised scans over stacked layers: per-layer and two-level (√L) checkpointing."""
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.extend import core
 
 from jaxga import convolution
 from jaxga._checks import check_arity, check_bool, leading_size, positive_int
@@ -181,13 +183,14 @@ def _gives_carry(layer_fn: Callable[..., Any], x: Any, *args: Any) -> bool:
 def _apply_layer(layer_fn: Callable[..., Any], stacked: Any, x: Any, params: Any) -> Any:
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     state = _nnx_state(params)
-    values = [v.get_value() for _, v in state]
+    before = [v.get_raw_value() for _, v in state]
     try:
         y = layer_fn(params, x)
     except Exception as e:
         error, got = e, f"raised {type(e).__name__}"
     else:
-        _check_unchanged(state, values)
+        if any(v.get_raw_value() is not value for (_, v), value in zip(state, before)):
+            _check_unchanged(layer_fn, params, x, before)  # set anew: changed, or as it was?
         if _like(x, y):
             return y, None
         got = f"returned {_describe(y)} for x of {_describe(x)}"
@@ -210,21 +213,65 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _check_unchanged(state: list[tuple[Any, nnx.Variable]], values: list[Any]) -> None:
-    """Raises if ``layer_fn`` set one of ``state``'s Variables (from ``values``): an update
-    `remat_scan` cannot carry out of its loop, which returns the carry alone."""
-    changed = [(p, v) for (p, v), value in zip(state, values) if v.get_value() is not value]
-    if not changed:
-        return
-    path, variable = changed[0]
-    where = f"stacked_params{jax.tree_util.keystr(path)}, an nnx.{type(variable).__name__}"
-    raise ValueError(
-        f"`layer_fn` updates {where}, which remat_scan cannot carry out of its loop (it "
-        "returns the carry alone): every micro-batch and step would draw the same dropout "
-        "mask, or keep no batch statistics. Expected layers whose state does not change: "
-        "draw dropout from a key passed in the carry, x = (h, key) "
-        "(docs/batchnorm-dropout.md), or run them in eval mode."
-    )
+def _check_unchanged(layer_fn: Callable[..., Any], params: Any, x: Any, before: list) -> None:
+    """Raises if ``layer_fn`` changes a Variable of `_nnx_state` (``before``: their values):
+    an update `remat_scan` cannot carry out of its loop, which returns the carry alone. Read
+    from ``layer_fn``'s jaxpr: a value it sets that is not the one it got (an NNX transform,
+    ``nnx.remat``, sets every Variable anew, most as they were)."""
+
+    def values_after(values: list, params: Any, x: Any) -> list:
+        for (_, variable), value in zip(_nnx_state(params), values):
+            variable.set_raw_value(value)
+        layer_fn(params, x)
+        return [variable.get_raw_value() for _, variable in _nnx_state(params)]
+
+    jaxpr = jax.make_jaxpr(values_after)(before, params, x).jaxpr
+    sizes = [len(jax.tree.leaves(value)) for value in before]  # the inputs' and outputs' leaves
+    ends = itertools.accumulate(sizes)
+    for (path, variable), size, end in zip(_nnx_state(params), sizes, ends):
+        if all(_forwarded(jaxpr, i) == i for i in range(end - size, end)):
+            continue
+        where = f"stacked_params{jax.tree_util.keystr(path)}, an nnx.{type(variable).__name__}"
+        fix = _STATE_FIX.get(type(variable).__name__, _STATE_FIX[None])
+        raise ValueError(
+            f"`layer_fn` updates {where}, which remat_scan cannot carry out of its loop (it "
+            f"returns the carry alone): {fix}"
+        )
+
+
+_STATE_FIX = {  # what a stacked layer's changing state would do, and what to do instead
+    "RngCount": (
+        "every micro-batch and step would draw the same dropout mask. Expected layers whose "
+        "state does not change: draw dropout from a key passed in the carry, x = (h, key) "
+        "(docs/batchnorm-dropout.md), or run them deterministic."
+    ),
+    "BatchStat": (
+        "the batch statistics would never move. A stack cannot keep them: normalise each "
+        "example by itself (LayerNorm, RMSNorm), or freeze them (use_running_average=True)."
+    ),
+    None: "its change would be lost. Expected layers whose state does not change.",
+}
+
+
+def _forwarded(jaxpr: Any, out: int) -> int | None:
+    """The input of ``jaxpr`` that its output ``out`` is, through copies and the calls that
+    pass it on (``jit``, ``checkpoint``); None if computed."""
+    made = {v: (eqn, i) for eqn in jaxpr.eqns for i, v in enumerate(eqn.outvars)}
+    var = jaxpr.outvars[out]
+    while var not in jaxpr.invars:
+        if var not in made:  # a literal
+            return None
+        eqn, i = made[var]
+        inner = list(core.jaxprs_in_params(eqn.params))
+        if eqn.primitive.name in ("copy", "copy_p"):
+            var = eqn.invars[0]
+        elif len(inner) == 1 and len(inner[0].invars) == len(eqn.invars):
+            if (j := _forwarded(inner[0], i)) is None:
+                return None
+            var = eqn.invars[j]
+        else:
+            return None
+    return jaxpr.invars.index(var)
 
 
 def _carry_of(body: Callable[..., Any], params: Any, x: Any) -> Any:

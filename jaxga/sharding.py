@@ -1,6 +1,7 @@
 """Train states and batches on a mesh: layouts (ZeRO-1, FSDP...); the loop is the engine's."""
 
 import functools
+import numbers
 import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -494,7 +495,8 @@ def fsdp_spec(shape: tuple[int, ...], size: int, axis_name: Any = "data") -> P:
         P(None, 'data')
     """
     size = _checks.positive_int(size, "size")
-    if not (isinstance(shape, tuple | list) and all(isinstance(n, int) for n in shape)):
+    sizes = isinstance(shape, tuple | list) and all(isinstance(n, numbers.Integral) for n in shape)
+    if not sizes:
         raise TypeError(f"`shape` must be a tuple of ints, an array's shape; got {shape!r}.")
     dims = [i for i, n in enumerate(shape) if n >= size and n % size == 0]
     dim = max(dims, key=lambda i: (shape[i], -i), default=None)

@@ -66,10 +66,10 @@ def check_on_device(
         if isinstance(x, jax.core.Tracer) and meshes.memory_space(x) == jax.memory.Space.Host:
             kind = "pinned_host"  # inside an enclosing jit its type says host memory
         where = f"`{name}`{jax.tree_util.keystr(path)} is in host memory ({kind})"
-        if kind in HOST_KINDS and _is_key(x):  # JAX aborts the process on it (jax 0.10, 0.12)
-            fix = "keep keys on the device: move the parameters alone, nnx.state(blocks, nnx.Param)"
-            raise ValueError(f"{where}, a PRNG key, which a compiled step cannot take: {fix}.")
         param = params is None or (bool(path) and getattr(path[0], "name", None) == params)
+        if param and stream and kind in HOST_KINDS and _is_key(x):  # JAX aborts the process
+            fix = "keep keys on the device: move the parameters alone, nnx.state(blocks, nnx.Param)"
+            raise ValueError(f"{where}, a PRNG key, which a streaming step cannot take: {fix}.")
         unpinned = param and stream and kind == "unpinned_host"  # JAX streams from pinned
         allowed = kind not in HOST_KINDS or callable(offload) or (stream if param else offload)
         if allowed and not unpinned:
@@ -83,8 +83,14 @@ def check_on_device(
 
 
 def typed_as_placed(x: Any) -> Any:
-    """``x``, copied where it lies if its sharding says host memory and its type the device
-    (as Orbax restores a leaf into host memory), which JAX's ``jit`` aborts the process on.
+    """``x``, copied where it lies if it is `mistyped` (as Orbax restores a leaf into pinned
+    host memory), which JAX's ``jit`` aborts the process on when it is donated.
+
+    Args:
+        x: a leaf of a step's state.
+
+    Returns:
+        ``x`` itself, or a copy in the same memory whose type says so.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxga
@@ -96,9 +102,22 @@ def typed_as_placed(x: Any) -> Any:
 
 
 def mistyped(x: Any) -> bool:
-    """Whether ``x`` lies in host memory by its sharding and on the device by its type."""
+    """Whether ``x`` lies in pinned host memory by its sharding and on the device by its type.
+
+    Args:
+        x: any value; an array's sharding and type are read.
+
+    Returns:
+        True for such an array (JAX types unpinned host memory as the device: not one).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, jaxga
+        >>> host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+        >>> jaxga.steps.mistyped(jax.device_put(jnp.ones(3), host))
+        False
+    """
     kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
-    if kind not in HOST_KINDS or isinstance(x, jax.core.Tracer):
+    if kind != "pinned_host" or isinstance(x, jax.core.Tracer):  # JAX types unpinned as device
         return False
     return meshes.memory_space(x) != jax.memory.Space.Host
 
@@ -175,6 +194,12 @@ class StepOptions:
     stream: bool | str = False
 
 
+def _check_learning_rate(rate: Any) -> Callable[[Any], Any]:
+    """The step's ``learning_rate=``, checked: a function of the optimiser state."""
+    _checks.check_callable(rate, "learning_rate", "a function of the optimiser state or None")
+    return _checks.check_arity(rate, "learning_rate", 1, "learning_rate(opt_state) -> a scalar")
+
+
 def step_options(
     num_microbatches: Any,
     *,
@@ -206,8 +231,7 @@ def step_options(
     num_microbatches, budget = _count(num_microbatches, options.pop("memory_budget"))
     if not isinstance(weight := options.pop("weight"), bool | None):
         raise TypeError(f"`weight` must be None, True or False; got {weight!r}.")
-    rate = options.pop("learning_rate") or injected_learning_rate
-    _checks.check_arity(rate, "learning_rate", 1, "learning_rate(opt_state) -> a scalar, or None")
+    rate = _check_learning_rate(options.pop("learning_rate") or injected_learning_rate)
     options.setdefault("has_aux", False)
     options.setdefault("aux", None)
     checked = check_options(**{name: options.pop(name) for name in OPTION_CHECKS})

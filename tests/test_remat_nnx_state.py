@@ -131,3 +131,62 @@ def test_a_prng_key_moved_to_host_memory_is_refused_naming_it():
     message = where + r" is in host memory \(pinned_host\), a PRNG key"
     with pytest.raises(ValueError, match=message):  # JAX aborted the process on it
         step(model, optimizer, jnp.ones((4, 8)))
+
+
+class EvalBlock(nnx.Module):  # frozen statistics, no dropout, and a dict-valued variable
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(8, 8, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, use_running_average=True, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, deterministic=True, rngs=rngs)
+        self.extra = nnx.Variable({"scale": jnp.full(8, 0.5)})
+
+    def __call__(self, h):
+        return self.drop(self.norm(jnp.tanh(self.linear(h)))) * self.extra.get_value()["scale"]
+
+
+@nnx.remat
+def _remat_call(block, h):
+    return block(h)
+
+
+@nnx.jit
+def _jit_call(block, h):
+    return block(h)
+
+
+@pytest.mark.parametrize("wrap", ["plain", "nnx.remat", "nnx.jit"])
+def test_a_layer_an_nnx_transform_sets_anew_unchanged_is_taken(wrap):
+    """``nnx.remat`` and ``nnx.jit`` set every variable anew, as it was: no change."""
+    blocks = nnx.split_rngs(splits=3)(nnx.vmap(EvalBlock, in_axes=(0,), out_axes=0))(nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(blocks, nnx.Param, ...)
+    call = {"plain": lambda m, h: m(h), "nnx.remat": _remat_call, "nnx.jit": _jit_call}[wrap]
+
+    def total(params, x, scanned):
+        if scanned:
+            layer = lambda p, h: call(nnx.merge(graphdef, *p), h)  # noqa: E731
+            return jnp.sum(jaxga.remat_scan(layer, (params, rest), x))
+        for i in range(3):  # the reference: a Python loop over the layers
+            layer = jax.tree.map(lambda a, i=i: a[i], (params, rest))
+            x = nnx.merge(graphdef, *layer)(x)
+        return jnp.sum(x)
+
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    with jax.default_matmul_precision("highest"):
+        got, want = jax.grad(total)(params, x, True), jax.grad(total)(params, x, False)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_changing_layer_under_an_nnx_transform_is_refused_still():
+    blocks = nnx.split_rngs(splits=3)(nnx.vmap(DropBlock, in_axes=(0,), out_axes=0))(nnx.Rngs(0))
+    graphdef, stack = nnx.split(blocks)
+    with pytest.raises(ValueError, match=r"\['drop'\]\['rngs'\]\['count'\], an nnx.RngCount"):
+        layer = lambda p, h: _remat_call(nnx.merge(graphdef, p), h)  # noqa: E731
+        jaxga.remat_scan(layer, stack, jnp.ones((4, 8)))
+
+
+def test_a_stacked_batchnorm_in_training_is_told_its_statistics_would_not_move():
+    blocks = nnx.split_rngs(splits=3)(nnx.vmap(NormBlock, in_axes=(0,), out_axes=0))(nnx.Rngs(0))
+    graphdef, stack = nnx.split(blocks)
+    with pytest.raises(ValueError, match=r"the batch statistics would never move"):
+        jaxga.remat_scan(lambda p, h: nnx.merge(graphdef, p)(h), stack, jnp.ones((4, 8)))

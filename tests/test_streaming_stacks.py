@@ -127,7 +127,7 @@ def test_an_equinox_model_trains_streamed_through_make_train_step(stream):
     with the rest in the loss: 2 steps equal `eqx.filter_value_and_grad` of the whole batch
     and optax; ``stream=True`` the resident step bit for bit, ``"layers"`` to rounding."""
     model = EquinoxModel(jax.random.key(0))
-    params, static = eqx.partition(model, eqx.is_array)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
     tx = optax.adamw(0.05, weight_decay=0.1)
 
     def step_loss(params, batch, model_state, rng, *, stream):
@@ -165,9 +165,10 @@ def test_an_equinox_model_trains_streamed_through_make_train_step(stream):
 
 def test_an_equinox_module_with_other_leaves_is_refused_naming_the_filter():
     mlp = eqx.nn.MLP(4, 1, width_size=8, depth=1, key=jax.random.key(0))  # holds functions
-    with pytest.raises(TypeError, match=r"holds an Equinox module .*eqx.filter\(model, eqx.is_a"):
+    message = r"holds an Equinox module .*eqx.filter\(model, eqx.is_inexact_array\)"
+    with pytest.raises(TypeError, match=message):
         jaxga.TrainState.create(params=mlp, tx=optax.sgd(0.1))
-    state = jaxga.TrainState.create(params=eqx.filter(mlp, eqx.is_array), tx=optax.sgd(0.1))
+    state = jaxga.TrainState.create(params=eqx.filter(mlp, eqx.is_inexact_array), tx=optax.sgd(0.1))
     assert jax.tree.structure(state.opt_state) == jax.tree.structure(
         optax.sgd(0.1).init(state.params)
     )
