@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxga import modules
 
@@ -53,6 +54,11 @@ def numeric(leaf: Any, where: str) -> None:
     """Raises for a leaf whose dtype JAX has not (objects, strings, dates), named ``where``."""
     if getattr(getattr(leaf, "dtype", None), "kind", "") in tuple("OSUMm"):
         raise TypeError(f"{where} must hold numbers or bools; got dtype {leaf.dtype}.")
+
+
+def is_array(x: Any) -> bool:
+    """Whether ``x`` is an array (JAX's or NumPy's), not a Python number."""
+    return isinstance(x, jax.Array | np.ndarray)
 
 
 def is_value(x: Any) -> bool:

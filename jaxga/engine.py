@@ -5,7 +5,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, arguments, auxiliary, collectives, meshes, modules
@@ -373,20 +372,18 @@ def _other_leaves(call: Call, taken: set[int]) -> tuple[list[Any], Any]:
     return jax.tree.flatten(others)
 
 
-def _is_array(x: Any) -> bool:
-    return isinstance(x, jax.Array | np.ndarray)
-
-
 def _array_leaves(call: Call, taken: set[int]) -> list[Any]:
     """The array leaves of ``call``'s arguments but ``taken``, and of its keywords."""
-    return [x for x in _other_leaves(call, taken)[0] if _is_array(x)]
+    return [x for x in _other_leaves(call, taken)[0] if _checks.is_array(x)]
 
 
 def _with_array_leaves(call: Call, taken: set[int], arrays: list[Any]) -> Call:
     """``call`` with the leaves `_array_leaves` gives replaced by ``arrays``, in order."""
     leaves, treedef = _other_leaves(call, taken)
     given = iter(arrays)
-    args, kwargs = jax.tree.unflatten(treedef, [next(given) if _is_array(x) else x for x in leaves])
+    args, kwargs = jax.tree.unflatten(
+        treedef, [next(given) if _checks.is_array(x) else x for x in leaves]
+    )
     args = tuple(call.args[i] if i in taken else a for i, a in enumerate(args))
     return call._replace(args=args, kwargs=kwargs)
 

@@ -15,6 +15,11 @@ def is_graph_node(x: Any) -> bool:
     return nnx.graphlib.is_graph_node(x) and not isinstance(x, nnx.Variable)
 
 
+def is_variable(x: Any) -> bool:
+    """Whether ``x`` is an NNX Variable (a leaf to stop at: ``is_leaf=is_variable``)."""
+    return isinstance(x, nnx.Variable)
+
+
 def is_module(x: Any) -> bool:
     """Whether ``x`` is an NNX graph node or an ``equinox.Module`` (equinox is not imported)."""
     return is_graph_node(x) or isinstance(x, getattr(sys.modules.get("equinox"), "Module", ()))

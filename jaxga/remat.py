@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.extend import core
 
-from jaxga import convolution
+from jaxga import convolution, modules
 from jaxga._checks import check_arity, check_bool, leading_size, positive_int
 from jaxga._streaming import streamed_scan, summed_here
 from jaxga.meshes import memory_space
@@ -205,12 +205,8 @@ def _apply_layer(layer_fn: Callable[..., Any], stacked: Any, x: Any, params: Any
 def _nnx_state(params: Any) -> list[tuple[Any, nnx.Variable]]:
     """The NNX Variables of one layer's ``params`` that are not parameters (a Dropout's RNG
     count, a BatchNorm's statistics), with their paths."""
-    found = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
-    return [(p, v) for p, v in found if _is_variable(v) and not isinstance(v, nnx.Param)]
-
-
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
+    found = jax.tree_util.tree_flatten_with_path(params, is_leaf=modules.is_variable)[0]
+    return [(p, v) for p, v in found if modules.is_variable(v) and not isinstance(v, nnx.Param)]
 
 
 def _check_unchanged(layer_fn: Callable[..., Any], params: Any, x: Any, before: list) -> None:

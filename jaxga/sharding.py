@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxga import _checks, meshes
+from jaxga import _checks, meshes, modules
 from jaxga._layerwise import UnmappedState, init_by_layer, map_mirrors
 from jaxga._streaming import made_by_layer
 from jaxga.microbatch import IndivisibleBatchError  # noqa: F401 (importable from here too)
@@ -668,7 +668,7 @@ def nnx_state_specs(
         return spec.replace(given if split is None else split)
 
     specs = nnx.get_partition_spec(state)
-    return jax.tree.map(one, state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(one, state, specs, is_leaf=modules.is_variable)
 
 
 def check_nnx_strategy(strategy: Any) -> str | None:

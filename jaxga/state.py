@@ -104,23 +104,19 @@ class TrainState(train_state.TrainState):
         return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)
 
 
-def _is_array(x: Any) -> bool:  # not a Python number, which an Equinox field may be
-    return isinstance(x, jax.Array | np.ndarray)
-
-
 def check_arrays(tree: Any, name: str, empty_ok: bool = False) -> None:
     """Raises unless ``tree`` is a pytree of arrays (``nnx.Param``s only, for an NNX state)."""
     split = "split it as `graphdef, params, rest = nnx.split(model, nnx.Param, ...)` and pass"
     split += " `model_state=rest` (jaxga.TrainState.create)"
     if modules.holds_graph_node(tree):
         raise TypeError(f"`{name}` is (or holds) a module; {split}, or use jaxga.nnx_train_step.")
-    if modules.holds_module(tree) and not all(map(_is_array, jax.tree.leaves(tree))):
+    if modules.holds_module(tree) and not all(map(_checks.is_array, jax.tree.leaves(tree))):
         fix = "pass its float arrays, eqx.filter(model, eqx.is_inexact_array), and eqx.combine"
         raise TypeError(
             f"`{name}` holds an Equinox module with leaves that are not arrays (a Python "
             f"float, a function); {fix} them with the rest in the loss."
         )
-    variables = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    variables = jax.tree.leaves(tree, is_leaf=modules.is_variable)
     kinds = {type(v).__name__ for v in variables if isinstance(v, nnx.Variable)}
     if name == "params" and (others := kinds - {"Param"}):
         raise ValueError(f"`params` holds {sorted(others)} besides nnx.Param: {split}.")
