@@ -314,11 +314,16 @@ class _PinnedHost(jax.sharding.NamedSharding):
         return hash((super().__hash__(), "pinned_host"))
 
 
-def on_host(where: jax.Device | jax.sharding.Mesh, tree: Any, select: Callable[[Any], bool]) -> Any:
+def on_host(
+    where: jax.Device | jax.sharding.Mesh,
+    tree: Any,
+    select: Callable[[Any], bool],
+    spec: jax.sharding.PartitionSpec | None = None,
+) -> Any:
     """``tree``'s leaves whose path ``select`` picks placed in pinned host memory: a device's,
-    or (a mesh) each device's, replicated."""
+    or (a mesh) each device's, laid out by ``spec`` (None: replicated)."""
     mesh = where if isinstance(where, jax.sharding.Mesh) else jax.sharding.Mesh([where], ("host",))
-    host = _PinnedHost(mesh, jax.sharding.PartitionSpec())
+    host = _PinnedHost(mesh, jax.sharding.PartitionSpec() if spec is None else spec)
 
     def place(path: Any, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         return x.update(sharding=host) if select(path) else x

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import get_opaque_trace_state
 
-from jaxga.meshes import HOST_KINDS, memory_space
+from jaxga.meshes import HOST_KINDS, manual_axes, memory_space
 
 _HOST = jax.memory.Space.Host
 _DEVICE = jax.memory.Space.Device
@@ -75,7 +75,8 @@ def zeros_placed_like(tree: Any, homes: Any) -> Any:
         if not is_streamed(home):
             return placed_like(leaf, home)
         zeros = functools.partial(_zeros, leaf.shape[1:], leaf.dtype)
-        return made_by_layer(zeros, jnp.arange(leaf.shape[0]))
+        stack = made_by_layer(zeros, jnp.arange(leaf.shape[0]))
+        return jax.lax.pcast(stack, tuple(jax.typeof(leaf).mat.varying), to="varying")
 
     return jax.tree.map(put, tree, homes)
 
@@ -313,6 +314,40 @@ def value_and_summed_grad(
     return summed
 
 
+def vjp_summed(fun: Callable[..., Any], primals: tuple, cotangent: Any, sums: tuple) -> tuple:
+    """``jax.vjp(fun, *primals)``'s gradients for ``cotangent``, each added to its sum: a
+    layer scan's stack in its backward pass, a layer at a time where the sum lies
+    (`summing_into`), the rest after it.
+
+    Args:
+        fun: ``fun(*primals) -> y``.
+        primals: its arguments.
+        cotangent: like ``y``.
+        sums: the gradient sums so far, a tuple like ``primals``.
+
+    Returns:
+        ``sums`` plus the gradients, a tuple like ``primals``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jaxga._streaming import streamed_scan, vjp_summed
+        >>> def fun(w, x):
+        ...     return streamed_scan(lambda w, x: x * w, w, x)
+        >>> w, x, total = jnp.full((3, 2), 2.0), jnp.ones(2), jnp.full((3, 2), 10.0)
+        >>> sums = vjp_summed(fun, (w, x), jnp.ones(2), (total, jnp.zeros(2)))
+        >>> sums[0][0].tolist(), sums[1].tolist()
+        ([14.0, 14.0], [8.0, 8.0])
+    """
+    with summing_into(primals, sums) as summing:
+
+        def entered(*primals: Any) -> Any:  # the primals as ``fun`` sees them
+            summing.enter(primals)
+            return fun(*primals)
+
+        grads = jax.vjp(entered, *primals)[1](cotangent)
+    return jax.tree.map(_summed, sums, grads, summing.added_tree())
+
+
 def _layer_scan(
     body: Callable[..., Any], carry: Any, stacked: Any, xs: Any, first: Any, *, reverse: bool
 ) -> tuple[Any, Any, Any]:
@@ -450,7 +485,7 @@ def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any, *, prefetch: 
     return run(tuple(consts), stacked, x)
 
 
-def layerwise(fn: Callable[..., Any], home: Any, *others: Any) -> Any:
+def layerwise(fn: Callable[..., Any], home: Any, *others: Any, consts: tuple = ()) -> Any:
     """``fn(leaf, *other_leaves)`` over ``home``'s leaves; for a leaf in host memory, run on
     the device a layer (leading index) at a time and each result written back to host memory
     (over the leaf's own layer, in place, where ``fn`` keeps its dtype).
@@ -459,6 +494,7 @@ def layerwise(fn: Callable[..., Any], home: Any, *others: Any) -> Any:
         fn: an elementwise function of a leaf of ``home`` and the same leaves of ``others``.
         home: the tree whose leaves say where each result lives (host or device memory).
         others: trees like ``home`` (leaves of the same leading size).
+        consts: values ``fn`` takes after the leaves, the same for every leaf (a count, say).
 
     Returns:
         ``fn``'s results, a tree like ``home``, each leaf in its leaf of ``home``'s memory.
@@ -472,24 +508,49 @@ def layerwise(fn: Callable[..., Any], home: Any, *others: Any) -> Any:
 
     def one(leaf: Any, *rest: Any) -> Any:
         if memory_space(leaf) != _HOST:
-            return fn(leaf, *rest)
+            return fn(leaf, *rest, *consts)
         if not jnp.ndim(leaf):
-            return jax.device_put(fn(*on_device((leaf, *rest))), _HOST)
-
-        def written(stack: Any, index: jax.Array) -> tuple[Any, None]:  # over ``leaf``
-            return write_layer(stack, fn(*fetch_layer((stack, *rest), index)), index), None
-
+            return jax.device_put(fn(*on_device((leaf, *rest)), *consts), _HOST)
         layer = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (leaf, *rest)]
-        if jax.eval_shape(fn, *layer).dtype == leaf.dtype:  # in place, a layer at a time
-            return jax.lax.scan(written, leaf, jnp.arange(leaf.shape[0]))[0]
-        return made_by_layer(functools.partial(_on_fetched, fn), (leaf, *rest))  # a new stack
+        in_place = jax.eval_shape(fn, *layer, *consts).dtype == leaf.dtype
+        mesh = _splitting_mesh(leaf)
+        if mesh is None:
+            return _by_layer(fn, in_place, consts, leaf, *rest)
+        # split by its layers in jit's global view: each device's layers, in a shard_map
+        specs = tuple(jax.typeof(x).sharding.spec for x in (leaf, *rest))
+        local = functools.partial(_by_layer, fn, in_place)
+        in_specs = (tuple(jax.P() for _ in consts), *specs)
+        local = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=specs[0])
+        return local(consts, leaf, *rest)
 
     return jax.tree.map(one, home, *others)
 
 
-def _on_fetched(fn: Callable[..., Any], slices: tuple[Any, ...]) -> Any:
-    """``fn`` of ``slices`` fetched to the device."""
-    return fn(*on_device(slices))
+def _by_layer(fn: Callable[..., Any], in_place: bool, consts: tuple, leaf: Any, *rest: Any) -> Any:
+    """`layerwise` on one stack in host memory: over ``leaf`` if ``in_place``, else a new stack."""
+
+    def on(slices: tuple[Any, ...]) -> Any:
+        return fn(*on_device(slices), *consts)
+
+    def written(stack: Any, index: jax.Array) -> tuple[Any, None]:  # over ``leaf``
+        return write_layer(stack, on(fetch_layer((stack, *rest), index)), index), None
+
+    if not in_place:
+        return made_by_layer(on, (leaf, *rest))
+    varying = [jax.typeof(x).mat.varying for x in (leaf, *rest)]
+    leaf = jax.lax.pcast(leaf, tuple(frozenset().union(*varying[1:]) - varying[0]), to="varying")
+    return jax.lax.scan(written, leaf, jnp.arange(leaf.shape[0]))[0]
+
+
+def _splitting_mesh(leaf: Any) -> Any:
+    """The mesh whose Explicit axes split ``leaf``'s layer axis in jit's global view (none
+    of them manual here), or None."""
+    sharding = jax.typeof(leaf).sharding
+    spec = getattr(sharding, "spec", None)
+    if not spec or spec[0] is None or sharding.mesh.empty:
+        return None
+    split = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    return None if set(split) & manual_axes(sharding.mesh) else sharding.mesh
 
 
 def psum_by_layer(stacks: list[jax.Array], axes: Any) -> list[jax.Array]:

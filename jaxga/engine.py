@@ -283,13 +283,18 @@ def reduce(carry: Carry, options: Options, call: Call) -> Sums:
     return Sums(grads=grads, total=total, count=count, threaded=threaded)
 
 
+def _divided(grad: jax.Array, primal: Any, count: jax.Array) -> jax.Array:
+    """A gradient sum divided by the count, in its primal's dtype."""
+    return (grad / count).astype(jnp.result_type(primal))
+
+
 def finish(sums: Sums, options: Options, call: Call, *, aux: Any) -> Accumulated:
     """The finish phase: one division, modules' state written back."""
     grads, total, count, threaded = sums
     bad = "Mean counts summed to {} items; expected finite and >= 0."
     valid = check_value(jnp.isfinite(count) & (count >= 0), bad, count)  # the rule: traced,
     count = jnp.where(valid, count, jnp.nan)  # a NaN count
-    grads = layerwise(lambda g, p: (g / count).astype(jnp.result_type(p)), grads, call.primals)
+    grads = layerwise(_divided, grads, call.primals, consts=(count,))
     modules.write_back(call.parts, threaded.modules)
     return Accumulated(
         mean=Mean(total, count),

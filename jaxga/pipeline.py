@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxga import collectives, meshes
-from jaxga._checks import check_arity, leading_size, positive_int
+from jaxga._checks import check_arity, check_bool, leading_size, positive_int
 from jaxga.loss import Mean
 from jaxga.pipeline_schedules import SCHEDULES, Inputs, Schedule, Stages, checked_mean, pipelined
 from jaxga.remat import Policy, stack_length
@@ -115,10 +115,12 @@ def stages_of(
     schedule: str = "gpipe",
     head_fn: Callable[..., Any] | None = None,
     embed_fn: Callable[..., Any] | None = None,
+    stream: bool = False,
 ) -> Checked:
     """A pipeline's arguments checked: its `Stages`, whether the stage axis is
     ``"manual"`` here or to be ``"opened"``, and the mesh."""
     repeats = positive_int(repeats, "repeats")
+    _check_stream(check_bool(stream, "stream"), stacked_params, schedule, repeats)
     names = tuple(n for n, row in SCHEDULES.items() if head_fn or not row.manual)
     if schedule in SCHEDULES and schedule not in names:
         raise ValueError(f"`schedule`={schedule!r} needs a loss head: call jaxga.pipeline_loss.")
@@ -142,8 +144,24 @@ def stages_of(
         _check_split(stacked_params, axis_name)
     layers = stack_length(stacked_params) * (plan.stages if route_kind == "manual" else 1)  # L
     check_layers(layers, plan.stages, repeats)
-    stages = Stages(layer_fn, policy, plan, axis_name, head_fn, embed_fn)
+    stages = Stages(layer_fn, policy, plan, axis_name, head_fn, embed_fn, stream)
     return Checked(stages, route_kind, mesh)
+
+
+def _check_stream(stream: bool, stacked_params: Any, schedule: str, repeats: int) -> None:
+    """A `ValueError` unless a stack in host memory is streamed, by a schedule that streams:
+    ``"1f1b"``, whose backward passes (in its ticks) add each layer's gradient to its sum."""
+    if stream and (schedule != "1f1b" or repeats != 1):
+        got = f"`stream`=True with schedule={schedule!r}" + (f", repeats={repeats}" * (repeats > 1))
+        want = "schedule='1f1b' and repeats=1 (its backward adds each layer to its sum)"
+        raise ValueError(f"{got}: not supported; expected {want}.")
+    if stream:
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stacked_params)[0]:
+        if hasattr(leaf, "shape") and meshes.memory_space(leaf) == jax.memory.Space.Host:
+            where = f"`stacked_params`{jax.tree_util.keystr(path)} lives in host memory"
+            fix = "call jaxga.pipeline_loss(..., schedule='1f1b', stream=True)"
+            raise ValueError(f"{where}: {fix}, which fetches each layer to the device.")
 
 
 def _check_split(stacked_params: Any, axis_name: str) -> None:
@@ -248,6 +266,7 @@ def pipeline_loss(
     rng: jax.Array | None = None,
     mesh: jax.sharding.Mesh | None = None,
     embed_fn: Callable[..., Any] | None = None,
+    stream: bool = False,
 ) -> Mean:
     """The loss of a pipelined layer stack: ``head_fn`` on `pipeline_scan`'s output, summed.
 
@@ -276,6 +295,12 @@ def pipeline_loss(
             (``x`` is that input). Given, ``params`` is ``(stacked_params, head_params,
             embed_params)``, the 1F1B schedules run it per micro-batch on stage 0, and ``x``
             is not differentiated (token ids, say).
+        stream: the stack may live in host memory (``pinned_host``, laid out over the
+            stages): each stage fetches its layers one at a time, as
+            ``remat_scan(stream=True)``, and its backward passes add each layer's gradient
+            to a sum kept where the stack lies; with ``schedule="1f1b"`` (``repeats=1``).
+            The resident pipeline's loss and gradients, to float32 rounding
+            (docs/streaming.md, "A pipeline's stages").
 
     Returns:
         A `jaxga.Mean`: the totals and counts of every micro-batch, summed (by the 1F1B
@@ -312,11 +337,12 @@ def pipeline_loss(
     options = {"num_microbatches": num_microbatches, "axis_name": axis_name, "policy": policy}
     options |= {"schedule": schedule, "repeats": repeats, "rng": rng, "mesh": mesh}
     if schedule in SCHEDULES and not SCHEDULES[schedule].manual:
+        _check_stream(check_bool(stream, "stream"), stacked_params, schedule, repeats)
         x = x if embed_fn is None else embed_fn(embed_params, x)
         y = pipeline_scan(layer_fn, stacked_params, x, **options)
         return checked_mean(head_fn, head_params, y, targets)
     heads = {"head_fn": head_fn, "embed_fn": embed_fn}
-    checked = stages_of(layer_fn, stacked_params, **heads, **options)
+    checked = stages_of(layer_fn, stacked_params, **heads, **options, stream=stream)
     inputs = Inputs(stacked_params, head_params, x, targets, rng, embed=embed_params)
     return pipelined(checked.stages, checked.route_kind, checked.mesh, inputs)
 

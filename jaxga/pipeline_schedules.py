@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxga import collectives, meshes
 from jaxga._checks import positive_int
+from jaxga._streaming import layerwise, vjp_summed, zeros_placed_like
 from jaxga.convolution import with_vjp
 from jaxga.loss import Mean
 from jaxga.microbatch import IndivisibleBatchError, merge_microbatches, split_microbatches
@@ -174,6 +175,7 @@ class Stages(NamedTuple):
     axis: str
     head_fn: Callable[..., Any] | None = None  # (head_params, y, targets) -> Mean
     embed_fn: Callable[..., Any] | None = None  # (embed_params, x of a micro-batch) -> input
+    stream: bool = False  # each layer fetched, its gradient added to a sum where the stack lies
 
 
 class Inputs(NamedTuple):
@@ -208,6 +210,8 @@ def run_stage(stages: Stages, params: Any, x: Any, work: Work, key: Any) -> Any:
         return stages.layer_fn(params, x, jax.random.fold_in(key, layer_id))
 
     ids = first + jnp.arange(size)
+    if stages.stream:  # one chunk (r = 1): the stack where it lies, a layer fetched at a time
+        return remat_scan(layer, (params, ids), x, policy=stages.policy, stream=True)
     return remat_scan(layer, (take(chunks, work.chunk), ids), x, policy=stages.policy)
 
 
@@ -271,10 +275,13 @@ def checked_mean(head_fn: Callable[..., Any], head_params: Any, y: Any, targets:
     return mean
 
 
-def _zeros_varying(tree: Any, axis: str) -> Any:
-    """Zeros like ``tree`` varying over ``axis`` and every manual axis here: a carry's start."""
+def _zeros_varying(tree: Any, axis: str, *, where: Any = None) -> Any:
+    """Zeros like ``tree`` varying over ``axis`` and every manual axis here: a carry's start;
+    each leaf in its leaf of ``where``'s memory if given (a stack in host memory made there,
+    a layer at a time)."""
     manual = meshes.manual_axes(jax.sharding.get_abstract_mesh()) | {axis}
-    return collectives.varying(jax.tree.map(jnp.zeros_like, tree), tuple(manual))
+    zeros = jax.tree.map(jnp.zeros_like, tree) if where is None else zeros_placed_like(tree, where)
+    return collectives.varying(zeros, tuple(manual))
 
 
 def _head_step(stages: Stages, split: Inputs, y: Any, j: jax.Array) -> tuple:
@@ -294,6 +301,20 @@ def _head_step(stages: Stages, split: Inputs, y: Any, j: jax.Array) -> tuple:
 def _backward(stages: Stages, primals: tuple, dy: Any, work: Work, key: Any) -> tuple:
     forward = functools.partial(run_stage, stages, work=work, key=key)
     return jax.vjp(forward, *primals)[1](dy)
+
+
+def _summed_backward(
+    stages: Stages, primals: tuple, dy: Any, work: Work, sums: Any, *, key: Any
+) -> tuple:
+    """`_backward` of a streamed stack (``primals``: the stack's, the input's), its gradient
+    added to ``sums`` a layer at a time where they lie: the new sums, the input's gradient."""
+    forward = functools.partial(run_stage, stages, work=work, key=key)
+    return vjp_summed(forward, primals, dy, (sums, jax.tree.map(jnp.zeros_like, primals[1])))
+
+
+def _sums_kept(types: Any, primals: tuple, dy: Any, work: Work, sums: Any) -> tuple:
+    """`_summed_backward`'s bubble: the sums as they are, the input's gradient zeros."""
+    return sums, jax.tree.map(collectives.zeros_of, types[1])
 
 
 def _stack_input(stages: Stages, split: Inputs, work: Work, where: jax.Array) -> Any:
@@ -355,11 +376,14 @@ def _tick(stages: Stages, split: Inputs, carry: _TickCarry, t: jax.Array) -> tup
     micro_mean, d_head, dy = collectives.when(at_head, head, y, f.microbatch)
     dy = select((s == last) & (b.chunk == final), dy, returned)
     primals, backward = (split.params, take(saved, b.slot)), functools.partial(_backward, stages)
-    d_params, dh = collectives.when(b.valid, backward, primals, dy, b, key)
-    grads = grads._replace(
-        params=jax.tree.map(jnp.add, grads.params, d_params),
-        head=jax.tree.map(jnp.add, grads.head, d_head),
-    )
+    if stages.stream:  # each layer's gradient added to its sum as the backward makes it
+        backward = functools.partial(_summed_backward, stages, key=key)
+        when = functools.partial(collectives.when, b.valid, backward, otherwise=_sums_kept)
+        sums, dh = when(primals, dy, b, grads.params)
+    else:
+        d_params, dh = collectives.when(b.valid, backward, primals, dy, b, key)
+        sums = jax.tree.map(jnp.add, grads.params, d_params)
+    grads = grads._replace(params=sums, head=jax.tree.map(jnp.add, grads.head, d_head))
     grads = _input_grads(stages, split, grads, dh, b)
     arrived = jax.lax.ppermute(y, stages.axis, schedule.sends)
     returned = jax.lax.ppermute(dh, stages.axis, [(j, i) for i, j in schedule.sends])
@@ -375,8 +399,10 @@ def manual_ticks(stages: Stages, inputs: Inputs) -> tuple[Mean, Inputs]:
     targets = split_rows(inputs.targets, schedule.microbatches, "targets")
     split = inputs._replace(x=xs, targets=targets)
     embedded = stages.embed_fn is not None  # then x's rows go in; no gradient for them
+    sums = _zeros_varying(inputs.params, axis, where=inputs.params if stages.stream else None)
     grads = Inputs(
-        *(_zeros_varying(x, axis) for x in (inputs.params, inputs.head)),
+        sums,
+        _zeros_varying(inputs.head, axis),
         x=None if embedded else _zeros_varying(xs, axis),
         targets=None,
         key=None,
@@ -396,9 +422,18 @@ def manual_ticks(stages: Stages, inputs: Inputs) -> tuple[Mean, Inputs]:
     return mean, grads._replace(head=head_grads, x=x_grads, embed=embed_grads)
 
 
-def _scaled(grads: Inputs, cotangent: Mean) -> tuple[Inputs]:
-    scale = cotangent.total  # the loss total is linear in each micro-batch's: grads scale
-    return (jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads),)
+def _times(g: jax.Array, scale: jax.Array) -> jax.Array:
+    return (g * scale).astype(g.dtype)
+
+
+def _scaled(grads: Inputs, scale: jax.Array) -> tuple[Inputs]:
+    """``grads`` times ``scale`` (the loss total is linear in each micro-batch's: gradients
+    scale), a layer at a time for a stack in host memory."""
+    return (layerwise(_times, grads, consts=(scale,)),)
+
+
+def _total(scaled: Callable[..., Any], grads: Inputs, cotangent: Mean) -> tuple[Inputs]:
+    return scaled(grads, cotangent.total)
 
 
 def _keeping_inputs(run: Callable[..., Any], inputs: Inputs) -> tuple[Any, Inputs]:
@@ -433,8 +468,9 @@ def pipelined(stages: Stages, route_kind: str, mesh: Any, inputs: Inputs) -> Any
         names = {"in_specs": in_specs, "out_specs": out_specs, "axis_names": {axis}}
         return jax.shard_map(fun, mesh=mesh, **names)
 
-    if manual:
-        return with_vjp(shard(run, (specs,), (P(), specs)), _scaled)(inputs)
+    if manual:  # scaled where the gradients lie, each stage its own
+        scaled = functools.partial(_total, shard(_scaled, (specs, P()), (specs,)))
+        return with_vjp(shard(run, (specs,), (P(), specs)), scaled)(inputs)
     forward = functools.partial(_keeping_inputs, shard(run, (specs,), P()))
     backward = shard(functools.partial(_recomputed, run), (specs, P()), (specs,))
     return with_vjp(forward, backward)(inputs)

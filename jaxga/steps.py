@@ -258,7 +258,7 @@ def _check_stream(stream: Any, layout: layouts.MeshLayout | None, k: Any) -> boo
     """``stream`` (False, True, "layers"; "auto" with ``k`` "auto"), checked; on a mesh, data
     parallel: each device streams its own copy of a stack (a split one is refused at trace
     time, `collectives.all_gathered`), the stacks' sums reduced once after the loop, a
-    layer at a time."""
+    layer at a time; with a pipeline's stage axis (True), each stage its own layers."""
     if stream == "auto" and k != "auto":
         raise ValueError(
             f'`stream`="auto" needs num_microbatches="auto"; got num_microbatches={k!r}.'
@@ -275,8 +275,7 @@ def _check_stream(stream: Any, layout: layouts.MeshLayout | None, k: Any) -> boo
         expected = f"'data_parallel', or specs that leave the streamed stacks unsplit ({_EACH})"
         raise ValueError(f"{on} with {got}: not supported; expected {expected}.")
     if layout.pipeline_axis is not None:
-        got = f"`pipeline_axis`={layout.pipeline_axis!r}"
-        raise ValueError(f"{on} with {got}: a pipeline's stages are not streamed; expected None.")
+        _check_stream_stages(stream, layout)
     if others := layouts.others(layout):
         got = f"the mesh's axes {others} beside `axis_name`={layout.axis_name!r}"
         expected = "a mesh of the batch's axes alone (or `axis_name` naming every axis)"
@@ -284,6 +283,19 @@ def _check_stream(stream: Any, layout: layouts.MeshLayout | None, k: Any) -> boo
     if not layout.reduce_once:
         raise ValueError(f"{on} needs reduce_once=True ({_ONCE}); got reduce_once=False.")
     return stream
+
+
+def _check_stream_stages(stream: bool | str, layout: layouts.MeshLayout) -> None:
+    """Raises unless a pipelined step can stream: with True (its update fetches each stage's
+    stacks whole), the stage axis Explicit (where the stacks' types say that they are split,
+    and the step divides their sums on each device, not gathered by the SPMD partitioner)."""
+    got = f"`stream`={stream!r} with `pipeline_axis`={layout.pipeline_axis!r}"
+    if stream == "layers":
+        want = "stream=True (each stage's stacks updated whole on its device) or None"
+        raise ValueError(f"{got}: a pipeline's update is not streamed; expected {want}.")
+    if not meshes.explicit_axes(layout.mesh, layout.pipeline_axis):
+        want = "an Explicit stage axis (jax.make_mesh's default axis_types)"
+        raise ValueError(f"{got} on an Auto axis: not supported; expected {want}.")
 
 
 _ON = "True or 'layers' with num_microbatches an int, or stream=False"

@@ -435,8 +435,12 @@ def test_a_state_laid_out_on_a_mesh_with_a_stack_first_is_not_laid_out_again():
         ({"strategy": "zero3"}, r"with `strategy`='zero3': not supported; expected 'data_par"),
         ({"reduce_once": False}, r"needs reduce_once=True \(each stack's gradient sum reduced"),
         (
-            {"mesh": jax.make_mesh((1, 1), ("data", "stage")), "pipeline_axis": "stage"},
-            r"with `pipeline_axis`='stage': a pipeline's stages are not streamed; expected None",
+            {  # stream=True streams each stage's layers (tests/test_pipeline_streaming.py)
+                "mesh": jax.make_mesh((1, 1), ("data", "stage")),
+                "pipeline_axis": "stage",
+                "stream": "layers",
+            },
+            r"with `pipeline_axis`='stage': a pipeline's update is not streamed; expected ",
         ),
         (
             {"mesh": jax.make_mesh((1, 1), ("data", "model"))},

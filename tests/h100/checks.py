@@ -327,6 +327,48 @@ def test_h100_a_1f1b_stage_holds_a_quarter_of_the_example():
     assert report.argument_bytes / 2**30 == pytest.approx(0.25, rel=0.05)
 
 
+def test_h100_a_streamed_pipeline_stage_never_holds_its_layers_whole():
+    # docs/streaming.md, "A pipeline's stages": compiled for two described H100s, the
+    # gradient of a 2-stage 1F1B pipeline_loss (32 float32 layers of 1024 x 1024, 16 on each
+    # stage) with the stack in host memory and stream=True peaks under a quarter of a stage's
+    # layers (two fetched, a gradient, the activations), where the resident pipeline holds
+    # them, their gradient sums and more; host memory holds the stack, the sums and the
+    # scaled gradient (3 stage stacks)
+    mesh = gpu.on_mesh(gpu.h100s(2), "stage")
+    layers, dim, rows = 32, 1024, 64
+
+    def layer(w, x):
+        return jnp.tanh(x @ w)
+
+    def head(v, y, t):
+        return jaxga.Mean.of((y @ v - t) ** 2)
+
+    def replicated(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=jax.NamedSharding(mesh, P()))
+
+    def report(stream):
+        stack = jax.ShapeDtypeStruct((layers, dim, dim), jnp.float32)
+        if stream:
+            stack = biggest_model.on_host(mesh, stack, lambda path: True, P("stage"))
+        else:
+            stack = stack.update(sharding=jax.NamedSharding(mesh, P("stage")))
+
+        def total(params, x, t):
+            options = {"num_microbatches": 4, "schedule": "1f1b", "stream": stream}
+            return jaxga.pipeline_loss(layer, head, params, x, t, mesh=mesh, **options).total
+
+        with jax.default_matmul_precision(PRECISION):
+            args = ((stack, replicated(dim)), replicated(rows, dim), replicated(rows))
+            return jaxga.memory_report(jax.jit(jax.grad(total)), *args)
+
+    resident, streamed = report(False), report(True)
+    stage = layers // 2 * dim * dim * 4  # a stage's layers, bytes
+    print(resident.peak_bytes / stage, streamed.peak_bytes / stage, streamed.host_bytes / stage)
+    assert streamed.peak_bytes < stage / 4
+    assert resident.peak_bytes > 2 * stage  # its layers and their gradient sums, at least
+    assert 3 * stage <= streamed.host_bytes <= 3.1 * stage
+
+
 def fetches_and_kernels_between(hlo: str) -> list[int]:
     """For each async copy out of host memory (S(5)) inside a loop body of ``hlo``: how many
     matrix-product kernels XLA scheduled between its start and its done."""

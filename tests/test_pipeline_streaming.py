@@ -1,0 +1,267 @@
+"""A pipeline's stack streamed from host memory: `jaxga.pipeline_loss(..., stream=True)`.
+
+Each stage keeps its layers in its host memory (``pinned_host``, laid out over the stage
+axis), fetches one at a time, and its 1F1B backward passes add each layer's gradient to a
+sum kept there. The references: the same pipeline with the stack on the device, and
+`jax.value_and_grad` of the whole batch through a plain layer scan on one device. Both to
+float32 rounding: copies between memories change no bit, but the streamed layers are
+compiled in loops of their own, and the tests' XLA (``--xla_backend_optimization_level=0``,
+tests/conftest.py) rounds another program's element-wise code in its own way (a loss
+1 ulp apart, seen; equal with XLA's default optimisation).
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxga
+
+L, D = 8, 6
+
+
+@pytest.fixture(autouse=True)
+def highest_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def stack(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "w": rng.normal(size=(L, D, D)).astype(np.float32) / 3,
+        "b": rng.normal(size=(L, D)).astype(np.float32) / 3,
+    }
+
+
+def layer(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def dropped(p, x, key):  # a layer with a key: each layer and micro-batch its own mask
+    keep = jax.random.bernoulli(key, 0.8, x.shape)
+    return jnp.where(keep, jnp.tanh(x @ p["w"] + p["b"]) / 0.8, 0.0)
+
+
+def head_fn(head, y, targets):
+    return jaxga.token_cross_entropy(y @ head, targets["labels"], targets["mask"])
+
+
+def batch_of(rows: int, seed: int = 2) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.normal(size=(rows, D)).astype(np.float32),
+        "labels": rng.integers(0, 5, size=rows),
+        # skewed token counts: a mean of micro-batch means would be wrong
+        "mask": ((np.arange(rows) % 7 == 0) | (np.arange(rows) < 5)).astype(np.float32),
+    }
+
+
+HEAD = np.random.default_rng(3).normal(size=(D, 5)).astype(np.float32)
+
+
+def on_stages(params, mesh, memory_kind="device"):
+    ordered = jaxga.pipeline_order(jax.tree.map(jnp.asarray, params), mesh.shape["stage"], 1)
+    return jax.device_put(ordered, NamedSharding(mesh, P("stage"), memory_kind=memory_kind))
+
+
+def assert_rounding_close(got, want, atol=1e-7):  # a few float32 ulps
+    chex.assert_trees_all_close(jax.device_get(got), jax.device_get(want), rtol=1e-6, atol=atol)
+
+
+def kinds(tree) -> set:
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+@pytest.mark.parametrize("stages, m", [(2, 2), (2, 4), (4, 4), (4, 8)])
+def test_a_streamed_stack_gives_the_resident_pipelines_loss_and_gradients(stages, m):
+    mesh = jax.make_mesh((stages,), ("stage",), devices=jax.devices()[:stages])
+    batch = batch_of(4 * m)
+
+    def loss(params, head, stream):
+        options = {"num_microbatches": m, "schedule": "1f1b", "stream": stream}
+        return jaxga.pipeline_loss(layer, head_fn, (params, head), batch["x"], batch, **options)
+
+    def value_and_grad(params, stream):
+        def value(params, head):
+            return loss(params, head, stream).value
+
+        return jax.jit(jax.value_and_grad(value, argnums=(0, 1)))(params, HEAD)
+
+    resident = value_and_grad(on_stages(stack(), mesh), False)
+    streamed = value_and_grad(on_stages(stack(), mesh, "pinned_host"), True)
+    assert_rounding_close(streamed, resident)
+    assert kinds(streamed[1][0]) == {"pinned_host"}  # the stack's gradient where it lies
+
+    def reference(params, head):
+        return head_fn(head, jaxga.remat_scan(layer, params, batch["x"]), batch).value
+
+    want = jax.value_and_grad(reference, argnums=(0, 1))(stack(), HEAD)
+    want = (want[0], (jaxga.pipeline_order(want[1][0], stages, 1), want[1][1]))
+    chex.assert_trees_all_close(jax.device_get(streamed), want, rtol=1e-5, atol=1e-6)
+
+
+def test_keys_an_embedding_and_a_remat_policy_stream_as_the_resident_pipeline():
+    """With ``rng`` (each layer and micro-batch its own key), ``embed_fn`` (token ids in,
+    its gradient summed on stage 0) and policy "dots": streamed equals resident."""
+    mesh = jax.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    batch = batch_of(32)
+    ids = np.random.default_rng(5).integers(0, 11, size=32)
+    table = np.random.default_rng(6).normal(size=(11, D)).astype(np.float32)
+
+    def embed(table, ids):
+        return table[ids]
+
+    def grads(params, stream):
+        def value(params, head, table):
+            options = {"num_microbatches": 8, "stream": stream, "embed_fn": embed}
+            options |= {"rng": jax.random.key(7), "policy": "dots"}
+            triple = (params, head, table)
+            return jaxga.pipeline_loss(dropped, head_fn, triple, ids, batch, **options).value
+
+        return jax.jit(jax.value_and_grad(value, argnums=(0, 1, 2)))(params, HEAD, table)
+
+    resident = grads(on_stages(stack(), mesh), False)
+    streamed = grads(on_stages(stack(), mesh, "pinned_host"), True)
+    assert_rounding_close(streamed, resident)
+    assert float(jnp.abs(streamed[1][2]).sum()) > 0  # the embedding got its gradient
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_pipelined_train_step_streams_each_stages_layers(k):
+    """make_train_step(stream=True, pipeline_axis="stage", offload=True) on a ("data",
+    "stage") mesh, 2 steps of AdamW: the resident pipelined step's; the stack and
+    its moments stay in host memory, split by stage; and to rounding `jax.value_and_grad`
+    of the whole batch with optax on one device."""
+    mesh = jax.make_mesh((2, 4), ("data", "stage"))
+    batch = batch_of(32)
+    tx = optax.adamw(0.05, weight_decay=0.1)
+
+    def loss(params, batch, model_state, rng, stream):
+        options = {"num_microbatches": 4, "schedule": "1f1b", "stream": stream}
+        pair = (params["stack"], params["head"])
+        return jaxga.pipeline_loss(layer, head_fn, pair, batch["x"], batch, **options), model_state
+
+    specs = {"stack": {"w": P("stage"), "b": P("stage")}, "head": P()}
+    runs = {}
+    for stream in (False, True):
+        kind = "pinned_host" if stream else "device"
+        params = {"stack": on_stages(stack(), mesh, kind), "head": jnp.asarray(HEAD)}
+        state = jaxga.TrainState.create(params=params, tx=tx)
+        options = {"mesh": mesh, "strategy": specs, "pipeline_axis": "stage", "stream": stream}
+        step = jaxga.make_train_step(lambda *a, s=stream: loss(*a, s), k, offload=stream, **options)
+        losses = []
+        for _ in range(2):
+            state, metrics = step(state, batch)
+            losses.append(metrics["loss"])
+        runs[stream] = (jax.device_get(state.params), jax.device_get(losses), state)
+    # AdamW divides by the root of a small second moment: an ulp of a tiny gradient moves an
+    # update by up to its learning rate's ulps
+    assert_rounding_close(runs[True][:2], runs[False][:2], atol=1e-6)
+    state = runs[True][2]
+    assert kinds(state.params["stack"]) == {"pinned_host"}
+    assert state.params["stack"]["w"].sharding.spec[0] == "stage"
+    moments = [x for x in jax.tree.leaves(state.opt_state) if jnp.ndim(x) == 3]
+    assert moments and kinds(moments) == {"pinned_host"}
+
+    def reference(params):
+        h = jaxga.remat_scan(layer, params["stack"], batch["x"])
+        return head_fn(params["head"], h, batch).value
+
+    params = {"stack": jax.tree.map(jnp.asarray, stack()), "head": jnp.asarray(HEAD)}
+    opt_state = tx.init(params)
+    for _ in range(2):
+        grads = jax.grad(reference)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    want = {"stack": jaxga.pipeline_order(params["stack"], 4, 1), "head": params["head"]}
+    chex.assert_trees_all_close(runs[True][0], want, rtol=2e-5, atol=1e-6)
+
+
+class _Staged(nnx.Module):
+    """A stack laid out by stage in host memory (its variables' sharding metadata), a head."""
+
+    def __init__(self, mesh: jax.sharding.Mesh, kind: str):
+        w = jaxga.pipeline_order(jnp.asarray(stack()["w"]), mesh.shape["stage"], 1)
+        self.w = nnx.Param(w, out_sharding=("stage", None, None))
+        self.head = nnx.Param(jnp.asarray(HEAD))
+        where = NamedSharding(mesh, P("stage"), memory_kind=kind)
+        self.w.set_value(jax.device_put(self.w.get_value(), where))
+
+
+def test_nnx_train_step_streams_a_pipelined_stack():
+    """nnx_train_step(stream=True, pipeline_axis="stage"): one SGD step of 1F1B with the
+    stack in host memory equals the resident step, and the stack stays there."""
+    mesh = jax.make_mesh((2, 4), ("data", "stage"))
+    batch = batch_of(32)
+
+    def loss(model, batch, stream):
+        pair = (model.w[...], model.head[...])
+        options = {"num_microbatches": 4, "stream": stream}
+        return jaxga.pipeline_loss(
+            lambda w, x: jnp.tanh(x @ w), head_fn, pair, batch["x"], batch, **options
+        )
+
+    got = {}
+    for stream in (False, True):
+        with jax.set_mesh(mesh):
+            model = _Staged(mesh, "pinned_host" if stream else "device")
+            optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        step = jaxga.nnx_train_step(
+            lambda m, b, s=stream: loss(m, b, s),
+            2,
+            mesh=mesh,
+            pipeline_axis="stage",
+            stream=stream,
+        )
+        for _ in range(2):
+            metrics = step(model, optimizer, batch)
+        got[stream] = (jax.device_get(model.w[...]), jax.device_get(metrics["loss"]))
+        if stream:
+            assert model.w.get_value().sharding.memory_kind == "pinned_host"
+    assert_rounding_close(got[True], got[False])
+
+
+def test_streaming_a_pipeline_refuses_what_it_does_not_take():
+    mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    batch = batch_of(8)
+    host = on_stages(stack(), mesh, "pinned_host")
+
+    def loss(params, **options):
+        options = {"num_microbatches": 2} | options
+        return jaxga.pipeline_loss(layer, head_fn, (params, HEAD), batch["x"], batch, **options)
+
+    with pytest.raises(ValueError, match=r"`stream`=True with schedule='gpipe': not supported; "):
+        jax.jit(lambda p: loss(p, schedule="gpipe", stream=True).value)(host)
+    match = r"`stream`=True with schedule='interleaved_1f1b', repeats=2: not supported; expected"
+    with pytest.raises(ValueError, match=match):
+        jax.jit(lambda p: loss(p, schedule="interleaved_1f1b", repeats=2, stream=True).value)(
+            jaxga.pipeline_order(host, 2, 2)
+        )
+    with pytest.raises(TypeError, match=r"`stream` must be"):
+        jax.jit(lambda p: loss(p, stream="yes").value)(host)
+    match = r"`stacked_params`\['b'\] lives in host memory: call jaxga.pipeline_loss\(.*stream=True"
+    with pytest.raises(ValueError, match=match):  # 1F1B
+        jax.jit(lambda p: loss(p).value)(host)
+    with pytest.raises(ValueError, match=match):  # GPipe, through pipeline_scan
+        jax.jit(lambda p: jaxga.pipeline_scan(layer, p, batch["x"], num_microbatches=2))(host)
+
+    def step_loss(params, batch, model_state, rng):
+        return loss(params), model_state
+
+    mesh2 = jax.make_mesh((1, 1), ("data", "stage"))
+    with pytest.raises(ValueError, match=r"with `pipeline_axis`='stage': a pipeline's update"):
+        jaxga.make_train_step(step_loss, 2, mesh=mesh2, pipeline_axis="stage", stream="layers")
+    # on Auto axes the stacks' types do not say they are split: the step's division of
+    # their sums would be gathered whole (an all-gather of each stack, seen in the HLO)
+    auto = jax.make_mesh((1, 1), ("data", "stage"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    match = r"`stream`=True with `pipeline_axis`='stage' on an Auto axis: not supported; expected"
+    with pytest.raises(ValueError, match=match):
+        jaxga.make_train_step(step_loss, 2, mesh=auto, pipeline_axis="stage", stream=True)
+    with pytest.raises(ValueError, match=match):
+        jaxga.nnx_train_step(lambda m, b: m(b), 2, mesh=auto, pipeline_axis="stage", stream=True)
