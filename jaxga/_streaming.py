@@ -74,11 +74,21 @@ def zeros_placed_like(tree: Any, homes: Any) -> Any:
     def put(leaf: Any, home: Any) -> Any:
         if not is_streamed(home):
             return placed_like(leaf, home)
-        zeros = functools.partial(_zeros, leaf.shape[1:], leaf.dtype)
-        stack = made_by_layer(zeros, jnp.arange(leaf.shape[0]))
-        return jax.lax.pcast(stack, tuple(jax.typeof(leaf).mat.varying), to="varying")
+        mesh = _splitting_mesh(home)
+        if mesh is None:
+            return _zeros_stack(leaf)
+        spec = jax.typeof(home).sharding.spec  # split by its layers: each device its own
+        return jax.shard_map(_zeros_stack, mesh=mesh, in_specs=spec, out_specs=spec)(leaf)
 
     return jax.tree.map(put, tree, homes)
+
+
+def _zeros_stack(like: Any) -> jax.Array:
+    """Zeros like ``like`` (its shape, dtype and varying axes) in host memory, made a layer
+    at a time."""
+    zeros = functools.partial(_zeros, like.shape[1:], like.dtype)
+    stack = made_by_layer(zeros, jnp.arange(like.shape[0]))
+    return jax.lax.pcast(stack, tuple(jax.typeof(like).mat.varying), to="varying")
 
 
 def _zeros(shape: tuple[int, ...], dtype: Any, _: Any) -> jax.Array:
@@ -494,7 +504,7 @@ def layerwise(fn: Callable[..., Any], home: Any, *others: Any, consts: tuple = (
         fn: an elementwise function of a leaf of ``home`` and the same leaves of ``others``.
         home: the tree whose leaves say where each result lives (host or device memory).
         others: trees like ``home`` (leaves of the same leading size).
-        consts: values ``fn`` takes after the leaves, the same for every leaf (a count, say).
+        consts: scalars ``fn`` takes after the leaves, the same for every leaf (a count, say).
 
     Returns:
         ``fn``'s results, a tree like ``home``, each leaf in its leaf of ``home``'s memory.
@@ -514,6 +524,9 @@ def layerwise(fn: Callable[..., Any], home: Any, *others: Any, consts: tuple = (
         layer = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (leaf, *rest)]
         in_place = jax.eval_shape(fn, *layer, *consts).dtype == leaf.dtype
         mesh = _splitting_mesh(leaf)
+        splits = {_splitting_mesh(x) and jax.typeof(x).sharding.spec[0] for x in (leaf, *rest)}
+        if len(splits) > 1:  # each device would read other layers of another leaf
+            raise ValueError(f"layerwise: stacks laid out apart, their layers split by {splits}.")
         if mesh is None:
             return _by_layer(fn, in_place, consts, leaf, *rest)
         # split by its layers in jit's global view: each device's layers, in a shard_map

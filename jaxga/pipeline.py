@@ -120,7 +120,7 @@ def stages_of(
     """A pipeline's arguments checked: its `Stages`, whether the stage axis is
     ``"manual"`` here or to be ``"opened"``, and the mesh."""
     repeats = positive_int(repeats, "repeats")
-    _check_stream(check_bool(stream, "stream"), stacked_params, schedule, repeats)
+    _check_streamed(check_bool(stream, "stream"), stacked_params, schedule, repeats)
     names = tuple(n for n, row in SCHEDULES.items() if head_fn or not row.manual)
     if schedule in SCHEDULES and schedule not in names:
         raise ValueError(f"`schedule`={schedule!r} needs a loss head: call jaxga.pipeline_loss.")
@@ -148,11 +148,12 @@ def stages_of(
     return Checked(stages, route_kind, mesh)
 
 
-def _check_stream(stream: bool, stacked_params: Any, schedule: str, repeats: int) -> None:
+def _check_streamed(stream: bool, stacked_params: Any, schedule: str, repeats: int) -> None:
     """A `ValueError` unless a stack in host memory is streamed, by a schedule that streams:
     ``"1f1b"``, whose backward passes (in its ticks) add each layer's gradient to its sum."""
     if stream and (schedule != "1f1b" or repeats != 1):
-        got = f"`stream`=True with schedule={schedule!r}" + (f", repeats={repeats}" * (repeats > 1))
+        got = f"`stream`=True with schedule={schedule!r}"
+        got += f", repeats={repeats}" if repeats > 1 else ""
         want = "schedule='1f1b' and repeats=1 (its backward adds each layer to its sum)"
         raise ValueError(f"{got}: not supported; expected {want}.")
     if stream:
@@ -337,7 +338,7 @@ def pipeline_loss(
     options = {"num_microbatches": num_microbatches, "axis_name": axis_name, "policy": policy}
     options |= {"schedule": schedule, "repeats": repeats, "rng": rng, "mesh": mesh}
     if schedule in SCHEDULES and not SCHEDULES[schedule].manual:
-        _check_stream(check_bool(stream, "stream"), stacked_params, schedule, repeats)
+        _check_streamed(check_bool(stream, "stream"), stacked_params, schedule, repeats)
         x = x if embed_fn is None else embed_fn(embed_params, x)
         y = pipeline_scan(layer_fn, stacked_params, x, **options)
         return checked_mean(head_fn, head_params, y, targets)

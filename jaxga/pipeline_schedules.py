@@ -280,7 +280,8 @@ def _zeros_varying(tree: Any, axis: str, *, where: Any = None) -> Any:
     each leaf in its leaf of ``where``'s memory if given (a stack in host memory made there,
     a layer at a time)."""
     manual = meshes.manual_axes(jax.sharding.get_abstract_mesh()) | {axis}
-    zeros = jax.tree.map(jnp.zeros_like, tree) if where is None else zeros_placed_like(tree, where)
+    zeros = jax.tree.map(jnp.zeros_like, tree)
+    zeros = zeros if where is None else zeros_placed_like(zeros, where)
     return collectives.varying(zeros, tuple(manual))
 
 
@@ -423,6 +424,7 @@ def manual_ticks(stages: Stages, inputs: Inputs) -> tuple[Mean, Inputs]:
 
 
 def _times(g: jax.Array, scale: jax.Array) -> jax.Array:
+    """``g`` times ``scale``, in ``g``'s dtype."""
     return (g * scale).astype(g.dtype)
 
 
@@ -433,6 +435,7 @@ def _scaled(grads: Inputs, scale: jax.Array) -> tuple[Inputs]:
 
 
 def _total(scaled: Callable[..., Any], grads: Inputs, cotangent: Mean) -> tuple[Inputs]:
+    """The custom VJP's backward pass: ``scaled`` by the loss total's cotangent."""
     return scaled(grads, cotangent.total)
 
 

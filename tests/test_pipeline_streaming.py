@@ -21,8 +21,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxga
-
-L, D = 8, 6
+from tests.test_pipeline import D, head_fn, layer, stack
+from tests.test_pipeline import skewed_batch as batch_of
 
 
 @pytest.fixture(autouse=True)
@@ -31,35 +31,9 @@ def highest_precision():
         yield
 
 
-def stack(seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    return {
-        "w": rng.normal(size=(L, D, D)).astype(np.float32) / 3,
-        "b": rng.normal(size=(L, D)).astype(np.float32) / 3,
-    }
-
-
-def layer(p, x):
-    return jnp.tanh(x @ p["w"] + p["b"])
-
-
 def dropped(p, x, key):  # a layer with a key: each layer and micro-batch its own mask
     keep = jax.random.bernoulli(key, 0.8, x.shape)
-    return jnp.where(keep, jnp.tanh(x @ p["w"] + p["b"]) / 0.8, 0.0)
-
-
-def head_fn(head, y, targets):
-    return jaxga.token_cross_entropy(y @ head, targets["labels"], targets["mask"])
-
-
-def batch_of(rows: int, seed: int = 2) -> dict:
-    rng = np.random.default_rng(seed)
-    return {
-        "x": rng.normal(size=(rows, D)).astype(np.float32),
-        "labels": rng.integers(0, 5, size=rows),
-        # skewed token counts: a mean of micro-batch means would be wrong
-        "mask": ((np.arange(rows) % 7 == 0) | (np.arange(rows) < 5)).astype(np.float32),
-    }
+    return jnp.where(keep, layer(p, x) / 0.8, 0.0)
 
 
 HEAD = np.random.default_rng(3).normal(size=(D, 5)).astype(np.float32)
@@ -104,6 +78,56 @@ def test_a_streamed_stack_gives_the_resident_pipelines_loss_and_gradients(stages
     want = jax.value_and_grad(reference, argnums=(0, 1))(stack(), HEAD)
     want = (want[0], (jaxga.pipeline_order(want[1][0], stages, 1), want[1][1]))
     chex.assert_trees_all_close(jax.device_get(streamed), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["device", "mixed"])
+def test_stream_takes_a_stack_on_the_device_or_partly_there(where):
+    """stream=True with the stack on the device, or ``b`` there and ``w`` in host memory:
+    each leaf's sum starts at zeros where it lies (a review found a device leaf's sum
+    starting at the parameters)."""
+    mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    batch = batch_of(8)
+    params = on_stages(stack(), mesh)
+    if where == "mixed":
+        params["w"] = on_stages(stack(), mesh, "pinned_host")["w"]
+
+    def value(params, stream):
+        options = {"num_microbatches": 2, "stream": stream}
+        return jaxga.pipeline_loss(
+            layer, head_fn, (params, HEAD), batch["x"], batch, **options
+        ).value
+
+    grad = jax.jit(jax.grad(value), static_argnums=1)
+    streamed, resident = grad(params, True), grad(on_stages(stack(), mesh), False)
+    assert_rounding_close(streamed, resident)
+    assert kinds(streamed["w"]) == ({"pinned_host"} if where == "mixed" else {"device"})
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_jaxga_value_and_grad_takes_a_streamed_pipeline_in_jits_global_view(k):
+    """jaxga.value_and_grad of a streamed pipeline's loss, in jit's global view: the
+    accumulation's sums of the stack made in host memory split by stage as the stack is
+    (a review found them unsplit, and the addition failing deep in JAX); the whole batch's
+    loss and gradients."""
+    mesh = jax.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    batch = batch_of(32)
+
+    def loss(params, head, batch):
+        options = {"num_microbatches": 4, "stream": True}
+        return jaxga.pipeline_loss(layer, head_fn, (params, head), batch["x"], batch, **options)
+
+    step = jaxga.value_and_grad(loss, argnums=(0, 1), batch_argnums=2, num_microbatches=k)
+    host = on_stages(stack(), mesh, "pinned_host")
+    value, grads = jax.jit(step)(host, HEAD, batch)
+    assert kinds(grads[0]) == {"pinned_host"}
+    assert grads[0]["w"].sharding.spec[0] == "stage"
+
+    def reference(params, head):
+        return head_fn(head, jaxga.remat_scan(layer, params, batch["x"]), batch).value
+
+    want_value, want = jax.value_and_grad(reference, argnums=(0, 1))(stack(), HEAD)
+    want = (jaxga.pipeline_order(want[0], 4, 1), want[1])
+    assert_rounding_close((value, grads), (want_value, want))
 
 
 def test_keys_an_embedding_and_a_remat_policy_stream_as_the_resident_pipeline():
@@ -265,3 +289,18 @@ def test_streaming_a_pipeline_refuses_what_it_does_not_take():
         jaxga.make_train_step(step_loss, 2, mesh=auto, pipeline_axis="stage", stream=True)
     with pytest.raises(ValueError, match=match):
         jaxga.nnx_train_step(lambda m, b: m(b), 2, mesh=auto, pipeline_axis="stage", stream=True)
+
+
+def test_layerwise_refuses_stacks_laid_out_apart():
+    """_streaming.layerwise over a stack split by stage and one that is not: each device
+    would read the first layers of the other (a review's silent wrong result), so it raises."""
+    from jaxga._streaming import layerwise
+
+    mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    split = on_stages(stack(), mesh, "pinned_host")["b"]
+    whole = jax.device_put(stack()["b"], NamedSharding(mesh, P(), memory_kind="pinned_host"))
+    with pytest.raises(ValueError, match=r"layerwise: stacks laid out apart"):
+        jax.jit(lambda a, b: layerwise(jnp.add, a, b))(split, whole)
+    added = jax.jit(lambda a, b: layerwise(jnp.add, a, b))(split, split)
+    np.testing.assert_array_equal(added, 2 * np.asarray(split))
+    assert added.sharding.spec[0] == "stage" and kinds(added) == {"pinned_host"}
