@@ -18,7 +18,14 @@ import numpy as np
 import optax
 
 from jaxga._cones import cone
-from jaxga._streaming import fetch_layer, is_streamed, made_by_layer, on_device, write_layer
+from jaxga._streaming import (
+    fetch_layer,
+    is_streamed,
+    made_by_layer,
+    on_device,
+    splitting_mesh,
+    write_layer,
+)
 from jaxga.multistep import states_in
 
 if TYPE_CHECKING:
@@ -201,10 +208,44 @@ def split_update(
     new = access.update(_with(access, state, params, opt), grads_d, **extra)
     new_p, new_o = _parts(access, new)
     for size in sorted({jnp.shape(x)[0] for x, k in zip(p, pk) if k == _STREAMED}):
-        got_p, got_o = _scan_layers(access, state, grads, kinds, size=size, extra=extra)
+        got_p, got_o = _scan_where_they_lie(access, state, grads, kinds, size=size, extra=extra)
         new_p = [got_p.get(i, x) for i, x in enumerate(new_p)]
         new_o = [got_o.get(i, x) for i, x in enumerate(new_o)]
     return _with(access, new, new_p, new_o)
+
+
+def _scan_where_they_lie(
+    access: "OptimizerAccess", state: Any, grads: Any, kinds: Any, *, size: int, extra: Any
+) -> tuple[dict[int, Any], dict[int, Any]]:
+    """`_scan_layers`; for stacks split by their layers over Explicit axes in jit's global
+    view (a pipeline's stages), in a ``shard_map``: each device over its own layers."""
+    (p, o), (pk, ok) = _parts(access, state), kinds
+    mine = [
+        {i: x for i, (x, k) in enumerate(zip(leaves, ks)) if k == _STREAMED and x.shape[0] == size}
+        for leaves, ks in ((p, pk), (o, ok))
+    ]
+    stacks = [x for leaves in mine for x in leaves.values()]
+    splits = {_spec(x)[0] if len(_spec(x)) else None for x in stacks}
+    if len(splits) > 1:  # a device would update its own layers of one, others of another
+        got = f"stacks of {size} layers laid out apart, their layers split by {splits}"
+        raise StreamError(f'`stream`="layers": {got}; lay them out alike.')
+    mesh = splitting_mesh(stacks[0])
+    if mesh is None:
+        return _scan_layers(access, state, grads, kinds, size=size, extra=extra)
+    split = jax.tree.leaves(_spec(stacks[0])[0])
+    layers = size // int(np.prod([mesh.shape[a] for a in split]))  # each device's
+
+    def scanned(state: Any, grads: Any, extra: Any) -> tuple[dict[int, Any], dict[int, Any]]:
+        return _scan_layers(access, state, grads, kinds, size=layers, extra=extra)
+
+    in_specs = jax.tree.map(_spec, (state, grads, extra))
+    out_specs = jax.tree.map(_spec, tuple(mine))
+    on_each = jax.shard_map(scanned, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    return on_each(state, grads, extra)
+
+
+def _spec(x: Any) -> Any:  # how ``x``'s type lays it out (a mesh that leaves it empty: P())
+    return jax.typeof(x).sharding.spec
 
 
 def _scan_layers(

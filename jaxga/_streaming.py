@@ -74,7 +74,7 @@ def zeros_placed_like(tree: Any, homes: Any) -> Any:
     def put(leaf: Any, home: Any) -> Any:
         if not is_streamed(home):
             return placed_like(leaf, home)
-        mesh = _splitting_mesh(home)
+        mesh = splitting_mesh(home)
         if mesh is None:
             return _zeros_stack(leaf)
         spec = jax.typeof(home).sharding.spec  # split by its layers: each device its own
@@ -523,8 +523,8 @@ def layerwise(fn: Callable[..., Any], home: Any, *others: Any, consts: tuple = (
             return jax.device_put(fn(*on_device((leaf, *rest)), *consts), _HOST)
         layer = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (leaf, *rest)]
         in_place = jax.eval_shape(fn, *layer, *consts).dtype == leaf.dtype
-        mesh = _splitting_mesh(leaf)
-        splits = {_splitting_mesh(x) and jax.typeof(x).sharding.spec[0] for x in (leaf, *rest)}
+        mesh = splitting_mesh(leaf)
+        splits = {splitting_mesh(x) and jax.typeof(x).sharding.spec[0] for x in (leaf, *rest)}
         if len(splits) > 1:  # each device would read other layers of another leaf
             raise ValueError(f"layerwise: stacks laid out apart, their layers split by {splits}.")
         if mesh is None:
@@ -555,7 +555,7 @@ def _by_layer(fn: Callable[..., Any], in_place: bool, consts: tuple, leaf: Any, 
     return jax.lax.scan(written, leaf, jnp.arange(leaf.shape[0]))[0]
 
 
-def _splitting_mesh(leaf: Any) -> Any:
+def splitting_mesh(leaf: Any) -> Any:
     """The mesh whose Explicit axes split ``leaf``'s layer axis in jit's global view (none
     of them manual here), or None."""
     sharding = jax.typeof(leaf).sharding
@@ -608,12 +608,25 @@ def global_norm(tree: Any) -> jax.Array:
     def squares(leaf: Any) -> jax.Array:
         if not is_streamed(leaf):
             return jnp.sum(_squared(on_device(leaf)))
-        dtype = jnp.finfo(jax.typeof(leaf).dtype).dtype  # optax's, per leaf (complex: real)
-
-        def body(total: jax.Array, layer: jax.Array) -> tuple[jax.Array, None]:
-            return total + jnp.sum(_squared(on_device(layer)), dtype=total.dtype), None
-
-        total = jnp.zeros((), jnp.promote_types(dtype, jnp.float32))  # the layers' sums kept
-        return jax.lax.scan(body, total, leaf)[0].astype(dtype)  # at float32 at least
+        mesh = splitting_mesh(leaf)
+        if mesh is None:
+            return _stack_squares(leaf)
+        spec = jax.typeof(leaf).sharding.spec  # split by its layers: each device's, summed
+        summed = functools.partial(_stack_squares, over=tuple(jax.tree.leaves(spec[0])))
+        return jax.shard_map(summed, mesh=mesh, in_specs=spec, out_specs=jax.P())(leaf)
 
     return jnp.sqrt(jax.tree.reduce(operator.add, jax.tree.map(squares, tree), initializer=0))
+
+
+def _stack_squares(stack: jax.Array, over: tuple = ()) -> jax.Array:
+    """The sum of a host-memory stack's squares, a layer at a time on the device, at float32
+    at least (then in optax's dtype for the leaf); summed over the mesh axes ``over``."""
+    dtype = jnp.finfo(jax.typeof(stack).dtype).dtype  # optax's, per leaf (complex: real)
+
+    def body(total: jax.Array, layer: jax.Array) -> tuple[jax.Array, None]:
+        return total + jnp.sum(_squared(on_device(layer)), dtype=total.dtype), None
+
+    total = jnp.zeros((), jnp.promote_types(dtype, jnp.float32))  # the layers' sums kept
+    total = jax.lax.pcast(total, tuple(jax.typeof(stack).mat.varying), to="varying")
+    total = jax.lax.scan(body, total, stack)[0]
+    return (jax.lax.psum(total, over) if over else total).astype(dtype)

@@ -258,7 +258,7 @@ def _check_stream(stream: Any, layout: layouts.MeshLayout | None, k: Any) -> boo
     """``stream`` (False, True, "layers"; "auto" with ``k`` "auto"), checked; on a mesh, data
     parallel: each device streams its own copy of a stack (a split one is refused at trace
     time, `collectives.all_gathered`), the stacks' sums reduced once after the loop, a
-    layer at a time; with a pipeline's stage axis (True), each stage its own layers."""
+    layer at a time; with a pipeline's stage axis, each stage its own layers."""
     if stream == "auto" and k != "auto":
         raise ValueError(
             f'`stream`="auto" needs num_microbatches="auto"; got num_microbatches={k!r}.'
@@ -286,13 +286,11 @@ def _check_stream(stream: Any, layout: layouts.MeshLayout | None, k: Any) -> boo
 
 
 def _check_stream_stages(stream: bool | str, layout: layouts.MeshLayout) -> None:
-    """Raises unless a pipelined step can stream: with True (its update fetches each stage's
-    stacks whole), the stage axis Explicit (where the stacks' types say that they are split,
-    and the step divides their sums on each device, not gathered by the SPMD partitioner)."""
+    """Raises unless a pipelined step can stream: on an Explicit stage axis, where the
+    stacks' types say that they are split, so that the step divides their sums and
+    ``"layers"`` updates them on each device over its own layers, in a ``shard_map``
+    (on Auto axes, XLA's SPMD partitioner gathered the sums whole)."""
     got = f"`stream`={stream!r} with `pipeline_axis`={layout.pipeline_axis!r}"
-    if stream == "layers":
-        want = "stream=True (each stage's stacks updated whole on its device) or None"
-        raise ValueError(f"{got}: a pipeline's update is not streamed; expected {want}.")
     if not meshes.explicit_axes(layout.mesh, layout.pipeline_axis):
         want = "an Explicit stage axis (jax.make_mesh's default axis_types)"
         raise ValueError(f"{got} on an Auto axis: not supported; expected {want}.")

@@ -341,7 +341,10 @@ def make_train_step(
             step; `"layers"`: to float rounding (another program). On a `mesh`, data
             parallel (`strategy="data_parallel"`, the stacks replicated): each device
             streams its own copy, and each stack's sum is reduced once after the loop, a
-            layer at a time (docs/streaming.md, "On a mesh"). `"auto"` (with
+            layer at a time (docs/streaming.md, "On a mesh"). With `pipeline_axis` (an
+            Explicit axis; the loss's `jaxga.pipeline_loss(..., stream=True)`), each stage
+            streams its own layers, and with `"layers"` updates them a layer at a time
+            (docs/streaming.md, "A pipeline's stages"). `"auto"` (with
             `num_microbatches="auto"`, without a `mesh`): the plan tries the step resident
             first (the parameters in host memory fetched to the device, and kept there),
             then `True`, then `"layers"`, each over every k, and takes the first that fits

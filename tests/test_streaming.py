@@ -435,12 +435,13 @@ def test_a_state_laid_out_on_a_mesh_with_a_stack_first_is_not_laid_out_again():
         ({"strategy": "zero3"}, r"with `strategy`='zero3': not supported; expected 'data_par"),
         ({"reduce_once": False}, r"needs reduce_once=True \(each stack's gradient sum reduced"),
         (
-            {  # stream=True streams each stage's layers (tests/test_pipeline_streaming.py)
-                "mesh": jax.make_mesh((1, 1), ("data", "stage")),
+            {  # an Explicit one streams each stage's layers (tests/test_pipeline_streaming.py)
+                "mesh": jax.make_mesh(
+                    (1, 1), ("data", "stage"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+                ),
                 "pipeline_axis": "stage",
-                "stream": "layers",
             },
-            r"with `pipeline_axis`='stage': a pipeline's update is not streamed; expected ",
+            r"with `pipeline_axis`='stage' on an Auto axis: not supported; expected an Explicit",
         ),
         (
             {"mesh": jax.make_mesh((1, 1), ("data", "model"))},

@@ -46,6 +46,7 @@ pytest.importorskip(
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -367,6 +368,57 @@ def test_h100_a_streamed_pipeline_stage_never_holds_its_layers_whole():
     assert streamed.peak_bytes < stage / 4
     assert resident.peak_bytes > 2 * stage  # its layers and their gradient sums, at least
     assert 3 * stage <= streamed.host_bytes <= 3.1 * stage
+
+
+def laid_out(x, mesh, spec):  # x's shape and dtype, laid out on a mesh of described devices
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.NamedSharding(mesh, spec))
+
+
+def test_h100_a_streamed_pipelined_step_updates_each_stages_layers_a_layer_at_a_time():
+    # docs/streaming.md, "A pipeline's stages": compiled for two described H100s (a data x
+    # stage mesh of 1 x 2), a 1F1B train step of the stack above with AdamW: stream="layers"
+    # with offload=True peaks under half a stage's layers (each device updating its own
+    # layers a layer at a time); stream=True's update fetches the stage's layers and moments
+    # whole (over 5 stage stacks), as the resident step with offload=True holds its layers,
+    # their gradient sums and more (4)
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    mesh = jax.sharding.Mesh(np.array(gpu.h100s(2)).reshape(1, 2), ("data", "stage"), explicit)
+    layers, dim, rows = 32, 1024, 64
+
+    def layer(w, x):
+        return jnp.tanh(x @ w)
+
+    def head(v, y, batch):
+        return jaxga.Mean.of((y @ v - batch["t"]) ** 2)
+
+    def loss(params, batch, model_state, rng, stream):
+        pair, options = (params["stack"], params["head"]), {"schedule": "1f1b", "stream": stream}
+        mean = jaxga.pipeline_loss(
+            layer, head, pair, batch["x"], batch, num_microbatches=4, **options
+        )
+        return mean, model_state
+
+    params = {"stack": jnp.zeros((layers, dim, dim)), "head": jnp.zeros(dim)}
+    state = jax.eval_shape(functools.partial(jaxga.TrainState.create, tx=optax.adamw(1e-3)), params)
+    batch = {"x": jnp.zeros((rows, dim)), "t": jnp.zeros(rows)}
+    batch = jax.tree.map(lambda x: laid_out(x, mesh, P()), batch)
+
+    def report(stream):
+        def place(x):
+            if x.ndim == 3 and stream:
+                return x.update(sharding=biggest_model._PinnedHost(mesh, P("stage")))
+            return laid_out(x, mesh, P("stage") if x.ndim == 3 else P())
+
+        options = {"mesh": mesh, "strategy": {"stack": P("stage"), "head": P()}, "offload": True}
+        step_loss = functools.partial(loss, stream=bool(stream))
+        step = jaxga.make_train_step(step_loss, 1, pipeline_axis="stage", stream=stream, **options)
+        with jax.default_matmul_precision(PRECISION):
+            return jaxga.memory_report(step, jax.tree.map(place, state), batch)
+
+    stage = layers // 2 * dim * dim * 4  # a stage's layers, bytes
+    peaks = {stream: report(stream).peak_bytes / stage for stream in (False, True, "layers")}
+    print(peaks)  # -s
+    assert peaks["layers"] < 0.5 and peaks[False] > 3.9 and peaks[True] > 5
 
 
 def fetches_and_kernels_between(hlo: str) -> list[int]:
