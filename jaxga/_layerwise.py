@@ -207,55 +207,73 @@ def split_update(
     grads_d = jax.tree.unflatten(jax.tree.structure(grads), grads_d)
     new = access.update(_with(access, state, params, opt), grads_d, **extra)
     new_p, new_o = _parts(access, new)
-    for size in sorted({jnp.shape(x)[0] for x, k in zip(p, pk) if k == _STREAMED}):
-        got_p, got_o = _scan_where_they_lie(access, state, grads, kinds, size=size, extra=extra)
+    groups = {_group(x) for x, k in zip(p, pk) if k == _STREAMED}  # (layers, their split)
+    for group in sorted(groups, key=str):
+        got_p, got_o = _scan_where_they_lie(access, state, grads, kinds, group=group, extra=extra)
         new_p = [got_p.get(i, x) for i, x in enumerate(new_p)]
         new_o = [got_o.get(i, x) for i, x in enumerate(new_o)]
     return _with(access, new, new_p, new_o)
 
 
+def _group(x: Any) -> tuple[int, Any]:
+    """A stack's layers and the mesh axes that split them (None: not split)."""
+    spec = jax.typeof(x).sharding.spec
+    return x.shape[0], spec[0] if len(spec) else None
+
+
 def _scan_where_they_lie(
-    access: "OptimizerAccess", state: Any, grads: Any, kinds: Any, *, size: int, extra: Any
+    access: "OptimizerAccess", state: Any, grads: Any, kinds: Any, *, group: Any, extra: Any
 ) -> tuple[dict[int, Any], dict[int, Any]]:
-    """`_scan_layers`; for stacks split by their layers over Explicit axes in jit's global
-    view (a pipeline's stages), in a ``shard_map``: each device over its own layers."""
-    (p, o), (pk, ok) = _parts(access, state), kinds
+    """`_scan_layers` over the streamed stacks of ``group`` (`_group`: their layers and the
+    axes that split them); split over Explicit axes in jit's global view (a pipeline's
+    stages), in a ``shard_map``: each device over its own layers. Raises a `StreamError` if
+    a stack's gradient is laid out otherwise."""
+    (p, o), g, (pk, ok) = _parts(access, state), jax.tree.leaves(grads), kinds
     mine = [
-        {i: x for i, (x, k) in enumerate(zip(leaves, ks)) if k == _STREAMED and x.shape[0] == size}
+        [i for i, (x, k) in enumerate(zip(leaves, ks)) if k == _STREAMED and _group(x) == group]
         for leaves, ks in ((p, pk), (o, ok))
     ]
-    stacks = [x for leaves in mine for x in leaves.values()]
-    splits = {_spec(x)[0] if len(_spec(x)) else None for x in stacks}
-    if len(splits) > 1:  # a device would update its own layers of one, others of another
-        got = f"stacks of {size} layers laid out apart, their layers split by {splits}"
-        raise StreamError(f'`stream`="layers": {got}; lay them out alike.')
-    mesh = splitting_mesh(stacks[0])
+    apart = [i for i in mine[0] if _group(g[i]) != group]
+    if apart:  # a device would update its own layers with others' gradients
+        got = f"a stack of {group[0]} layers split by {group[1]!r}, its gradient by "
+        got += repr(_group(g[apart[0]])[1])
+        raise StreamError(f'`stream`="layers": {got}; expected the gradient laid out as it.')
+    size, split = group
+    mesh = None if split is None else splitting_mesh(p[mine[0][0]])
     if mesh is None:
-        return _scan_layers(access, state, grads, kinds, size=size, extra=extra)
-    split = jax.tree.leaves(_spec(stacks[0])[0])
-    layers = size // int(np.prod([mesh.shape[a] for a in split]))  # each device's
+        return _scan_layers(access, state, grads, kinds, mine=mine, size=size, extra=extra)
+    layers = size // int(np.prod([mesh.shape[a] for a in jax.tree.leaves(split)]))
 
     def scanned(state: Any, grads: Any, extra: Any) -> tuple[dict[int, Any], dict[int, Any]]:
-        return _scan_layers(access, state, grads, kinds, size=layers, extra=extra)
+        # the traced values the update takes come in through ``state`` and ``extra``
+        return _scan_layers(access, state, grads, kinds, mine=mine, size=layers, extra=extra)
 
     in_specs = jax.tree.map(_spec, (state, grads, extra))
-    out_specs = jax.tree.map(_spec, tuple(mine))
+    out_specs = ({i: _spec(p[i]) for i in mine[0]}, {i: _spec(o[i]) for i in mine[1]})
     on_each = jax.shard_map(scanned, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     return on_each(state, grads, extra)
 
 
-def _spec(x: Any) -> Any:  # how ``x``'s type lays it out (a mesh that leaves it empty: P())
+def _spec(x: Any) -> Any:
+    """How ``x``'s type lays it out (a mesh that leaves it empty: ``P()``)."""
     return jax.typeof(x).sharding.spec
 
 
 def _scan_layers(
-    access: "OptimizerAccess", state: Any, grads: Any, kinds: Any, *, size: int, extra: Any
+    access: "OptimizerAccess",
+    state: Any,
+    grads: Any,
+    kinds: Any,
+    *,
+    mine: list[list[int]],
+    size: int,
+    extra: Any,
 ) -> tuple[dict[int, Any], dict[int, Any]]:
-    """The streamed leaves of ``size`` layers updated a layer at a time: by flat index, the
-    new params and optimiser-state leaves, each in its old leaf's memory."""
-    (p, o), g, (pk, ok) = _parts(access, state), jax.tree.leaves(grads), kinds
-    mine_p = [i for i, (x, k) in enumerate(zip(p, pk)) if k == _STREAMED and x.shape[0] == size]
-    mine_o = [i for i, (x, k) in enumerate(zip(o, ok)) if k == _STREAMED and x.shape[0] == size]
+    """The streamed leaves ``mine`` (the params' and the optimiser state's flat indices) of
+    ``size`` layers updated a layer at a time: by flat index, the new params and
+    optimiser-state leaves, each in its old leaf's memory."""
+    (p, o), g, (_, ok) = _parts(access, state), jax.tree.leaves(grads), kinds
+    mine_p, mine_o = mine
     treedef = jax.tree.structure(grads)
 
     def body(stacks: tuple[list[Any], list[Any]], layer: jax.Array) -> tuple[Any, None]:

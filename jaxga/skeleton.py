@@ -49,9 +49,8 @@ def apply_update(
 
     if always:
         zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))  # not a constant
-        grads = layerwise(  # streamed: by layer; each gradient keeps its dtype
-            lambda g: jnp.where(counted, g, zero.astype(g.dtype)), acc.grads
-        )
+        # streamed: by layer (each device over its own, split by stage); its dtype kept
+        grads = layerwise(_zeroed, acc.grads, consts=(counted, zero))
         return updated(state, grads)
     if keeps:
         return updated(state, acc.grads, counted=counted)
@@ -60,6 +59,11 @@ def apply_update(
     skipped = functools.partial(collectives.when, counted, run, otherwise=_kept)
     selected = functools.partial(_selected, counted, run)
     return jax.lax.platform_dependent(*operands, cpu=skipped, default=selected)
+
+
+def _zeroed(grad: jax.Array, counted: jax.Array, zero: jax.Array) -> jax.Array:
+    """``grad`` where ``counted``, else ``zero`` in its dtype."""
+    return jnp.where(counted, grad, zero.astype(grad.dtype))
 
 
 def _kept(types: Any, state: Any, *_: Any) -> Any:

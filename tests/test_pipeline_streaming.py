@@ -156,16 +156,22 @@ def test_keys_an_embedding_and_a_remat_policy_stream_as_the_resident_pipeline():
     assert float(jnp.abs(streamed[1][2]).sum()) > 0  # the embedding got its gradient
 
 
-@pytest.mark.parametrize("k, stream", [(1, True), (2, True), (2, "layers")])
-def test_a_pipelined_train_step_streams_each_stages_layers(k, stream):
+@pytest.mark.parametrize(
+    "k, stream, every",
+    [(1, True, 1), (2, True, 1), (1, "layers", 1), (2, "layers", 1), (2, "layers", 2)],
+)
+def test_a_pipelined_train_step_streams_each_stages_layers(k, stream, every):
     """make_train_step(stream=True | "layers", pipeline_axis="stage", offload=True) on a
-    ("data", "stage") mesh, 2 steps of AdamW: the resident pipelined step's loss, gradient
-    norm and parameters; the stack and its moments stay in host memory, split by stage; and
-    to rounding `jax.value_and_grad` of the whole batch with optax on one device. With
-    "layers" each device updates its own layers a layer at a time."""
+    ("data", "stage") mesh, 2 steps of AdamW (or of jaxga.MultiSteps of it, every 2 calls:
+    the step then zeroes the sums of a call that counted nothing, a layer at a time): the
+    resident pipelined step's loss, gradient norm and parameters, to float32 rounding; the
+    stack and its moments stay in host memory, split by stage; and to rounding
+    `jax.value_and_grad` of the whole batch with optax on one device. With "layers" each
+    device updates its own layers a layer at a time."""
     mesh = jax.make_mesh((2, 4), ("data", "stage"))
     batch = batch_of(32)
-    tx = optax.adamw(0.05, weight_decay=0.1)
+    adamw = optax.adamw(0.05, weight_decay=0.1)
+    tx = adamw if every == 1 else jaxga.MultiSteps(adamw, every_k=every)
 
     def loss(params, batch, model_state, rng, stream):
         options = {"num_microbatches": 4, "schedule": "1f1b", "stream": bool(stream)}
@@ -193,18 +199,20 @@ def test_a_pipelined_train_step_streams_each_stages_layers(k, stream):
     state = runs[True][2]
     assert kinds(state.params["stack"]) == {"pinned_host"}
     assert state.params["stack"]["w"].sharding.spec[0] == "stage"
-    moments = [x for x in jax.tree.leaves(state.opt_state) if jnp.ndim(x) == 3]
-    assert moments and kinds(moments) == {"pinned_host"}
+    leaves = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+    moments = [x for path, x in leaves if jnp.ndim(x) == 3 and ".mu" in jax.tree_util.keystr(path)]
+    moments += [x for path, x in leaves if jnp.ndim(x) == 3 and ".nu" in jax.tree_util.keystr(path)]
+    assert len(moments) == 2 and kinds(moments) == {"pinned_host"}  # the stack's w's
 
     def reference(params):
         h = jaxga.remat_scan(layer, params["stack"], batch["x"])
         return head_fn(params["head"], h, batch).value
 
     params = {"stack": jax.tree.map(jnp.asarray, stack()), "head": jnp.asarray(HEAD)}
-    opt_state = tx.init(params)
-    for _ in range(2):
+    opt_state = adamw.init(params)
+    for _ in range(2 // every):  # MultiSteps: one update of the two calls' equal gradients
         grads = jax.grad(reference)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        updates, opt_state = adamw.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
     want = {"stack": jaxga.pipeline_order(params["stack"], 4, 1), "head": params["head"]}
     chex.assert_trees_all_close(runs[True][0], want, rtol=2e-5, atol=1e-6)

@@ -370,7 +370,8 @@ def test_h100_a_streamed_pipeline_stage_never_holds_its_layers_whole():
     assert 3 * stage <= streamed.host_bytes <= 3.1 * stage
 
 
-def laid_out(x, mesh, spec):  # x's shape and dtype, laid out on a mesh of described devices
+def laid_out(x, mesh, spec):
+    """``x``'s shape and dtype, laid out by ``spec`` on a mesh of described devices."""
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.NamedSharding(mesh, spec))
 
 
@@ -418,7 +419,8 @@ def test_h100_a_streamed_pipelined_step_updates_each_stages_layers_a_layer_at_a_
     stage = layers // 2 * dim * dim * 4  # a stage's layers, bytes
     peaks = {stream: report(stream).peak_bytes / stage for stream in (False, True, "layers")}
     print(peaks)  # -s
-    assert peaks["layers"] < 0.5 and peaks[False] > 3.9 and peaks[True] > 5
+    assert peaks["layers"] < 0.5  # 0.44
+    assert 3.9 < peaks[False] < 4.1 and 6.9 < peaks[True] < 7.1  # 4.00, 7.00
 
 
 def fetches_and_kernels_between(hlo: str) -> list[int]:
