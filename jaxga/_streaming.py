@@ -76,17 +76,20 @@ def zeros_placed_like(tree: Any, homes: Any) -> Any:
             return placed_like(leaf, home)
         mesh = splitting_mesh(home)
         if mesh is None:
-            return _zeros_stack(leaf)
-        spec = jax.typeof(home).sharding.spec  # split by its layers: each device its own
-        return jax.shard_map(_zeros_stack, mesh=mesh, in_specs=spec, out_specs=spec)(leaf)
+            return _zeros_stack(leaf, leaf.dtype)
+        # split by its layers: each device its own, laid out as ``home`` (the zeros given
+        # need not be: jnp.zeros_like keeps no layout in newer JAX)
+        spec = jax.typeof(home).sharding.spec
+        zeros = functools.partial(_zeros_stack, dtype=leaf.dtype)
+        return jax.shard_map(zeros, mesh=mesh, in_specs=spec, out_specs=spec)(home)
 
     return jax.tree.map(put, tree, homes)
 
 
-def _zeros_stack(like: Any) -> jax.Array:
-    """Zeros like ``like`` (its shape, dtype and varying axes) in host memory, made a layer
-    at a time."""
-    zeros = functools.partial(_zeros, like.shape[1:], like.dtype)
+def _zeros_stack(like: Any, dtype: Any) -> jax.Array:
+    """Zeros of ``dtype`` like ``like`` (its shape and varying axes) in host memory, made a
+    layer at a time."""
+    zeros = functools.partial(_zeros, like.shape[1:], dtype)
     stack = made_by_layer(zeros, jnp.arange(like.shape[0]))
     return jax.lax.pcast(stack, tuple(jax.typeof(like).mat.varying), to="varying")
 
