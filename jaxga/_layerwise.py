@@ -2,8 +2,7 @@
 steps' ``stream="layers"``): each layer's parameters, gradient and optimiser-state slices
 fetched to the device, updated, and written back; a probe, and a trace at the stacks' real
 sizes, refuse a ``tx`` that is not elementwise (docs/streaming.md). Its state made the
-same way (`jaxga.sharding.with_offloaded_init`), checked by a probe of ``tx.init``. A
-step's kind says how to reach its parameters and optimiser state
+same way: `_layerwise_init`. A step's kind says how to reach its parameters and optimiser state
 (`skeleton.OptimizerAccess`): a Flax TrainState's, an NNX optimizer's.
 """
 
@@ -21,21 +20,21 @@ from jaxga._cones import cone
 from jaxga._streaming import (
     fetch_layer,
     is_streamed,
-    made_by_layer,
     on_device,
     splitting_mesh,
     write_layer,
 )
+from jaxga.meshes import devices, layer_split, type_spec
 from jaxga.multistep import states_in
 
 if TYPE_CHECKING:
     from jaxga.skeleton import OptimizerAccess
 
 # The optimiser's update layer by layer (`make_train_step(stream="layers")`). Each leaf is of
-# one kind: `_STATE` (an optimiser-state leaf that mirrors no parameter: a count, a schedule's
-# state), `_RESIDENT` (a parameter on the device, or an optimiser-state leaf mirroring one) or
-# `_STREAMED` (a parameter in host memory with a layer axis, or a state leaf mirroring one).
-_STATE, _RESIDENT, _STREAMED = 0, 1, 2
+# one kind: `STATE` (an optimiser-state leaf that mirrors no parameter: a count, a schedule's
+# state), `RESIDENT` (a parameter on the device, or an optimiser-state leaf mirroring one) or
+# `STREAMED` (a parameter in host memory with a layer axis, or a state leaf mirroring one).
+STATE, RESIDENT, STREAMED = 0, 1, 2
 _FIX = "build the step with stream=True (the whole-tree update) for this `tx`"
 _BY_RANK = (
     "a mask or labels by the leaves' rank, shape or size treat a layer's slice (an axis "
@@ -51,7 +50,7 @@ class StreamError(ValueError):
 def leaf_kinds(
     tx: Any, params: Any, opt_state: Any, *, who: str = _WHO, fix: str = _FIX
 ) -> tuple[list[int], list[int]]:
-    """Each leaf's kind (`_STATE`, `_RESIDENT`, `_STREAMED`), flat, of ``params`` and of
+    """Each leaf's kind (`STATE`, `RESIDENT`, `STREAMED`), flat, of ``params`` and of
     ``opt_state``, whose copies of the parameters ``optax.tree_utils.tree_map_params`` finds.
 
     Args:
@@ -71,7 +70,7 @@ def leaf_kinds(
         >>> leaf_kinds(optax.adam(0.1), params, optax.adam(0.1).init(params))
         ([1], [0, 1, 1])
     """
-    kinds = jax.tree.map(lambda x: _STREAMED if is_streamed(x) else _RESIDENT, params)
+    kinds = jax.tree.map(lambda x: STREAMED if is_streamed(x) else RESIDENT, params)
 
     def mirror(leaf: Any, kind: int, param: Any) -> int:
         if jnp.shape(leaf) != jnp.shape(param):
@@ -147,10 +146,10 @@ def map_mirrors(
 
 
 def _non_param(tree: Any) -> Any:
-    return jax.tree.map(lambda _: _STATE, tree)
+    return jax.tree.map(lambda _: STATE, tree)
 
 
-def _empty(leaf: Any) -> jax.Array:
+def stand_in(leaf: Any) -> jax.Array:
     """A stand-in for ``leaf`` with no layers: shape ``(0, ...)``, on the device."""
     return jnp.zeros((0, *jnp.shape(leaf)[1:]), jax.typeof(leaf).dtype)
 
@@ -201,13 +200,13 @@ def split_update(
         [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
     """
     (p, o), g, (pk, ok) = _parts(access, state), jax.tree.leaves(grads), kinds
-    params = [_empty(x) if k == _STREAMED else on_device(x) for x, k in zip(p, pk)]
-    grads_d = [_empty(x) if k == _STREAMED else on_device(x) for x, k in zip(g, pk)]
-    opt = [_empty(x) if k == _STREAMED else on_device(x) for x, k in zip(o, ok)]
+    params = [stand_in(x) if k == STREAMED else on_device(x) for x, k in zip(p, pk)]
+    grads_d = [stand_in(x) if k == STREAMED else on_device(x) for x, k in zip(g, pk)]
+    opt = [stand_in(x) if k == STREAMED else on_device(x) for x, k in zip(o, ok)]
     grads_d = jax.tree.unflatten(jax.tree.structure(grads), grads_d)
     new = access.update(_with(access, state, params, opt), grads_d, **extra)
     new_p, new_o = _parts(access, new)
-    groups = {_group(x) for x, k in zip(p, pk) if k == _STREAMED}  # (layers, their split)
+    groups = {_group(x) for x, k in zip(p, pk) if k == STREAMED}  # (layers, their split)
     for group in sorted(groups, key=str):
         got_p, got_o = _scan_where_they_lie(access, state, grads, kinds, group=group, extra=extra)
         new_p = [got_p.get(i, x) for i, x in enumerate(new_p)]
@@ -215,10 +214,9 @@ def split_update(
     return _with(access, new, new_p, new_o)
 
 
-def _group(x: Any) -> tuple[int, Any]:
-    """A stack's layers and the mesh axes that split them (None: not split)."""
-    spec = jax.typeof(x).sharding.spec
-    return x.shape[0], spec[0] if len(spec) else None
+def _group(x: Any) -> tuple[int, tuple[Any, ...]]:
+    """A stack's layers and the mesh axes that split them (`meshes.layer_split`)."""
+    return x.shape[0], layer_split(x)
 
 
 def _scan_where_they_lie(
@@ -230,7 +228,7 @@ def _scan_where_they_lie(
     a stack's gradient is laid out otherwise."""
     (p, o), g, (pk, ok) = _parts(access, state), jax.tree.leaves(grads), kinds
     mine = [
-        [i for i, (x, k) in enumerate(zip(leaves, ks)) if k == _STREAMED and _group(x) == group]
+        [i for i, (x, k) in enumerate(zip(leaves, ks)) if k == STREAMED and _group(x) == group]
         for leaves, ks in ((p, pk), (o, ok))
     ]
     apart = [i for i in mine[0] if _group(g[i]) != group]
@@ -239,24 +237,19 @@ def _scan_where_they_lie(
         got += repr(_group(g[apart[0]])[1])
         raise StreamError(f'`stream`="layers": {got}; expected the gradient laid out as it.')
     size, split = group
-    mesh = None if split is None else splitting_mesh(p[mine[0][0]])
-    if mesh is None:
+    if not split:
         return _scan_layers(access, state, grads, kinds, mine=mine, size=size, extra=extra)
-    layers = size // int(np.prod([mesh.shape[a] for a in jax.tree.leaves(split)]))
+    mesh = splitting_mesh(p[mine[0][0]])
+    layers = size // devices(mesh, split)
 
     def scanned(state: Any, grads: Any, extra: Any) -> tuple[dict[int, Any], dict[int, Any]]:
         # the traced values the update takes come in through ``state`` and ``extra``
         return _scan_layers(access, state, grads, kinds, mine=mine, size=layers, extra=extra)
 
-    in_specs = jax.tree.map(_spec, (state, grads, extra))
-    out_specs = ({i: _spec(p[i]) for i in mine[0]}, {i: _spec(o[i]) for i in mine[1]})
+    in_specs = jax.tree.map(type_spec, (state, grads, extra))
+    out_specs = ({i: type_spec(p[i]) for i in mine[0]}, {i: type_spec(o[i]) for i in mine[1]})
     on_each = jax.shard_map(scanned, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     return on_each(state, grads, extra)
-
-
-def _spec(x: Any) -> Any:
-    """How ``x``'s type lays it out (a mesh that leaves it empty: ``P()``)."""
-    return jax.typeof(x).sharding.spec
 
 
 def _scan_layers(
@@ -278,8 +271,8 @@ def _scan_layers(
 
     def body(stacks: tuple[list[Any], list[Any]], layer: jax.Array) -> tuple[Any, None]:
         param_stacks, state_stacks = stacks  # written in place, layer by layer
-        params, grads_l = [_empty(x) for x in p], [_empty(x) for x in g]
-        opt = [on_device(x) if k == _STATE else _empty(x) for x, k in zip(o, ok)]
+        params, grads_l = [stand_in(x) for x in p], [stand_in(x) for x in g]
+        opt = [on_device(x) if k == STATE else stand_in(x) for x, k in zip(o, ok)]
         for i, w in zip(mine_p, param_stacks):
             params[i], grads_l[i] = fetch_layer((w, g[i]), layer)
         for i, s in zip(mine_o, state_stacks):
@@ -303,7 +296,7 @@ def _written(stack: Any, value: Any, *, at: jax.Array) -> Any:
     return write_layer(stack, value, at)
 
 
-def _probe(tree: Any, seed: int, *, nan: bool = False) -> Any:
+def probe_like(tree: Any, seed: int, *, nan: bool = False) -> Any:
     """Small values like ``tree``'s leaves: each of its ndim, 2 layers (the second 1000 times
     the first) of size 3 on other axes; with ``nan``, a NaN in layer 1 of every stack."""
     rng = np.random.default_rng(seed)
@@ -351,7 +344,7 @@ def check_elementwise(
     if (key := _probe_key(access, state, kinds, extra)) in _PROBED:
         return
     with jax.ensure_compile_time_eval(), jax.disable_jit():  # op by op, scans as loops
-        params = _probe(access.params(state), 0)
+        params = probe_like(access.params(state), 0)
         made = on_device(access.tx.init(params))  # `with_offloaded_init`'s: in host memory
         whole = split = access.rebuild(_scalars(state), params, made)
         grouped = bool(states_in(access.opt_state(split))) or "end_group" in extra
@@ -359,7 +352,7 @@ def check_elementwise(
             probe = {k: jnp.asarray(t + 1, jax.typeof(v).dtype) for k, v in extra.items()}
             probe = {k: v for k, v in probe.items() if k == "weight"}
             probe |= {"end_group": jnp.asarray(t % 2 == 1)} if grouped else {}
-            probe_grads = _probe(grads, t + 1, nan=t == 3)
+            probe_grads = probe_like(grads, t + 1, nan=t == 3)
             whole = access.update(whole, probe_grads, **probe)
             try:
                 split = split_update(access, split, probe_grads, kinds=kinds, **probe)
@@ -409,13 +402,13 @@ def check_same_operations(
         jaxga._layerwise.StreamError: `stream`="layers" updates a layer at a time, and `tx` ...
     """
     (p, o), (pk, ok) = _parts(access, state), kinds
-    leaves, streamed = [*p, *o], [i for i, k in enumerate([*pk, *ok]) if k == _STREAMED]
+    leaves, streamed = [*p, *o], [i for i, k in enumerate([*pk, *ok]) if k == STREAMED]
     if not streamed:
         return
     whole = jax.tree.map(_abstract, (state, p, o, grads, extra))
     traced = jax.make_jaxpr(functools.partial(_updated, access))
     whole_jaxpr = traced(whole).jaxpr
-    for size in sorted({jnp.shape(x)[0] for x, k in zip(p, pk) if k == _STREAMED}):
+    for size in sorted({jnp.shape(x)[0] for x, k in zip(p, pk) if k == STREAMED}):
         try:
             layer_jaxpr = traced(_layer_of(whole, kinds, size=size)).jaxpr
         except StreamError:
@@ -478,7 +471,7 @@ def _layer_of(trees: tuple[Any, ...], kinds: Any, *, size: int) -> tuple[Any, ..
     (state, p, o, grads, extra), (pk, ok) = trees, kinds
 
     def one(x: Any, kind: int) -> Any:
-        if kind != _STREAMED or x.shape[0] != size:
+        if kind != STREAMED or x.shape[0] != size:
             return x
         return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, weak_type=x.weak_type)
 
@@ -520,7 +513,7 @@ def _scalars(state: Any) -> Any:
     return jax.tree.map(concrete, state)
 
 
-def _first_difference(
+def first_difference(
     split: Any, whole: Any, *, ulps: int = 0
 ) -> tuple[str, np.ndarray, np.ndarray] | None:
     """``(where, split's leaf, whole's leaf)`` of the first leaf of ``split`` that differs from
@@ -550,7 +543,7 @@ _ULPS = 8
 def _check_same(split: Any, whole: Any, t: int) -> None:
     """Raises, naming the first leaf that differs, unless ``split`` equals ``whole`` (each
     ``(params, opt_state)``)."""
-    if (differs := _first_difference(split, whole, ulps=_ULPS)) is None:
+    if (differs := first_difference(split, whole, ulps=_ULPS)) is None:
         return
     path, a, b = differs
     where = ("params" if path.startswith("[0]") else "opt_state") + path[3:]
@@ -610,127 +603,5 @@ def streamed_leaves(access: "OptimizerAccess", state: Any) -> Any:
     elsewhere."""
     pk, ok = leaf_kinds(access.tx, *_trees(access, state))
     none = jax.tree.map(lambda _: np.asarray(False), state)  # arrays: NNX's state keeps them
-    marks = [[np.asarray(k == _STREAMED) for k in kinds] for kinds in (pk, ok)]
+    marks = [[np.asarray(k == STREAMED) for k in kinds] for kinds in (pk, ok)]
     return _with(access, none, *marks)
-
-
-# The optimiser's state made a layer at a time (`jaxga.sharding.with_offloaded_init`).
-_INIT = "jaxga.sharding.with_offloaded_init(tx)"
-_INIT_FIX = (
-    "make it whole on the device (jax.jit(tx.init)), move it with jaxga.sharding.offload and "
-    "build the step with stream=True; a mask or labels by the leaves' rank, shape or size "
-    "treat a layer unlike its stack: give them by the parameters' paths"
-)
-
-
-def init_by_layer(tx: Any, params: Any) -> Any:
-    """``tx.init(params)`` with the state leaves that mirror a stack in host memory (a
-    parameter with a layer axis) made a layer at a time and written to host memory:
-    ``tx.init`` once over the resident leaves (each stack a stand-in with no layers), then,
-    per layer count, a ``lax.scan`` whose step ``l`` runs ``tx.init`` on the stacks' layer
-    ``l`` fetched to the device, and writes the mirrors it makes to host memory (the scan's
-    output, stacked there). `check_init` first finds ``tx.init`` exact that way.
-
-    Args:
-        tx: an optax transformation.
-        params: the parameters; stacks in host memory.
-
-    Returns:
-        ``tx.init(params)``, each stack's mirrors in host memory, the other leaves on the
-        device.
-
-    Examples:
-        >>> import jax, jax.numpy as jnp, optax
-        >>> from jaxga._layerwise import init_by_layer
-        >>> stack = jax.device_put(jnp.ones((4, 3)), jax.memory.Space.Host)
-        >>> mu = jax.jit(init_by_layer, static_argnums=0)(optax.adam(0.1), {"w": stack})[0].mu
-        >>> mu["w"].tolist()[0], mu["w"].sharding.memory_kind
-        ([0.0, 0.0, 0.0], 'pinned_host')
-    """
-    if not any(map(is_streamed, jax.tree.leaves(params))):
-        return tx.init(params)
-    whole = jax.eval_shape(tx.init, params)
-    kinds = leaf_kinds(tx, params, whole, who=_INIT, fix=_INIT_FIX)
-    check_init(tx, params, kinds)
-    try:
-        return _split_init(tx, params, kinds, whole)
-    except (TypeError, ValueError) as e:  # passed the probes, fails at these sizes
-        raise _init_fails_apart(e) from e
-
-
-def _init_fails_apart(e: Exception) -> ValueError:
-    """The error of a ``tx.init`` that fails on a stack's layers apart (``e``)."""
-    got = f"`tx.init` fails on a stack's layers apart ({e})"
-    return ValueError(f"{_INIT} makes the state a layer at a time; {got}: {_INIT_FIX}.")
-
-
-def _split_init(tx: Any, params: Any, kinds: Any, whole: Any) -> Any:
-    """`init_by_layer`'s ``tx.init(params)``, the leaves of ``kinds`` `_STREAMED` by layer;
-    ``whole``: ``tx.init(params)`` or its shapes (`jax.eval_shape`)."""
-    (p, treedef), (pk, ok) = jax.tree.flatten(params), kinds
-    shapes, whole_def = jax.tree.flatten(whole)
-    shapes = [jnp.shape(x) for x in shapes]
-    stood = [_empty(x) if k == _STREAMED else x for x, k in zip(p, pk)]
-    made, state_def = jax.tree.flatten(tx.init(jax.tree.unflatten(treedef, stood)))
-    if state_def != whole_def:  # a rule of the leaves' sizes (a stand-in has none)
-        got = (
-            f"a state of another structure for stacks of no layers ({state_def.num_leaves} leaves)"
-        )
-        raise ValueError(f"`tx.init` makes {got} than for the stacks ({whole_def.num_leaves})")
-    sizes = {jnp.shape(x)[0] for x, k in zip(p, pk) if k == _STREAMED} - {0}  # 0: made above
-    for size in sorted(sizes):
-        mine_p = [i for i, (x, k) in enumerate(zip(p, pk)) if k == _STREAMED and x.shape[0] == size]
-        mine_o = [i for i, (s, k) in enumerate(zip(shapes, ok)) if k == _STREAMED and s[0] == size]
-        one = functools.partial(
-            _init_layer, tx, params, mine_p=mine_p, mine_o=mine_o, state_def=state_def
-        )
-        for i, stack in zip(mine_o, made_by_layer(one, jnp.arange(size))):
-            made[i] = stack
-    return jax.tree.unflatten(state_def, made)
-
-
-def _init_layer(
-    tx: Any, params: Any, layer: jax.Array, *, mine_p: Any, mine_o: Any, state_def: Any
-) -> list[Any]:
-    """`_split_init`'s state of one layer: ``tx.init`` of layer ``layer`` of the stacks at
-    flat indices ``mine_p`` (the other leaves stand-ins), its leaves ``mine_o``; raises if
-    that state is not of the whole state's structure ``state_def``."""
-    p, treedef = jax.tree.flatten(params)
-    one = [_empty(x) for x in p]
-    for i in mine_p:
-        one[i] = fetch_layer(p[i], layer)
-    new, new_def = jax.tree.flatten(tx.init(jax.tree.unflatten(treedef, one)))
-    if new_def != state_def:  # a rule of the leaves' ranks (a mask by ndim, say)
-        got = f"a state of another structure for one layer ({new_def.num_leaves} leaves)"
-        raise ValueError(f"`tx.init` makes {got} than for the stack ({state_def.num_leaves})")
-    return [new[i] for i in mine_o]
-
-
-def check_init(tx: Any, params: Any, kinds: Any) -> None:
-    """Raises unless `init_by_layer` gives exactly ``tx.init``'s value on small concrete
-    probes of ``params``' structure (each leaf of its rank; 2 layers of unlike scale, size 3
-    on other axes), ``kinds`` (`leaf_kinds`) saying which leaves are stacks."""
-    with jax.ensure_compile_time_eval(), jax.disable_jit():  # op by op, scans as loops
-        probe = _probe(params, 0)
-        try:
-            whole = tx.init(probe)
-        except (TypeError, ValueError) as e:
-            got = f"`tx.init` fails on its probes (2 layers, size 3 on other axes: {e})"
-            raise ValueError(f"{_INIT} checks {got}: {_INIT_FIX}.") from e
-        try:
-            split = _split_init(tx, probe, kinds, whole)
-            if jax.tree.structure(split) != jax.tree.structure(whole):
-                got = f"{jax.tree.structure(split)}, not {jax.tree.structure(whole)}"
-                raise ValueError(f"`tx.init` makes a state of another structure: {got}")
-        except (TypeError, ValueError) as e:
-            raise _init_fails_apart(e) from e
-        differs = _first_difference(split, whole)
-    if differs is not None:
-        where, a, b = differs
-        raise StreamError(
-            f"{_INIT} makes the state a layer at a time, exact only for an optimiser whose "
-            f"state for each element is made from that element alone (sgd, adam, adamw, "
-            f"lion); `tx.init` is not: on a probe, the state's {where} got "
-            f"{a.ravel()[:4].tolist()} a layer at a time; expected the whole tree's "
-            f"{b.ravel()[:4].tolist()}: {_INIT_FIX}."
-        )

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import get_opaque_trace_state
 
-from jaxga.meshes import HOST_KINDS, manual_axes, memory_space
+from jaxga.meshes import HOST_KINDS, layer_split, memory_space, type_spec
 
 _HOST = jax.memory.Space.Host
 _DEVICE = jax.memory.Space.Device
@@ -79,7 +79,7 @@ def zeros_placed_like(tree: Any, homes: Any) -> Any:
             return _zeros_stack(leaf, leaf.dtype)
         # split by its layers: each device its own, laid out as ``home`` (the zeros given
         # need not be: jnp.zeros_like keeps no layout in newer JAX)
-        spec = jax.typeof(home).sharding.spec
+        spec = type_spec(home)
         zeros = functools.partial(_zeros_stack, dtype=leaf.dtype)
         return jax.shard_map(zeros, mesh=mesh, in_specs=spec, out_specs=spec)(home)
 
@@ -526,14 +526,13 @@ def layerwise(fn: Callable[..., Any], home: Any, *others: Any, consts: tuple = (
             return jax.device_put(fn(*on_device((leaf, *rest)), *consts), _HOST)
         layer = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (leaf, *rest)]
         in_place = jax.eval_shape(fn, *layer, *consts).dtype == leaf.dtype
-        mesh = splitting_mesh(leaf)
-        splits = {splitting_mesh(x) and jax.typeof(x).sharding.spec[0] for x in (leaf, *rest)}
+        splits = {layer_split(x) for x in (leaf, *rest)}
         if len(splits) > 1:  # each device would read other layers of another leaf
             raise ValueError(f"layerwise: stacks laid out apart, their layers split by {splits}.")
-        if mesh is None:
+        if not layer_split(leaf):
             return _by_layer(fn, in_place, consts, leaf, *rest)
         # split by its layers in jit's global view: each device's layers, in a shard_map
-        specs = tuple(jax.typeof(x).sharding.spec for x in (leaf, *rest))
+        mesh, specs = splitting_mesh(leaf), tuple(type_spec(x) for x in (leaf, *rest))
         local = functools.partial(_by_layer, fn, in_place)
         in_specs = (tuple(jax.P() for _ in consts), *specs)
         local = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=specs[0])
@@ -558,15 +557,29 @@ def _by_layer(fn: Callable[..., Any], in_place: bool, consts: tuple, leaf: Any, 
     return jax.lax.scan(written, leaf, jnp.arange(leaf.shape[0]))[0]
 
 
+def check_resident(stacked_params: Any, fix: str) -> None:
+    """Raises a `ValueError` naming the first leaf of ``stacked_params`` in host memory (a
+    stack that only a streamed scan fetches), and ``fix``: what to call instead.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxga._streaming import check_resident
+        >>> check_resident({"w": jnp.ones((2, 3))}, "pass stream=True")  # on the device
+        >>> check_resident({"w": jax.device_put(jnp.ones((2, 3)), jax.memory.Space.Host)}, "no")
+        Traceback (most recent call last):
+        ...
+        ValueError: `stacked_params`['w'] lives in host memory: no, which fetches each layer ...
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stacked_params)[0]:
+        if hasattr(leaf, "shape") and memory_space(leaf) == _HOST:
+            where = f"`stacked_params`{jax.tree_util.keystr(path)} lives in host memory"
+            raise ValueError(f"{where}: {fix}, which fetches each layer to the device.")
+
+
 def splitting_mesh(leaf: Any) -> Any:
-    """The mesh whose Explicit axes split ``leaf``'s layer axis in jit's global view (none
-    of them manual here), or None."""
-    sharding = jax.typeof(leaf).sharding
-    spec = getattr(sharding, "spec", None)
-    if not spec or spec[0] is None or sharding.mesh.empty:
-        return None
-    split = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-    return None if set(split) & manual_axes(sharding.mesh) else sharding.mesh
+    """The mesh whose axes split ``leaf``'s layer axis in jit's global view
+    (`meshes.layer_split`), or None."""
+    return jax.typeof(leaf).sharding.mesh if layer_split(leaf) else None
 
 
 def psum_by_layer(stacks: list[jax.Array], axes: Any) -> list[jax.Array]:
@@ -614,8 +627,8 @@ def global_norm(tree: Any) -> jax.Array:
         mesh = splitting_mesh(leaf)
         if mesh is None:
             return _stack_squares(leaf)
-        spec = jax.typeof(leaf).sharding.spec  # split by its layers: each device's, summed
-        summed = functools.partial(_stack_squares, over=tuple(jax.tree.leaves(spec[0])))
+        spec = type_spec(leaf)  # split by its layers: each device's, summed
+        summed = functools.partial(_stack_squares, over=layer_split(leaf))
         return jax.shard_map(summed, mesh=mesh, in_specs=spec, out_specs=jax.P())(leaf)
 
     return jnp.sqrt(jax.tree.reduce(operator.add, jax.tree.map(squares, tree), initializer=0))

@@ -170,6 +170,26 @@ def type_spec(x: Any) -> P:
     return P(*sharding.spec) if is_explicit(sharding) else P()
 
 
+def layer_split(x: Any) -> tuple[Any, ...]:
+    """The mesh axes that split ``x``'s leading (layer) axis as its type says in jit's
+    global view: ``()`` where none do, or where a ``shard_map`` here has made them Manual
+    (each device holds its own layers already).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, jaxga.meshes as m
+        >>> mesh = jax.make_mesh((1,), ["stage"], axis_types=(jax.sharding.AxisType.Explicit,))
+        >>> stack = jax.device_put(jnp.ones((2, 3)), jax.NamedSharding(mesh, jax.P("stage")))
+        >>> m.layer_split(stack), m.layer_split(jnp.ones((2, 3)))
+        (('stage',), ())
+    """
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if not spec or spec[0] is None or sharding.mesh.empty:
+        return ()
+    split = axes(spec[0])
+    return () if set(split) & manual_axes(sharding.mesh) else split
+
+
 def traced_as_placed(where: Any) -> Any:
     """``where`` as a shape struct's sharding that JAX traces in its memory: for host memory
     on one device, a one-device `NamedSharding` (a `SingleDeviceSharding`'s memory kind is

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxga import collectives, meshes
 from jaxga._checks import check_arity, check_bool, leading_size, positive_int
+from jaxga._streaming import check_resident
 from jaxga.loss import Mean
 from jaxga.pipeline_schedules import SCHEDULES, Inputs, Schedule, Stages, checked_mean, pipelined
 from jaxga.remat import Policy, stack_length
@@ -156,13 +157,9 @@ def _check_streamed(stream: bool, stacked_params: Any, schedule: str, repeats: i
         got += f", repeats={repeats}" if repeats > 1 else ""
         want = "schedule='1f1b' and repeats=1 (its backward adds each layer to its sum)"
         raise ValueError(f"{got}: not supported; expected {want}.")
-    if stream:
-        return
-    for path, leaf in jax.tree_util.tree_flatten_with_path(stacked_params)[0]:
-        if hasattr(leaf, "shape") and meshes.memory_space(leaf) == jax.memory.Space.Host:
-            where = f"`stacked_params`{jax.tree_util.keystr(path)} lives in host memory"
-            fix = "call jaxga.pipeline_loss(..., schedule='1f1b', stream=True)"
-            raise ValueError(f"{where}: {fix}, which fetches each layer to the device.")
+    if not stream:
+        fix = "call jaxga.pipeline_loss(..., schedule='1f1b', stream=True)"
+        check_resident(stacked_params, fix)
 
 
 def _check_split(stacked_params: Any, axis_name: str) -> None:
@@ -337,13 +334,14 @@ def pipeline_loss(
         raise ValueError(f"`x` and `targets` must have as many rows; got {rows}.")
     options = {"num_microbatches": num_microbatches, "axis_name": axis_name, "policy": policy}
     options |= {"schedule": schedule, "repeats": repeats, "rng": rng, "mesh": mesh}
-    if schedule in SCHEDULES and not SCHEDULES[schedule].manual:
-        _check_streamed(check_bool(stream, "stream"), stacked_params, schedule, repeats)
-        x = x if embed_fn is None else embed_fn(embed_params, x)
-        y = pipeline_scan(layer_fn, stacked_params, x, **options)
-        return checked_mean(head_fn, head_params, y, targets)
-    heads = {"head_fn": head_fn, "embed_fn": embed_fn}
+    scanned = schedule in SCHEDULES and not SCHEDULES[schedule].manual  # the head after it
+    heads = {} if scanned else {"head_fn": head_fn, "embed_fn": embed_fn}
     checked = stages_of(layer_fn, stacked_params, **heads, **options, stream=stream)
+    if scanned:
+        x = x if embed_fn is None else embed_fn(embed_params, x)
+        inputs = Inputs(stacked_params, None, x, None, rng)
+        y = pipelined(checked.stages, checked.route_kind, checked.mesh, inputs)
+        return checked_mean(head_fn, head_params, y, targets)
     inputs = Inputs(stacked_params, head_params, x, targets, rng, embed=embed_params)
     return pipelined(checked.stages, checked.route_kind, checked.mesh, inputs)
 

@@ -12,8 +12,7 @@ from jax.extend import core
 
 from jaxga import convolution, modules
 from jaxga._checks import check_arity, check_bool, leading_size, positive_int
-from jaxga._streaming import streamed_scan, summed_here
-from jaxga.meshes import memory_space
+from jaxga._streaming import check_resident, streamed_scan, summed_here
 
 Policy = str | Sequence[str] | Callable[..., Any] | None
 _STACK = "jax.tree.map(lambda *p: jnp.stack(p), *layers)"
@@ -275,15 +274,6 @@ def _carry_of(body: Callable[..., Any], params: Any, x: Any) -> Any:
     return body(x, params)[0]
 
 
-def _check_resident(stacked_params: Any) -> None:
-    """Raises if a leaf of ``stacked_params`` lives in host memory: ``stream=True`` alone
-    fetches a stack from there (a layer at a time)."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(stacked_params)[0]:
-        if hasattr(leaf, "shape") and memory_space(leaf) == jax.memory.Space.Host:
-            where = f"`stacked_params`{jax.tree_util.keystr(path)} lives in host memory"
-            raise ValueError(f"{where}: pass stream=True, which fetches each layer to the device.")
-
-
 def _check_stream(segments: Any, unroll: Any, canonical_convolutions: Any) -> None:
     """Raises for an option ``remat_scan(stream=True)`` does not take."""
     given = [("segments", segments, 1), ("unroll", unroll, False)]
@@ -351,7 +341,7 @@ def remat_scan(
     if check_bool(stream, "stream"):
         _check_stream(segments, unroll, canonical_convolutions)
     else:
-        _check_resident(stacked_params)
+        check_resident(stacked_params, "pass stream=True")
     if convolution.rewrites(canonical_convolutions):  # XLA:CPU, see docs/gpus.md
         options = {"policy": policy, "segments": segments, "unroll": unroll}
         plain = functools.partial(remat_scan, layer_fn, **options, canonical_convolutions=False)

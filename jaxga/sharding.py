@@ -15,7 +15,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSh
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, meshes, modules
-from jaxga._layerwise import UnmappedState, init_by_layer, map_mirrors
+from jaxga._layerwise import UnmappedState, map_mirrors
+from jaxga._layerwise_init import init_by_layer
 from jaxga._streaming import made_by_layer
 from jaxga.microbatch import IndivisibleBatchError  # noqa: F401 (importable from here too)
 

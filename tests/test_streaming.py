@@ -821,7 +821,7 @@ def test_the_update_moves_one_layer_at_a_time():
 def test_the_probe_gives_each_leaf_its_rank():
     """The elementwise probe's stand-ins keep each leaf's rank: a scalar parameter stays a
     scalar, a stack gets 2 layers."""
-    from jaxga._layerwise import _probe
+    from jaxga._layerwise import probe_like as _probe
 
     probe = _probe({"t": jnp.float32(1.0), "w": jnp.ones((4, 8)), "b": jnp.ones(4)}, 0)
     assert jax.tree.map(jnp.shape, probe) == {"t": (), "w": (2, 3), "b": (2,)}
