@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import get_opaque_trace_state
 
 from jaxga.meshes import HOST_KINDS, layer_split, memory_space, type_spec
@@ -364,53 +365,57 @@ def vjp_summed(fun: Callable[..., Any], primals: tuple, cotangent: Any, sums: tu
 def _layer_scan(
     body: Callable[..., Any], carry: Any, stacked: Any, xs: Any, first: Any, *, reverse: bool
 ) -> tuple[Any, Any, Any]:
-    """``lax.scan`` of ``body(carry, layer, x) -> (carry, y)`` over ``stacked``'s layers in
-    order (last to first if ``reverse``), each layer's slice fetched to the device: one
+    """``lax.scan`` of ``body(carry, layer, (x, index)) -> (carry, y)`` over ``stacked``'s
+    layers ``xs[1]`` (consecutive indices) in order (last to first if ``reverse``), each
+    layer's slice fetched to the device: one
     iteration ahead of its use, so that the copy overlaps the layer before it, if ``first``
     (the first layer's slice, already fetched) is given; where it is used if ``first`` is
     None. Returns the carry, the ``y``s and the slice fetched last (None if ``first`` is):
     the last layer's again (the first of a pass the other way) at the end of a forward
     pass, the first layer's at the end of a reverse one (fetched with no layer left to use
     it)."""
-    n = jax.tree.leaves(stacked)[0].shape[0]
+    indices = xs[1]
     ahead = -1 if reverse else 1
 
     def scanned(state: tuple[Any, Any], slices: tuple[Any, Any]) -> tuple[Any, Any]:
         carry, layer = state
-        index, x = slices
+        index = slices[1]
         if layer is None:  # not prefetched: fetched here, the layer waiting for its copy
-            carry, y = body(carry, fetch_layer(stacked, index), x)
+            carry, y = body(carry, fetch_layer(stacked, index), slices)
             return (carry, None), y
-        following = fetch_layer(stacked, jnp.clip(index + ahead, 0, n - 1))  # in flight meanwhile
-        carry, y = body(carry, layer, x)
+        following = jnp.clip(index + ahead, indices[0], indices[-1])
+        following = fetch_layer(stacked, following)  # in flight meanwhile
+        carry, y = body(carry, layer, slices)
         return (carry, following), y
 
-    indices = (jnp.arange(n), xs)
-    (carry, last), ys = jax.lax.scan(scanned, (carry, first), indices, reverse=reverse)
+    (carry, last), ys = jax.lax.scan(scanned, (carry, first), xs, reverse=reverse)
     return carry, ys, last
 
 
 def _forward(
-    layer: Callable[..., Any], prefetch: bool, consts: Any, stacked: Any, x: Any
+    layer: Callable[..., Any], run: tuple[bool, Any], consts: Any, stacked: Any, x: Any
 ) -> tuple[Any, Any]:
-    """The layers on ``x``, each fetched (ahead if ``prefetch``): the output, and the
-    residuals of the backward pass (each layer's input, the last layer's slice or None)."""
+    """The layers ``run[1]`` (their indices) on ``x``, each fetched (ahead if ``run[0]``,
+    prefetching): the output, and the residuals of the backward pass (each layer's input,
+    the last layer's slice or None)."""
+    prefetch, indices = run
 
-    def body(carry: Any, params: Any, _: None) -> tuple[Any, Any]:
+    def body(carry: Any, params: Any, _: tuple[None, jax.Array]) -> tuple[Any, Any]:
         return layer(params, carry, *consts), carry
 
-    first = fetch_layer(stacked, 0) if prefetch else None
-    y, inputs, last = _layer_scan(body, x, stacked, None, first, reverse=False)
+    first = fetch_layer(stacked, indices[0]) if prefetch else None
+    y, inputs, last = _layer_scan(body, x, stacked, (None, indices), first, reverse=False)
     return y, (inputs, last)
 
 
 def _backward(
     layer: Callable[..., Any], taken: tuple[Any, Any], saved: Any, grad_y: Any
 ) -> tuple[Any, Any, Any]:
-    """The reverse scan: each layer fetched (ahead if the forward pass handed on a layer), its
-    vjp taken, its gradient written home, or added to its sum where the forward pass handed
-    on one (``taken``: the `Summing` record and each leaf's position in it)."""
-    consts, stacked, (inputs, last), sums = saved
+    """The reverse scan over the layers the forward pass ran: each layer fetched (ahead if
+    the forward pass handed on a layer), its vjp taken, its gradient written home, or added
+    to its sum where the forward pass handed on one (``taken``: the `Summing` record and
+    each leaf's position in it); the other layers' gradients zeros."""
+    consts, stacked, (inputs, last), sums, indices = saved
     homes, treedef = jax.tree.flatten(stacked)
 
     def body(carry: tuple[Any, Any, Any], params: Any, xs: Any) -> tuple[Any, Any]:
@@ -424,15 +429,26 @@ def _backward(
         return (grad_x, grad_consts, sums), ys
 
     zeros = tuple(jnp.zeros_like(c) if _inexact(c) else None for c in consts)
-    xs = (inputs, jnp.arange(homes[0].shape[0]))
+    xs = (inputs, indices)
     carry, ys, _ = _layer_scan(body, (grad_y, zeros, sums), stacked, xs, last, reverse=True)
     grad_x, grad_consts, sums = carry
     summing, positions = taken
     for i, total in zip(positions, sums):  # these gradients are their new sums
         if total is not None:
             summing.added[i] = True
-    grads = [y if s is None else s for y, s in zip(ys, sums)]
+    grads = [_whole(y, h, indices) if s is None else s for y, s, h in zip(ys, sums, homes)]
     return grad_consts, jax.tree.unflatten(treedef, grads), grad_x
+
+
+def _whole(grads: Any, home: Any, indices: jax.Array) -> Any:
+    """The gradient of the stack ``home`` from ``grads`` of its layers ``indices`` (the
+    others' zeros): ``grads`` itself where they are all its layers."""
+    if grads.shape[0] == home.shape[0]:  # every layer, in order
+        return grads
+    if grads.dtype == jax.dtypes.float0:  # an int stack's: nothing to write
+        return np.zeros(home.shape, jax.dtypes.float0)
+    whole = jnp.zeros(home.shape, grads.dtype).at[indices].set(on_device(grads))
+    return placed_like(whole, home)
 
 
 def _added(total: jax.Array, grad: jax.Array, index: Any) -> jax.Array:
@@ -457,7 +473,14 @@ def _inexact(x: Any) -> bool:  # a value with a gradient (an int or a key has no
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any, *, prefetch: bool = True) -> Any:
+def streamed_scan(
+    layer: Callable[..., Any],
+    stacked: Any,
+    x: Any,
+    *,
+    prefetch: bool = True,
+    window: tuple[Any, int] | None = None,
+) -> Any:
     """``for p in stacked: x = layer(p, x)``, each layer's slice fetched to the device in the
     forward and the backward pass, its gradient written where ``stacked``'s leaf lives.
 
@@ -468,6 +491,10 @@ def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any, *, prefetch: 
         prefetch: fetch each layer one iteration ahead of its use (the copy overlaps the
             layer before it; two layers on the device, one more moved a pass forward and
             back), or where it is used.
+        window: ``(start, size)``: run layers ``start`` to ``start + size - 1`` alone
+            (``start`` may be traced; a pipeline stage's chunk), the others' gradient
+            zeros; None: every layer. Their gradients in host memory are made whole on the
+            device unless a loop's sums take them (`summing_into`), as a pipeline's do.
 
     Returns:
         The last layer's output, like ``x``.
@@ -480,7 +507,9 @@ def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any, *, prefetch: 
     """
     one = fetch_layer(stacked, 0)  # a layer's slice, for tracing
     converted, consts = jax.closure_convert(layer, one, x)  # closed-over values differentiated too
-    forward = functools.partial(_forward, converted, prefetch)
+    start, size = (0, jax.tree.leaves(stacked)[0].shape[0]) if window is None else window
+    indices = start + jnp.arange(size)
+    forward = functools.partial(_forward, converted, (prefetch, indices))
 
     @jax.custom_vjp
     def run(consts: tuple[Any, ...], stacked: Any, x: Any) -> Any:
@@ -492,7 +521,7 @@ def streamed_scan(layer: Callable[..., Any], stacked: Any, x: Any, *, prefetch: 
 
     def run_forward(consts: tuple[Any, ...], stacked: Any, x: Any) -> tuple[Any, Any]:
         y, residuals = forward(consts, stacked, x)
-        return y, (consts, stacked, residuals, _taken_sums(taken))
+        return y, (consts, stacked, residuals, _taken_sums(taken), indices)
 
     run.defvjp(run_forward, functools.partial(_backward, converted, taken))
     return run(tuple(consts), stacked, x)

@@ -121,7 +121,7 @@ def stages_of(
     """A pipeline's arguments checked: its `Stages`, whether the stage axis is
     ``"manual"`` here or to be ``"opened"``, and the mesh."""
     repeats = positive_int(repeats, "repeats")
-    _check_streamed(check_bool(stream, "stream"), stacked_params, schedule, repeats)
+    _check_streamed(check_bool(stream, "stream"), stacked_params, schedule)
     names = tuple(n for n, row in SCHEDULES.items() if head_fn or not row.manual)
     if schedule in SCHEDULES and schedule not in names:
         raise ValueError(f"`schedule`={schedule!r} needs a loss head: call jaxga.pipeline_loss.")
@@ -149,13 +149,15 @@ def stages_of(
     return Checked(stages, route_kind, mesh)
 
 
-def _check_streamed(stream: bool, stacked_params: Any, schedule: str, repeats: int) -> None:
+def _check_streamed(stream: bool, stacked_params: Any, schedule: str) -> None:
     """A `ValueError` unless a stack in host memory is streamed, by a schedule that streams:
-    ``"1f1b"``, whose backward passes (in its ticks) add each layer's gradient to its sum."""
-    if stream and (schedule != "1f1b" or repeats != 1):
+    one whose backward passes run in its ticks (`ScheduleRow.manual`: ``"1f1b"``,
+    ``"interleaved_1f1b"``), adding each layer's gradient to its sum there."""
+    row = SCHEDULES.get(schedule)
+    if stream and row is not None and not row.manual:
+        streams = " or ".join(repr(n) for n, r in SCHEDULES.items() if r.manual)
+        want = f"schedule={streams} (its backward passes add each layer to its sum)"
         got = f"`stream`=True with schedule={schedule!r}"
-        got += f", repeats={repeats}" if repeats > 1 else ""
-        want = "schedule='1f1b' and repeats=1 (its backward adds each layer to its sum)"
         raise ValueError(f"{got}: not supported; expected {want}.")
     if not stream:
         fix = "call jaxga.pipeline_loss(..., schedule='1f1b', stream=True)"
@@ -296,7 +298,7 @@ def pipeline_loss(
         stream: the stack may live in host memory (``pinned_host``, laid out over the
             stages): each stage fetches its layers one at a time, as
             ``remat_scan(stream=True)``, and its backward passes add each layer's gradient
-            to a sum kept where the stack lies; with ``schedule="1f1b"`` (``repeats=1``).
+            to a sum kept where the stack lies; with ``"1f1b"`` or ``"interleaved_1f1b"``.
             The resident pipeline's loss and gradients, to float32 rounding
             (docs/streaming.md, "A pipeline's stages").
 

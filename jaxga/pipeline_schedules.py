@@ -18,7 +18,7 @@ from jaxga._streaming import layerwise, vjp_summed, zeros_placed_like
 from jaxga.convolution import with_vjp
 from jaxga.loss import Mean
 from jaxga.microbatch import IndivisibleBatchError, merge_microbatches, split_microbatches
-from jaxga.remat import Policy, remat_scan
+from jaxga.remat import Policy, remat_scan, streamed_window
 
 
 class ScheduleRow(NamedTuple):
@@ -209,9 +209,12 @@ def run_stage(stages: Stages, params: Any, x: Any, work: Work, key: Any) -> Any:
             return stages.layer_fn(params, x)
         return stages.layer_fn(params, x, jax.random.fold_in(key, layer_id))
 
+    if stages.stream:  # the stack where it lies, the chunk's layers fetched one at a time
+        at = jnp.arange(schedule.repeats * size)  # in the stage's stack: chunk c's c·size on
+        ids = (at // size * schedule.stages + jax.lax.axis_index(stages.axis)) * size + at % size
+        window = (work.chunk * size, size)
+        return streamed_window(layer, (params, ids), x, policy=stages.policy, window=window)
     ids = first + jnp.arange(size)
-    if stages.stream:  # one chunk (r = 1): the stack where it lies, a layer fetched at a time
-        return remat_scan(layer, (params, ids), x, policy=stages.policy, stream=True)
     return remat_scan(layer, (take(chunks, work.chunk), ids), x, policy=stages.policy)
 
 

@@ -274,6 +274,52 @@ def _carry_of(body: Callable[..., Any], params: Any, x: Any) -> Any:
     return body(x, params)[0]
 
 
+def _checkpointed(layer_fn: Callable[..., Any], stacked_params: Any, save: Any) -> Any:
+    """A scan body ``(x, params) -> (x, None)`` of ``layer_fn``, checked, checkpointed by
+    the policy ``save`` (None: not)."""
+    one_layer = functools.partial(_apply_layer, layer_fn, stacked_params)
+    if save is None:
+        return one_layer
+    # inside a scan the loop keeps XLA from merging recomputation
+    return jax.checkpoint(one_layer, policy=save, prevent_cse=False)
+
+
+def streamed_window(
+    layer_fn: Callable[[Any, Any], Any],
+    stacked_params: Any,
+    x: Any,
+    *,
+    policy: Policy,
+    window: tuple[Any, int],
+) -> Any:
+    """`remat_scan` with ``stream=True`` over layers ``start`` to ``start + size - 1`` of
+    the stack alone (``window = (start, size)``; ``start`` may be traced): a pipeline
+    stage's chunk of its layers. The other layers are neither fetched nor run; their
+    gradient is zeros, or nothing added to a loop's sums (`_streaming.summing_into`).
+
+    Args:
+        layer_fn: ``layer_fn(params_of_one_layer, x) -> x``.
+        stacked_params: the layers' parameters, a leading layer axis; in host memory or not.
+        x: the carry.
+        policy: each layer's checkpoint policy, as for `remat_scan`.
+        window: ``(start, size)``, the layers run.
+
+    Returns:
+        Layer ``start + size - 1``'s output, like ``x``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jaxga.remat import streamed_window
+        >>> def layer(w, x):
+        ...     return x * w
+        >>> w = jnp.arange(1.0, 5.0)[:, None] * jnp.ones((4, 2))  # layers scaling by 1, 2, 3, 4
+        >>> streamed_window(layer, w, jnp.ones(2), policy="full", window=(1, 2)).tolist()
+        [6.0, 6.0]
+    """
+    one_layer = _checkpointed(layer_fn, stacked_params, checkpoint_policy(policy))
+    return streamed_scan(functools.partial(_carry_of, one_layer), stacked_params, x, window=window)
+
+
 def _check_stream(segments: Any, unroll: Any, canonical_convolutions: Any) -> None:
     """Raises for an option ``remat_scan(stream=True)`` does not take."""
     given = [("segments", segments, 1), ("unroll", unroll, False)]
@@ -359,9 +405,7 @@ def remat_scan(
         raise ValueError(f"`unroll`=True needs policy='none' or None; got policy={got}.")
     if num_layers == 0:  # no layer: the carry as given (a stream has nothing to fetch)
         return x
-    one_layer = functools.partial(_apply_layer, layer_fn, stacked_params)
-    if save is not None:  # inside a scan the loop keeps XLA from merging recomputation
-        one_layer = jax.checkpoint(one_layer, policy=save, prevent_cse=False)
+    one_layer = _checkpointed(layer_fn, stacked_params, save)
     whole_layers = save is _cp.nothing_saveable and num_segments == 1 and not unroll
     # in jaxga's loop, the backward pass adds each layer's gradient to its sum (docs/remat.md)
     if stream or (whole_layers and summed_here(stacked_params)):

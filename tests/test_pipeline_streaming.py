@@ -1,13 +1,14 @@
 """A pipeline's stack streamed from host memory: `jaxga.pipeline_loss(..., stream=True)`.
 
 Each stage keeps its layers in its host memory (``pinned_host``, laid out over the stage
-axis), fetches one at a time, and its 1F1B backward passes add each layer's gradient to a
-sum kept there. The references: the same pipeline with the stack on the device, and
-`jax.value_and_grad` of the whole batch through a plain layer scan on one device. Both to
-float32 rounding: copies between memories change no bit, but the streamed layers are
-compiled in loops of their own, and the tests' XLA (``--xla_backend_optimization_level=0``,
-tests/conftest.py) rounds another program's element-wise code in its own way (a loss
-1 ulp apart, seen; equal with XLA's default optimisation).
+axis), fetches one at a time, and its 1F1B (or interleaved 1F1B) backward passes add each
+layer's gradient to a sum kept there. The references: the same pipeline with the stack on
+the device, and `jax.value_and_grad` of the whole batch through a plain layer scan on one
+device. Both to float32 rounding: copies between memories change no bit, but the streamed
+layers are compiled in loops of their own, and the tests' XLA
+(``--xla_backend_optimization_level=0``, tests/conftest.py) rounds another program's
+element-wise code in its own way (a loss 1 ulp apart, seen; equal with XLA's default
+optimisation).
 """
 
 import chex
@@ -39,8 +40,9 @@ def dropped(p, x, key):  # a layer with a key: each layer and micro-batch its ow
 HEAD = np.random.default_rng(3).normal(size=(D, 5)).astype(np.float32)
 
 
-def on_stages(params, mesh, memory_kind="device"):
-    ordered = jaxga.pipeline_order(jax.tree.map(jnp.asarray, params), mesh.shape["stage"], 1)
+def on_stages(params, mesh, memory_kind="device", repeats=1):
+    stages = mesh.shape["stage"]
+    ordered = jaxga.pipeline_order(jax.tree.map(jnp.asarray, params), stages, repeats)
     return jax.device_put(ordered, NamedSharding(mesh, P("stage"), memory_kind=memory_kind))
 
 
@@ -77,6 +79,39 @@ def test_a_streamed_stack_gives_the_resident_pipelines_loss_and_gradients(stages
 
     want = jax.value_and_grad(reference, argnums=(0, 1))(stack(), HEAD)
     want = (want[0], (jaxga.pipeline_order(want[1][0], stages, 1), want[1][1]))
+    chex.assert_trees_all_close(jax.device_get(streamed), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stages, m, keyed", [(2, 2, False), (2, 4, True), (4, 4, False)])
+def test_interleaved_1f1b_streams_each_chunk_of_a_stages_layers(stages, m, keyed):
+    """schedule="interleaved_1f1b" with r = 2 chunks a stage and stream=True: each tick
+    fetches its chunk's layers at their offset into the stage's stack in host memory, and
+    adds their gradients to the stage's sums there. The resident interleaved pipeline's
+    loss and gradients (with a key per layer and micro-batch too), to float32 rounding; and
+    `jax.value_and_grad` of the whole batch through one layer scan."""
+    mesh = jax.make_mesh((stages,), ("stage",), devices=jax.devices()[:stages])
+    batch, key = batch_of(4 * m), jax.random.key(5) if keyed else None
+
+    def value(params, head, stream):
+        options = {"num_microbatches": m, "schedule": "interleaved_1f1b", "repeats": 2}
+        options |= {"stream": stream, "rng": key}
+        fn = dropped if keyed else layer
+        return jaxga.pipeline_loss(fn, head_fn, (params, head), batch["x"], batch, **options).value
+
+    value_and_grad = jax.jit(jax.value_and_grad(value, argnums=(0, 1)), static_argnums=2)
+    resident = value_and_grad(on_stages(stack(), mesh, repeats=2), HEAD, False)
+    streamed = value_and_grad(on_stages(stack(), mesh, "pinned_host", 2), HEAD, True)
+    assert_rounding_close(streamed, resident)
+    assert kinds(streamed[1][0]) == {"pinned_host"}
+    assert streamed[1][0]["w"].sharding.spec[0] == "stage"
+    if keyed:
+        return
+
+    def reference(params, head):
+        return head_fn(head, jaxga.remat_scan(layer, params, batch["x"]), batch).value
+
+    want = jax.value_and_grad(reference, argnums=(0, 1))(stack(), HEAD)
+    want = (want[0], (jaxga.pipeline_order(want[1][0], stages, 2), want[1][1]))
     chex.assert_trees_all_close(jax.device_get(streamed), want, rtol=1e-5, atol=1e-6)
 
 
@@ -157,10 +192,17 @@ def test_keys_an_embedding_and_a_remat_policy_stream_as_the_resident_pipeline():
 
 
 @pytest.mark.parametrize(
-    "k, stream, every",
-    [(1, True, 1), (2, True, 1), (1, "layers", 1), (2, "layers", 1), (2, "layers", 2)],
+    "k, stream, every, repeats",
+    [
+        (1, True, 1, 1),
+        (2, True, 1, 1),
+        (1, "layers", 1, 1),
+        (2, "layers", 1, 1),
+        (2, "layers", 2, 1),
+        (2, "layers", 1, 2),  # interleaved 1F1B, 2 chunks a stage
+    ],
 )
-def test_a_pipelined_train_step_streams_each_stages_layers(k, stream, every):
+def test_a_pipelined_train_step_streams_each_stages_layers(k, stream, every, repeats):
     """make_train_step(stream=True | "layers", pipeline_axis="stage", offload=True) on a
     ("data", "stage") mesh, 2 steps of AdamW (or of jaxga.MultiSteps of it, every 2 calls:
     the step then zeroes the sums of a call that counted nothing, a layer at a time): the
@@ -174,7 +216,9 @@ def test_a_pipelined_train_step_streams_each_stages_layers(k, stream, every):
     tx = adamw if every == 1 else jaxga.MultiSteps(adamw, every_k=every)
 
     def loss(params, batch, model_state, rng, stream):
-        options = {"num_microbatches": 4, "schedule": "1f1b", "stream": bool(stream)}
+        schedule = "1f1b" if repeats == 1 else "interleaved_1f1b"
+        options = {"num_microbatches": 4, "schedule": schedule, "repeats": repeats}
+        options |= {"stream": bool(stream)}
         pair = (params["stack"], params["head"])
         return jaxga.pipeline_loss(layer, head_fn, pair, batch["x"], batch, **options), model_state
 
@@ -182,7 +226,7 @@ def test_a_pipelined_train_step_streams_each_stages_layers(k, stream, every):
     runs = {}
     for streamed in (False, stream):
         kind = "pinned_host" if streamed else "device"
-        params = {"stack": on_stages(stack(), mesh, kind), "head": jnp.asarray(HEAD)}
+        params = {"stack": on_stages(stack(), mesh, kind, repeats), "head": jnp.asarray(HEAD)}
         state = jaxga.TrainState.create(params=params, tx=tx)
         options = {"mesh": mesh, "strategy": specs, "pipeline_axis": "stage", "stream": streamed}
         step = jaxga.make_train_step(
@@ -214,7 +258,7 @@ def test_a_pipelined_train_step_streams_each_stages_layers(k, stream, every):
         grads = jax.grad(reference)(params)
         updates, opt_state = adamw.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-    want = {"stack": jaxga.pipeline_order(params["stack"], 4, 1), "head": params["head"]}
+    want = {"stack": jaxga.pipeline_order(params["stack"], 4, repeats), "head": params["head"]}
     chex.assert_trees_all_close(runs[True][0], want, rtol=2e-5, atol=1e-6)
 
 
@@ -275,9 +319,9 @@ def test_streaming_a_pipeline_refuses_what_it_does_not_take():
 
     with pytest.raises(ValueError, match=r"`stream`=True with schedule='gpipe': not supported; "):
         jax.jit(lambda p: loss(p, schedule="gpipe", stream=True).value)(host)
-    match = r"`stream`=True with schedule='interleaved_1f1b', repeats=2: not supported; expected"
-    with pytest.raises(ValueError, match=match):
-        jax.jit(lambda p: loss(p, schedule="interleaved_1f1b", repeats=2, stream=True).value)(
+    match = r"`stream`=True with schedule='circular': not supported; expected schedule='1f1b' or"
+    with pytest.raises(ValueError, match=match):  # JAX's autodiff of its ticks: no sums
+        jax.jit(lambda p: loss(p, schedule="circular", repeats=2, stream=True).value)(
             jaxga.pipeline_order(host, 2, 2)
         )
     with pytest.raises(TypeError, match=r"`stream` must be"):

@@ -328,13 +328,14 @@ def test_h100_a_1f1b_stage_holds_a_quarter_of_the_example():
     assert report.argument_bytes / 2**30 == pytest.approx(0.25, rel=0.05)
 
 
-def test_h100_a_streamed_pipeline_stage_never_holds_its_layers_whole():
+@pytest.mark.parametrize("schedule, repeats", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_h100_a_streamed_pipeline_stage_never_holds_its_layers_whole(schedule, repeats):
     # docs/streaming.md, "A pipeline's stages": compiled for two described H100s, the
     # gradient of a 2-stage 1F1B pipeline_loss (32 float32 layers of 1024 x 1024, 16 on each
-    # stage) with the stack in host memory and stream=True peaks under a quarter of a stage's
-    # layers (two fetched, a gradient, the activations), where the resident pipeline holds
-    # them, their gradient sums and more; host memory holds the stack, the sums and the
-    # scaled gradient (3 stage stacks)
+    # stage; interleaved: in 2 chunks of 8) with the stack in host memory and stream=True
+    # peaks under a quarter of a stage's layers (two fetched, a gradient, the activations),
+    # where the resident pipeline holds them, their gradient sums and more; host memory
+    # holds the stack, the sums and the scaled gradient (3 stage stacks)
     mesh = gpu.on_mesh(gpu.h100s(2), "stage")
     layers, dim, rows = 32, 1024, 64
 
@@ -355,8 +356,9 @@ def test_h100_a_streamed_pipeline_stage_never_holds_its_layers_whole():
             stack = stack.update(sharding=jax.NamedSharding(mesh, P("stage")))
 
         def total(params, x, t):
-            options = {"num_microbatches": 4, "schedule": "1f1b", "stream": stream}
-            return jaxga.pipeline_loss(layer, head, params, x, t, mesh=mesh, **options).total
+            options = {"num_microbatches": 4, "schedule": schedule, "repeats": repeats}
+            options |= {"stream": stream, "mesh": mesh}
+            return jaxga.pipeline_loss(layer, head, params, x, t, **options).total
 
         with jax.default_matmul_precision(PRECISION):
             args = ((stack, replicated(dim)), replicated(rows, dim), replicated(rows))
