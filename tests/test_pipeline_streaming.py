@@ -359,3 +359,41 @@ def test_layerwise_refuses_stacks_laid_out_apart():
     added = jax.jit(lambda a, b: layerwise(jnp.add, a, b))(split, split)
     np.testing.assert_array_equal(added, 2 * np.asarray(split))
     assert added.sharding.spec[0] == "stage" and kinds(added) == {"pinned_host"}
+
+
+def test_the_update_by_layer_groups_stacks_of_one_size_by_their_split():
+    """_layerwise.updated_by_layer over two stacks of 8 layers in host memory, one split by
+    stage and one not: each updated over its own layers (the split one in a shard_map, each
+    device over its 2), equal to optax's whole-tree AdamW on the device; a gradient laid
+    out otherwise than its stack is refused (each device would update its layers with
+    others' gradients)."""
+    import functools
+
+    from jaxga._layerwise import StreamError, updated_by_layer
+
+    mesh = jax.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    params = {"split": jnp.asarray(stack()["w"]), "whole": jnp.asarray(stack(1)["w"])}
+    grads = jax.tree.map(lambda x: jnp.cos(3.0 * x), params)
+    layouts = {"split": P("stage"), "whole": P()}
+
+    def placed(tree, kind, specs=layouts):
+        return {
+            name: jax.device_put(x, NamedSharding(mesh, specs[name], memory_kind=kind))
+            for name, x in tree.items()
+        }
+
+    tx = optax.adamw(0.05, weight_decay=0.1)
+    state = jaxga.TrainState.create(params=placed(params, "device"), tx=tx)
+    access = jaxga.train._Flax(None, None, None).optimizer(state)
+    streamed = state.replace(params=placed(params, "pinned_host"))
+    update = jax.jit(functools.partial(updated_by_layer, access))
+    with jax.set_mesh(mesh):
+        got = update(streamed, placed(grads, "device"))
+    want = jax.jit(access.update)(state, placed(grads, "device"))
+    assert kinds(got.params) == {"pinned_host"}
+    assert got.params["split"].sharding.spec[0] == "stage"
+    assert_rounding_close(got.params, want.params)
+
+    apart = placed(grads, "device", {"split": P(), "whole": P()})
+    with jax.set_mesh(mesh), pytest.raises(StreamError, match=r"expected the gradient laid out"):
+        update(streamed, apart)
