@@ -219,6 +219,11 @@ def _group(x: Any) -> tuple[int, tuple[Any, ...]]:
     return x.shape[0], layer_split(x)
 
 
+def _split_of(axes: tuple[Any, ...]) -> str:
+    """How a stack's layers are split: ``"split over ('stage',)"`` or ``"not split"``."""
+    return f"split over {axes!r}" if axes else "not split"
+
+
 def _scan_where_they_lie(
     access: "OptimizerAccess", state: Any, grads: Any, kinds: Any, *, group: Any, extra: Any
 ) -> tuple[dict[int, Any], dict[int, Any]]:
@@ -233,8 +238,8 @@ def _scan_where_they_lie(
     ]
     apart = [i for i in mine[0] if _group(g[i]) != group]
     if apart:  # a device would update its own layers with others' gradients
-        got = f"a stack of {group[0]} layers split by {group[1]!r}, its gradient by "
-        got += repr(_group(g[apart[0]])[1])
+        got = f"a stack of {group[0]} layers {_split_of(group[1])}, its gradient's"
+        got += f" {_split_of(_group(g[apart[0]])[1])}"
         raise StreamError(f'`stream`="layers": {got}; expected the gradient laid out as it.')
     size, split = group
     if not split:

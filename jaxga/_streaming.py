@@ -160,6 +160,8 @@ class Summing:
         claimed: leaf for leaf, whether a scan has taken its sum.
         added: leaf for leaf, whether a backward pass added its gradient to its sum: the
             gradient then returned for it is the new sum.
+        gate: a boolean scalar: where False, the sums are left as they are (a pipeline's
+            bubble tick); None: always added.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -169,8 +171,9 @@ class Summing:
         False
     """
 
-    def __init__(self, primals: Any, sums: Any) -> None:
+    def __init__(self, primals: Any, sums: Any, gate: Any = None) -> None:
         self.treedef = jax.tree.structure(primals)
+        self.gate = gate
         self.sums = self.treedef.flatten_up_to(sums)
         self.trace = get_opaque_trace_state()
         self.seen: list[Any] = []
@@ -245,7 +248,9 @@ def summed_here(stacked: Any) -> bool:
 
 
 @contextlib.contextmanager
-def summing_into(primals: Any, sums: Any, *, enabled: bool = True) -> Iterator[Summing]:
+def summing_into(
+    primals: Any, sums: Any, *, enabled: bool = True, gate: Any = None
+) -> Iterator[Summing]:
     """While a micro-batch's gradient with respect to ``primals`` is traced: a layer scan
     (`streamed_scan`) given one of ``primals``' leaves as the differentiated function
     received it (which that function records with `Summing.enter`) adds that leaf's
@@ -258,6 +263,8 @@ def summing_into(primals: Any, sums: Any, *, enabled: bool = True) -> Iterator[S
         primals: the values the gradient is taken with respect to, as given to it.
         sums: their gradient sums so far, a tree like ``primals``.
         enabled: False: no scan adds a sum (the record says none was added).
+        gate: a boolean scalar (traced): where False, each scan leaves its sums as they are
+            (`Summing.gate`); None: always added.
 
     Yields:
         The `Summing` record: ``added_tree()`` says which gradients returned are new sums.
@@ -274,7 +281,7 @@ def summing_into(primals: Any, sums: Any, *, enabled: bool = True) -> Iterator[S
         >>> summing.added_tree(), grad[0].tolist()
         (True, [14.0, 14.0])
     """
-    summing = Summing(primals, sums)
+    summing = Summing(primals, sums, gate)
     token = _SUMMING.set(summing if enabled else None)
     try:
         yield summing
@@ -282,10 +289,19 @@ def summing_into(primals: Any, sums: Any, *, enabled: bool = True) -> Iterator[S
         _SUMMING.reset(token)
 
 
-def _summed(total: Any, grad: Any, added: bool) -> Any:
+def _summed(total: Any, grad: Any, added: bool, gate: Any = None) -> Any:
     """``total + grad`` (a stack in host memory a layer at a time), or ``grad`` if ``added``
-    already (its backward pass added ``total``)."""
-    return grad if added else layerwise(lambda a, g: a + g.astype(a.dtype), total, grad)
+    already (its backward pass added ``total``); ``total`` where ``gate`` is False."""
+    if added:
+        return grad
+    if gate is None:
+        return layerwise(lambda a, g: a + g.astype(a.dtype), total, grad)
+    return layerwise(_gated_sum, total, grad, consts=(gate,))
+
+
+def _gated_sum(total: jax.Array, grad: jax.Array, gate: jax.Array) -> jax.Array:
+    """``total + grad`` where ``gate``, else ``total`` (whatever ``grad`` holds: NaN too)."""
+    return jnp.where(gate, total + grad.astype(total.dtype), total)
 
 
 def value_and_summed_grad(
@@ -328,7 +344,9 @@ def value_and_summed_grad(
     return summed
 
 
-def vjp_summed(fun: Callable[..., Any], primals: tuple, cotangent: Any, sums: tuple) -> tuple:
+def vjp_summed(
+    fun: Callable[..., Any], primals: tuple, cotangent: Any, sums: tuple, *, gate: Any = None
+) -> tuple:
     """``jax.vjp(fun, *primals)``'s gradients for ``cotangent``, each added to its sum: a
     layer scan's stack in its backward pass, a layer at a time where the sum lies
     (`summing_into`), the rest after it.
@@ -338,6 +356,9 @@ def vjp_summed(fun: Callable[..., Any], primals: tuple, cotangent: Any, sums: tu
         primals: its arguments.
         cotangent: like ``y``.
         sums: the gradient sums so far, a tuple like ``primals``.
+        gate: a boolean scalar: where False, ``sums`` come back as they are (the gradients
+            computed and dropped, a select a layer at a time, not a ``lax.cond``, which
+            would copy each sum whole); None: always added.
 
     Returns:
         ``sums`` plus the gradients, a tuple like ``primals``.
@@ -352,14 +373,15 @@ def vjp_summed(fun: Callable[..., Any], primals: tuple, cotangent: Any, sums: tu
         >>> sums[0][0].tolist(), sums[1].tolist()
         ([14.0, 14.0], [8.0, 8.0])
     """
-    with summing_into(primals, sums) as summing:
+    with summing_into(primals, sums, gate=gate) as summing:
 
         def entered(*primals: Any) -> Any:  # the primals as ``fun`` sees them
             summing.enter(primals)
             return fun(*primals)
 
         grads = jax.vjp(entered, *primals)[1](cotangent)
-    return jax.tree.map(_summed, sums, grads, summing.added_tree())
+    summed = functools.partial(_summed, gate=gate)
+    return jax.tree.map(summed, sums, grads, summing.added_tree())
 
 
 def _layer_scan(
@@ -393,12 +415,16 @@ def _layer_scan(
 
 
 def _forward(
-    layer: Callable[..., Any], run: tuple[bool, Any], consts: Any, stacked: Any, x: Any
+    layer: Callable[..., Any],
+    consts: Any,
+    stacked: Any,
+    x: Any,
+    *,
+    prefetch: bool,
+    indices: jax.Array,
 ) -> tuple[Any, Any]:
-    """The layers ``run[1]`` (their indices) on ``x``, each fetched (ahead if ``run[0]``,
-    prefetching): the output, and the residuals of the backward pass (each layer's input,
-    the last layer's slice or None)."""
-    prefetch, indices = run
+    """The layers ``indices`` on ``x``, each fetched (ahead if ``prefetch``): the output, and
+    the residuals of the backward pass (each layer's input, the last layer's slice or None)."""
 
     def body(carry: Any, params: Any, _: tuple[None, jax.Array]) -> tuple[Any, Any]:
         return layer(params, carry, *consts), carry
@@ -415,8 +441,9 @@ def _backward(
     the forward pass handed on a layer), its vjp taken, its gradient written home, or added
     to its sum where the forward pass handed on one (``taken``: the `Summing` record and
     each leaf's position in it); the other layers' gradients zeros."""
-    consts, stacked, (inputs, last), sums, indices = saved
+    consts, stacked, (inputs, last), (sums, gate), indices = saved
     homes, treedef = jax.tree.flatten(stacked)
+    window = len(indices) != homes[0].shape[0]  # some layers: each float leaf's sum taken
 
     def body(carry: tuple[Any, Any, Any], params: Any, xs: Any) -> tuple[Any, Any]:
         (grad_x, grad_consts, sums), (x, index) = carry, xs
@@ -424,7 +451,7 @@ def _backward(
         grad_params, grad_x, *grad_c = vjp(grad_x)
         grad_consts = tuple(s if s is None else s + g for s, g in zip(grad_consts, grad_c))
         grads = treedef.flatten_up_to(grad_params)
-        sums = [s if s is None else _added(s, g, index) for s, g in zip(sums, grads)]
+        sums = [s if s is None else _added(s, g, index, gate) for s, g in zip(sums, grads)]
         ys = [placed_like(g, h) if s is None else None for g, h, s in zip(grads, homes, sums)]
         return (grad_x, grad_consts, sums), ys
 
@@ -436,37 +463,30 @@ def _backward(
     for i, total in zip(positions, sums):  # these gradients are their new sums
         if total is not None:
             summing.added[i] = True
-    grads = [_whole(y, h, indices) if s is None else s for y, s, h in zip(ys, sums, homes)]
+    if window:  # an int stack's gradient (a float one's is its sum): float0 zeros
+        ys = [y if y is None else np.zeros(h.shape, jax.dtypes.float0) for y, h in zip(ys, homes)]
+    grads = [y if s is None else s for y, s in zip(ys, sums)]
     return grad_consts, jax.tree.unflatten(treedef, grads), grad_x
 
 
-def _whole(grads: Any, home: Any, indices: jax.Array) -> Any:
-    """The gradient of the stack ``home`` from ``grads`` of its layers ``indices`` (the
-    others' zeros): ``grads`` itself where they are all its layers."""
-    if grads.shape[0] == home.shape[0]:  # every layer, in order
-        return grads
-    if grads.dtype == jax.dtypes.float0:  # an int stack's: nothing to write
-        return np.zeros(home.shape, jax.dtypes.float0)
-    whole = jnp.zeros(home.shape, grads.dtype).at[indices].set(on_device(grads))
-    return placed_like(whole, home)
-
-
-def _added(total: jax.Array, grad: jax.Array, index: Any) -> jax.Array:
-    """``total`` with ``grad`` added to its layer ``index``, where ``total`` lies (in place).
-    ``grad`` is rounded alone first, as the loop rounds it: no matrix product fused with
-    the addition."""
+def _added(total: jax.Array, grad: jax.Array, index: Any, gate: Any) -> jax.Array:
+    """``total`` with ``grad`` added to its layer ``index``, where ``total`` lies (in place),
+    where ``gate`` (None: always). ``grad`` is rounded alone first, as the loop rounds it:
+    no matrix product fused with the addition."""
     grad = jax.lax.optimization_barrier(grad)
-    return write_layer(total, fetch_layer(total, index) + grad.astype(total.dtype), index)
+    layer = fetch_layer(total, index)
+    new = layer + grad.astype(total.dtype) if gate is None else _gated_sum(layer, grad, gate)
+    return write_layer(total, new, index)
 
 
-def _taken_sums(taken: tuple[Any, Any]) -> list[Any]:
-    """The sums a scan's forward pass hands to its backward pass: those ``taken`` (the
-    `Summing` record and each leaf's position) if it runs at the gradient's trace, else
-    none (the loop adds them)."""
+def _taken_sums(taken: tuple[Any, Any]) -> tuple[list[Any], Any]:
+    """The sums a scan's forward pass hands to its backward pass, and their gate: those
+    ``taken`` (the `Summing` record and each leaf's position) if it runs at the gradient's
+    trace, else none (the loop adds them)."""
     summing, positions = taken
     if summing is None or get_opaque_trace_state() != summing.trace:
-        return [None] * len(positions)
-    return [None if i is None else summing.sums[i] for i in positions]
+        return [None] * len(positions), None
+    return [None if i is None else summing.sums[i] for i in positions], summing.gate
 
 
 def _inexact(x: Any) -> bool:  # a value with a gradient (an int or a key has none)
@@ -491,10 +511,10 @@ def streamed_scan(
         prefetch: fetch each layer one iteration ahead of its use (the copy overlaps the
             layer before it; two layers on the device, one more moved a pass forward and
             back), or where it is used.
-        window: ``(start, size)``: run layers ``start`` to ``start + size - 1`` alone
-            (``start`` may be traced; a pipeline stage's chunk), the others' gradient
-            zeros; None: every layer. Their gradients in host memory are made whole on the
-            device unless a loop's sums take them (`summing_into`), as a pipeline's do.
+        window: ``(start, size)``: run layers ``start`` to ``start + size - 1`` alone (a
+            pipeline stage's chunk; a traced ``start`` is clamped into the stack, as
+            slicing clamps); differentiated, inside a loop whose sums take the stack's
+            gradient (`vjp_summed`); None: every layer.
 
     Returns:
         The last layer's output, like ``x``.
@@ -507,24 +527,54 @@ def streamed_scan(
     """
     one = fetch_layer(stacked, 0)  # a layer's slice, for tracing
     converted, consts = jax.closure_convert(layer, one, x)  # closed-over values differentiated too
-    start, size = (0, jax.tree.leaves(stacked)[0].shape[0]) if window is None else window
-    indices = start + jnp.arange(size)
-    forward = functools.partial(_forward, converted, (prefetch, indices))
+    indices = _window_indices(window, jax.tree.leaves(stacked)[0].shape[0])
+    forward = functools.partial(_forward, converted, prefetch=prefetch, indices=indices)
 
     @jax.custom_vjp
     def run(consts: tuple[Any, ...], stacked: Any, x: Any) -> Any:
         return forward(consts, stacked, x)[0]
 
+    stacked_leaves = jax.tree.leaves(stacked)
     summing = _SUMMING.get()  # the sums of a micro-batch loop, taken here, at the loss's trace
     positions = summing.claim(stacked) if summing else [None] * len(jax.tree.leaves(stacked))
     taken = (summing, positions)
 
     def run_forward(consts: tuple[Any, ...], stacked: Any, x: Any) -> tuple[Any, Any]:
         y, residuals = forward(consts, stacked, x)
-        return y, (consts, stacked, residuals, _taken_sums(taken), indices)
+        sums = _taken_sums(taken)
+        if window is not None and len(indices) < stacked_leaves[0].shape[0]:
+            _check_window_summed(window, stacked_leaves, sums[0])
+        return y, (consts, stacked, residuals, sums, indices)
 
     run.defvjp(run_forward, functools.partial(_backward, converted, taken))
     return run(tuple(consts), stacked, x)
+
+
+def _window_indices(window: tuple[Any, int] | None, layers: int) -> jax.Array:
+    """The indices of `streamed_scan`'s ``window`` in a stack of ``layers``, or a
+    `ValueError` naming it; a traced start is clamped into the stack, as slicing clamps."""
+    if window is None:
+        return jnp.arange(layers)
+    start, size = window
+    fits = isinstance(size, int | np.integer) and not isinstance(size, bool)
+    fits = fits and 0 < size <= layers and jnp.issubdtype(jnp.result_type(start), jnp.integer)
+    if fits and isinstance(start, int | np.integer):  # else an array, maybe traced
+        fits = 0 <= start <= layers - size
+    if not fits:
+        got = f"`window`={window!r} for a stack of {layers} layers"
+        want = f"(start, size): ints, 0 < size, 0 <= start, start + size <= {layers}"
+        raise ValueError(f"{got}; expected {want}.")
+    return jnp.clip(start, 0, layers - size) + jnp.arange(size)
+
+
+def _check_window_summed(window: tuple[Any, int], stacked: list[Any], sums: list[Any]) -> None:
+    """Raises unless a loop's sums take the gradient of each float leaf of a window's stack
+    (``stacked``'s leaves): a pipeline's do; its whole gradient would be made elsewhere."""
+    for leaf, total in zip(stacked, sums):
+        if total is None and _inexact(leaf):
+            got = f"`window`={window!r}: a gradient of some layers of a stack"
+            want = "a loop's sums to add them to (vjp_summed, summing_into: a pipeline's)"
+            raise ValueError(f"{got}, taken outside one; expected {want}.")
 
 
 def layerwise(fn: Callable[..., Any], home: Any, *others: Any, consts: tuple = ()) -> Any:
@@ -557,7 +607,8 @@ def layerwise(fn: Callable[..., Any], home: Any, *others: Any, consts: tuple = (
         in_place = jax.eval_shape(fn, *layer, *consts).dtype == leaf.dtype
         splits = {layer_split(x) for x in (leaf, *rest)}
         if len(splits) > 1:  # each device would read other layers of another leaf
-            raise ValueError(f"layerwise: stacks laid out apart, their layers split by {splits}.")
+            got = f"stacks laid out apart, their layers split by {sorted(splits)}"
+            raise ValueError(f"layerwise: {got}; expected one layout for every stack.")
         if not layer_split(leaf):
             return _by_layer(fn, in_place, consts, leaf, *rest)
         # split by its layers in jit's global view: each device's layers, in a shard_map
@@ -589,6 +640,13 @@ def _by_layer(fn: Callable[..., Any], in_place: bool, consts: tuple, leaf: Any, 
 def check_resident(stacked_params: Any, fix: str) -> None:
     """Raises a `ValueError` naming the first leaf of ``stacked_params`` in host memory (a
     stack that only a streamed scan fetches), and ``fix``: what to call instead.
+
+    Args:
+        stacked_params: a layer stack, a pytree.
+        fix: what the message tells the caller to do.
+
+    Returns:
+        None.
 
     Examples:
         >>> import jax, jax.numpy as jnp

@@ -175,6 +175,12 @@ def layer_split(x: Any) -> tuple[Any, ...]:
     global view: ``()`` where none do, or where a ``shard_map`` here has made them Manual
     (each device holds its own layers already).
 
+    Args:
+        x: an array or a traced value, its leading axis the layers.
+
+    Returns:
+        The axes' names, a tuple.
+
     Examples:
         >>> import jax, jax.numpy as jnp, jaxga.meshes as m
         >>> mesh = jax.make_mesh((1,), ["stage"], axis_types=(jax.sharding.AxisType.Explicit,))

@@ -160,7 +160,8 @@ def _check_streamed(stream: bool, stacked_params: Any, schedule: str) -> None:
         got = f"`stream`=True with schedule={schedule!r}"
         raise ValueError(f"{got}: not supported; expected {want}.")
     if not stream:
-        fix = "call jaxga.pipeline_loss(..., schedule='1f1b', stream=True)"
+        fix = "call jaxga.pipeline_loss(..., stream=True) with schedule='1f1b' or "
+        fix += "'interleaved_1f1b'"
         check_resident(stacked_params, fix)
 
 

@@ -18,7 +18,7 @@ from jaxga._streaming import layerwise, vjp_summed, zeros_placed_like
 from jaxga.convolution import with_vjp
 from jaxga.loss import Mean
 from jaxga.microbatch import IndivisibleBatchError, merge_microbatches, split_microbatches
-from jaxga.remat import Policy, remat_scan, streamed_window
+from jaxga.remat import Policy, remat_scan, stack_length, streamed_window
 
 
 class ScheduleRow(NamedTuple):
@@ -196,11 +196,12 @@ def _on_stages(stages: Stages, tree: Any) -> Any:
 
 def run_stage(stages: Stages, params: Any, x: Any, work: Work, key: Any) -> Any:
     """A stage's chunk ``work.chunk`` of layers (``params``: all its ``[L / S, ...]``) on
-    ``x``, micro-batch ``work.microbatch``: layer ``l`` gets ``fold_in(fold_in(key, i), l)``."""
-    schedule = stages.schedule
-    chunks = jax.tree.map(lambda p: jnp.reshape(p, (schedule.repeats, -1, *p.shape[1:])), params)
-    size = jax.tree.leaves(chunks)[0].shape[1]  # layers a chunk
-    first = (work.chunk * schedule.stages + jax.lax.axis_index(stages.axis)) * size  # in stack
+    ``x``, micro-batch ``work.microbatch``: layer ``l`` gets ``fold_in(fold_in(key, i), l)``.
+    A streamed stack stays whole where it lies: the chunk's layers are fetched from it."""
+    schedule, stage = stages.schedule, jax.lax.axis_index(stages.axis)
+    size = stack_length(params) // schedule.repeats  # layers a chunk
+    at = jnp.arange(schedule.repeats * size)  # in the stage's stack: chunk c's from c · size
+    ids = (at // size * schedule.stages + stage) * size + at % size  # their places in the model
     key = None if key is None else jax.random.fold_in(key, work.microbatch)
 
     def layer(params_and_id: tuple, x: Any) -> Any:
@@ -209,13 +210,12 @@ def run_stage(stages: Stages, params: Any, x: Any, work: Work, key: Any) -> Any:
             return stages.layer_fn(params, x)
         return stages.layer_fn(params, x, jax.random.fold_in(key, layer_id))
 
-    if stages.stream:  # the stack where it lies, the chunk's layers fetched one at a time
-        at = jnp.arange(schedule.repeats * size)  # in the stage's stack: chunk c's c·size on
-        ids = (at // size * schedule.stages + jax.lax.axis_index(stages.axis)) * size + at % size
+    if stages.stream:  # the chunk's layers fetched one at a time
         window = (work.chunk * size, size)
         return streamed_window(layer, (params, ids), x, policy=stages.policy, window=window)
-    ids = first + jnp.arange(size)
-    return remat_scan(layer, (take(chunks, work.chunk), ids), x, policy=stages.policy)
+    chunks = jax.tree.map(lambda p: jnp.reshape(p, (schedule.repeats, size, *p.shape[1:])), params)
+    chunk = take((chunks, jnp.reshape(ids, (schedule.repeats, size))), work.chunk)
+    return remat_scan(layer, chunk, x, policy=stages.policy)
 
 
 class _AutodiffCarry(NamedTuple):
@@ -311,14 +311,12 @@ def _summed_backward(
     stages: Stages, primals: tuple, dy: Any, work: Work, sums: Any, *, key: Any
 ) -> tuple:
     """`_backward` of a streamed stack (``primals``: the stack's, the input's), its gradient
-    added to ``sums`` a layer at a time where they lie: the new sums, the input's gradient."""
+    added to ``sums`` a layer at a time where they lie, where ``work.valid``: the new sums,
+    the input's gradient (zeros in a bubble). Run at every tick, a bubble's dropped by a
+    select a layer at a time: a ``lax.cond`` would copy the stage's sums whole each tick."""
     forward = functools.partial(run_stage, stages, work=work, key=key)
-    return vjp_summed(forward, primals, dy, (sums, jax.tree.map(jnp.zeros_like, primals[1])))
-
-
-def _sums_kept(types: Any, primals: tuple, dy: Any, work: Work, sums: Any) -> tuple:
-    """`_summed_backward`'s bubble: the sums as they are, the input's gradient zeros."""
-    return sums, jax.tree.map(collectives.zeros_of, types[1])
+    zeros = jax.tree.map(jnp.zeros_like, primals[1])
+    return vjp_summed(forward, primals, dy, (sums, zeros), gate=work.valid)
 
 
 def _stack_input(stages: Stages, split: Inputs, work: Work, where: jax.Array) -> Any:
@@ -381,9 +379,7 @@ def _tick(stages: Stages, split: Inputs, carry: _TickCarry, t: jax.Array) -> tup
     dy = select((s == last) & (b.chunk == final), dy, returned)
     primals, backward = (split.params, take(saved, b.slot)), functools.partial(_backward, stages)
     if stages.stream:  # each layer's gradient added to its sum as the backward makes it
-        backward = functools.partial(_summed_backward, stages, key=key)
-        when = functools.partial(collectives.when, b.valid, backward, otherwise=_sums_kept)
-        sums, dh = when(primals, dy, b, grads.params)
+        sums, dh = _summed_backward(stages, primals, dy, b, grads.params, key=key)
     else:
         d_params, dh = collectives.when(b.valid, backward, primals, dy, b, key)
         sums = jax.tree.map(jnp.add, grads.params, d_params)

@@ -294,8 +294,9 @@ def streamed_window(
 ) -> Any:
     """`remat_scan` with ``stream=True`` over layers ``start`` to ``start + size - 1`` of
     the stack alone (``window = (start, size)``; ``start`` may be traced): a pipeline
-    stage's chunk of its layers. The other layers are neither fetched nor run; their
-    gradient is zeros, or nothing added to a loop's sums (`_streaming.summing_into`).
+    stage's chunk of its layers. The other layers are neither fetched nor run. Its
+    gradient is taken inside a loop whose sums take the stack's (`_streaming.vjp_summed`,
+    as a pipeline's ticks do): the window's layers are added to them, the others left.
 
     Args:
         layer_fn: ``layer_fn(params_of_one_layer, x) -> x``.

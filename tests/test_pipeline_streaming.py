@@ -11,6 +11,8 @@ element-wise code in its own way (a loss 1 ulp apart, seen; equal with XLA's def
 optimisation).
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -367,8 +369,6 @@ def test_the_update_by_layer_groups_stacks_of_one_size_by_their_split():
     device over its 2), equal to optax's whole-tree AdamW on the device; a gradient laid
     out otherwise than its stack is refused (each device would update its layers with
     others' gradients)."""
-    import functools
-
     from jaxga._layerwise import StreamError, updated_by_layer
 
     mesh = jax.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
@@ -397,3 +397,52 @@ def test_the_update_by_layer_groups_stacks_of_one_size_by_their_split():
     apart = placed(grads, "device", {"split": P(), "whole": P()})
     with jax.set_mesh(mesh), pytest.raises(StreamError, match=r"expected the gradient laid out"):
         update(streamed, apart)
+
+
+@pytest.mark.parametrize("memory_kind", ["device", "pinned_host"])
+def test_a_window_of_a_streamed_stack_runs_those_layers_alone(memory_kind):
+    """remat.streamed_window (interleaved 1F1B's chunk of a stage's stack) on layers start to
+    start + size - 1 of a stack with an int leaf (the layers' ids), its start traced, its
+    gradient added to sums (`_streaming.vjp_summed`, as a pipeline's tick adds it): the
+    value, and the sums plus jax.vjp through those layers sliced out and run in a Python
+    loop; the other layers' sums left as they were. A window outside the stack, and a
+    window's gradient taken outside a loop's sums, are refused by name."""
+    from jaxga._streaming import vjp_summed
+    from jaxga.remat import streamed_window
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(6, D, D)).astype(np.float32)) / 2
+    ids, x = jnp.arange(6), jnp.asarray(rng.normal(size=(2, D)).astype(np.float32))
+    totals = (jnp.asarray(rng.normal(size=w.shape).astype(np.float32)), jnp.ones_like(x))
+    dy = jnp.asarray(rng.normal(size=x.shape).astype(np.float32))
+
+    def layer(params, x):
+        w, i = params
+        return jnp.tanh(x @ w) + 0.01 * i
+
+    def windowed(w, x, start, size):
+        return streamed_window(layer, (w, ids), x, policy="full", window=(start, size))
+
+    def summed(w, x, total, start, size):
+        fun = functools.partial(windowed, start=start, size=size)
+        return fun(w, x), vjp_summed(fun, (w, x), dy, (total, totals[1]))
+
+    def reference(w, x, start, size):
+        for i in range(start, start + size):
+            x = layer((w[i], ids[i]), x)
+        return x
+
+    where = NamedSharding(jax.make_mesh((1,), ("one",)), P(), memory_kind)
+    stack, total = jax.device_put(w, where), jax.device_put(totals[0], where)
+    run = jax.jit(summed, static_argnums=4)
+    for start, size in [(1, 3), (4, 2), (0, 6)]:
+        y, sums = run(stack, x, total, start, size)
+        assert sums[0].sharding.memory_kind == memory_kind
+        want, vjp = jax.vjp(functools.partial(reference, start=start, size=size), w, x)
+        want_sums = jax.tree.map(jnp.add, totals, vjp(dy))
+        assert_rounding_close((y, sums), (want, want_sums), atol=1e-6)
+    with pytest.raises(ValueError, match=r"`window`=\(1, 3\): a gradient of some layers"):
+        jax.grad(lambda w: jnp.sum(windowed(w, x, 1, 3)))(w)
+    for window in [(3, 4), (0, 0), (-1, 2), (0, 2.0), (0, True)]:
+        with pytest.raises(ValueError, match=r"`window`=.* for a stack of 6 layers; expected"):
+            streamed_window(layer, (w, ids), x, policy="full", window=window)
