@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import get_opaque_trace_state
 
+from jaxga._branches import when
 from jaxga.meshes import HOST_KINDS, layer_split, memory_space, type_spec
 
 _HOST = jax.memory.Space.Host
@@ -422,16 +423,24 @@ def _forward(
     *,
     prefetch: bool,
     indices: jax.Array,
+    gate: Any = None,
 ) -> tuple[Any, Any]:
     """The layers ``indices`` on ``x``, each fetched (ahead if ``prefetch``): the output, and
-    the residuals of the backward pass (each layer's input, the last layer's slice or None)."""
+    the residuals of the backward pass (each layer's input, the last layer's slice or None).
+    Where ``gate`` (a `Summing`'s) is False, each layer passes its input on, not computed."""
+    run = layer if gate is None else functools.partial(when, gate, layer, otherwise=_passed)
 
     def body(carry: Any, params: Any, _: tuple[None, jax.Array]) -> tuple[Any, Any]:
-        return layer(params, carry, *consts), carry
+        return run(params, carry, *consts), carry
 
     first = fetch_layer(stacked, indices[0]) if prefetch else None
     y, inputs, last = _layer_scan(body, x, stacked, (None, indices), first, reverse=False)
     return y, (inputs, last)
+
+
+def _passed(types: Any, params: Any, x: Any, *consts: Any) -> Any:
+    """A layer's input ``x`` as its output (``when``'s other branch: a skipped layer)."""
+    return x
 
 
 def _backward(
@@ -445,6 +454,7 @@ def _backward(
     homes, treedef = jax.tree.flatten(stacked)
     window = len(indices) != homes[0].shape[0]  # some layers: each float leaf's sum taken
 
+    # computed where ``gate`` is False too: a cond here held a layer more on the device
     def body(carry: tuple[Any, Any, Any], params: Any, xs: Any) -> tuple[Any, Any]:
         (grad_x, grad_consts, sums), (x, index) = carry, xs
         _, vjp = jax.vjp(layer, params, x, *consts)
@@ -540,8 +550,8 @@ def streamed_scan(
     taken = (summing, positions)
 
     def run_forward(consts: tuple[Any, ...], stacked: Any, x: Any) -> tuple[Any, Any]:
-        y, residuals = forward(consts, stacked, x)
         sums = _taken_sums(taken)
+        y, residuals = forward(consts, stacked, x, gate=sums[1])
         if window is not None and len(indices) < stacked_leaves[0].shape[0]:
             _check_window_summed(window, stacked_leaves, sums[0])
         return y, (consts, stacked, residuals, sums, indices)

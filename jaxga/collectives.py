@@ -57,50 +57,6 @@ def varying(tree: Any, axis_name: Any) -> Any:
     )
 
 
-def zeros_of(t: Any, zero: Any = 0) -> jax.Array:
-    """Zeros of the type ``t`` (``jax.typeof``'s): its shape, dtype, sharding, varying axes;
-    ``zero``: a traced zero, so that XLA sees no constant."""
-    zeros = jax.lax.full(t.shape, zero, t.dtype, sharding=t.sharding)
-    return jax.lax.pcast(zeros, tuple(t.mat.varying), to="varying")
-
-
-def when(pred: Any, fun: Callable[..., Any], *operands: Any, otherwise: Any = None) -> Any:
-    """``fun(*operands)`` where ``pred``, else ``otherwise(types, *operands)``: a
-    ``jax.lax.cond`` whose other branch is built from the types of ``fun``'s one trace
-    (docs/architecture.md, "One trace of the taken branch").
-
-    Args:
-        pred: a boolean scalar.
-        fun: the branch taken where ``pred``; traced once.
-        *operands: the arguments of both branches.
-        otherwise: ``(types, *operands) -> out``, ``types`` being ``jax.typeof`` of each
-            leaf of ``fun``'s output; ``None``: zeros of each type (`zeros_of`).
-
-    Returns:
-        The output of the branch ``pred`` picks.
-
-    Examples:
-        >>> import jax.numpy as jnp, jaxga
-        >>> jaxga.collectives.when(jnp.array(False), jnp.sin, jnp.ones(2)).tolist()
-        [0.0, 0.0]
-    """
-    traced = []  # the types of `fun`'s output, from its one trace
-
-    def taken(*operands: Any) -> Any:
-        out = fun(*operands)
-        traced.append(jax.tree.map(jax.typeof, out))
-        return out
-
-    def other(*operands: Any) -> Any:  # cond traces `taken` first; else it is traced here
-        if not traced:
-            jax.eval_shape(taken, *operands)
-        if otherwise is None:
-            return jax.tree.map(zeros_of, traced[0])
-        return otherwise(traced[0], *operands)
-
-    return jax.lax.cond(pred, taken, other, *operands)
-
-
 def psum_invariant(tree: Any, like: Any, axis_name: Any) -> Any:
     """Returns ``tree`` summed over ``axis_name``, but for the axes ``like``'s leaves vary over:
     one psum per group of axes; the stacks in host memory (streamed), a layer at a time on

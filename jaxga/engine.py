@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, arguments, auxiliary, collectives, meshes, modules
+from jaxga._branches import when, zeros_of
 from jaxga._streaming import is_streamed, layerwise, value_and_summed_grad, zeros_placed_like
 from jaxga.arguments import Options
 from jaxga.convolution import canonical_convolutions, rewrites
@@ -187,7 +188,7 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
 def micro_gradient(loss: Callable[..., Any], options: Options, call: Call) -> Callable[..., Any]:
     """``loss`` (`micro_loss`'s) differentiated, its gradient added to the sums so far
     (`_streaming.value_and_summed_grad`): in a layer scan's backward pass where it can be,
-    but not in `collectives.when`'s cond (``num_real_microbatches``), where XLA would copy
+    but not in `_branches.when`'s cond (``num_real_microbatches``), where XLA would copy
     sums written in place, nor with one micro-batch and every primal on the device, where
     XLA folds the addition to zeros away."""
     on_host = any(is_streamed(x) for x in jax.tree.leaves(call.primals))
@@ -216,13 +217,13 @@ def scan(loss: Callable[..., Any], options: Options, call: Call) -> tuple[Carry,
 
     def skip(types: Any, carry: Carry, batches: tuple) -> tuple[Carry, Any]:  # nothing counted
         _, aux_types = types  # the step's (Carry, aux)
-        return carry._replace(index=carry.index + 1), jax.tree.map(collectives.zeros_of, aux_types)
+        return carry._replace(index=carry.index + 1), jax.tree.map(zeros_of, aux_types)
 
     def body(carry: Carry, batches: tuple) -> tuple[Carry, Any]:
         if options.num_real_microbatches is None:
             return step(carry, batches)
         real = carry.index < options.num_real_microbatches
-        return collectives.when(real, step, carry, batches, otherwise=skip)
+        return when(real, step, carry, batches, otherwise=skip)
 
     def grad_dtype(x):
         return _checks.grad_sum_dtype(options.accumulator_dtype, jnp.result_type(x))

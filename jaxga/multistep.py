@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxga import _checks, collectives
+from jaxga._branches import when, zeros_of
 from jaxga.loss import check_value
 
 _POSITIONAL = "`weight` is keyword-only: tx.update(grads, state, params, weight=...); got {}."
@@ -194,12 +195,12 @@ def update(
     zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.float32))
 
     def hold(types, acc_grads, inner_state):  # `inner` is traced once, in `run`
-        zeros = functools.partial(collectives.zeros_of, zero=zero)
+        zeros = functools.partial(zeros_of, zero=zero)
         return jax.tree.map(zeros, types[0]), inner_state
 
     with jax.named_scope("inner_update"):
         operands = (group.acc_grads, group.inner_opt_state)
-        updates, opt_state = collectives.when(apply, run, *operands, otherwise=hold)
+        updates, opt_state = when(apply, run, *operands, otherwise=hold)
     return updates, group._replace(
         mini_step=jnp.where(done, 0, group.mini_step),
         gradient_step=state.gradient_step + apply.astype(jnp.int32),

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxga import collectives, meshes
+from jaxga._branches import when
 from jaxga._checks import positive_int
 from jaxga._streaming import layerwise, vjp_summed, zeros_placed_like
 from jaxga.convolution import with_vjp
@@ -326,7 +327,7 @@ def _stack_input(stages: Stages, split: Inputs, work: Work, where: jax.Array) ->
     if stages.embed_fn is None:
         return x
     here = _on_stages(stages, split.embed)
-    return collectives.when(where & work.valid, stages.embed_fn, here, x)
+    return when(where & work.valid, stages.embed_fn, here, x)
 
 
 def _embed_backward(stages: Stages, split: Inputs, work: Work, dh: Any) -> Any:
@@ -347,7 +348,7 @@ def _input_grads(stages: Stages, split: Inputs, grads: Inputs, dh: Any, work: Wo
     if stages.embed_fn is None:
         return grads._replace(x=written(grads.x, work.microbatch, dh, where))
     backward = functools.partial(_embed_backward, stages, split)
-    d_embed = collectives.when(where, backward, work, dh)
+    d_embed = when(where, backward, work, dh)
     return grads._replace(embed=jax.tree.map(jnp.add, grads.embed, d_embed))
 
 
@@ -371,17 +372,17 @@ def _tick(stages: Stages, split: Inputs, carry: _TickCarry, t: jax.Array) -> tup
     f, b = schedule.forward(t, s), schedule.backward(t, s)
     first = (s == 0) & (f.chunk == 0)
     h = select(first, _stack_input(stages, split, f, first), arrived)
-    y = collectives.when(f.valid, functools.partial(run_stage, stages), split.params, h, f, key)
+    y = when(f.valid, functools.partial(run_stage, stages), split.params, h, f, key)
     saved = written(saved, f.slot, h, f.valid)
     at_head = f.valid & (s == last) & (f.chunk == final)
     head = functools.partial(_head_step, stages, split)
-    micro_mean, d_head, dy = collectives.when(at_head, head, y, f.microbatch)
+    micro_mean, d_head, dy = when(at_head, head, y, f.microbatch)
     dy = select((s == last) & (b.chunk == final), dy, returned)
     primals, backward = (split.params, take(saved, b.slot)), functools.partial(_backward, stages)
     if stages.stream:  # each layer's gradient added to its sum as the backward makes it
         sums, dh = _summed_backward(stages, primals, dy, b, grads.params, key=key)
     else:
-        d_params, dh = collectives.when(b.valid, backward, primals, dy, b, key)
+        d_params, dh = when(b.valid, backward, primals, dy, b, key)
         sums = jax.tree.map(jnp.add, grads.params, d_params)
     grads = grads._replace(params=sums, head=jax.tree.map(jnp.add, grads.head, d_head))
     grads = _input_grads(stages, split, grads, dh, b)

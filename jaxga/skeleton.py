@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxga import collectives, layouts, sharding
+from jaxga._branches import when
 from jaxga._layerwise import StreamError, streamed_leaves, updated_by_layer
 from jaxga._streaming import global_norm, layerwise, on_device, placed_like
 from jaxga.engine import Accumulated
@@ -56,7 +57,7 @@ def apply_update(
         return updated(state, acc.grads, counted=counted)
     run, consts = jax.closure_convert(updated, state, acc.grads)  # traced once, run twice
     operands = (state, acc.grads, *consts)
-    skipped = functools.partial(collectives.when, counted, run, otherwise=_kept)
+    skipped = functools.partial(when, counted, run, otherwise=_kept)
     selected = functools.partial(_selected, counted, run)
     return jax.lax.platform_dependent(*operands, cpu=skipped, default=selected)
 
