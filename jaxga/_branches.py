@@ -10,8 +10,21 @@ import jax
 
 
 def zeros_of(t: Any, zero: Any = 0) -> jax.Array:
-    """Zeros of the type ``t`` (``jax.typeof``'s): its shape, dtype, sharding, varying axes;
-    ``zero``: a traced zero, so that XLA sees no constant."""
+    """Zeros of the type ``t`` (``jax.typeof``'s): its shape, dtype, sharding, varying axes.
+
+    Args:
+        t: a type, ``jax.typeof(x)``.
+        zero: the zero, a traced one so that XLA sees no constant; default 0.
+
+    Returns:
+        An array of ``t``'s type, all zeros.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxga._branches import zeros_of
+        >>> zeros_of(jax.typeof(jnp.ones((2, 3)))).tolist()
+        [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    """
     zeros = jax.lax.full(t.shape, zero, t.dtype, sharding=t.sharding)
     return jax.lax.pcast(zeros, tuple(t.mat.varying), to="varying")
 

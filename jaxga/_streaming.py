@@ -6,7 +6,9 @@ layer again, recomputes it under its checkpoint policy, takes its ``jax.vjp`` an
 the layer's gradient where the layer's parameters live (host memory for host-resident
 leaves) as it is produced; inside a micro-batch loop (`summing_into`), added to the
 gradient sum there instead. Copies between memories change no bit: the result and both
-gradients equal the resident scan's.
+gradients equal the resident scan's. A ``window`` runs some layers of the stack alone (a
+pipeline stage's chunk), and a sums' ``gate`` (a pipeline's bubble tick) leaves the sums
+as they are and skips each layer of the recomputed forward pass.
 """
 
 import contextlib
@@ -264,8 +266,10 @@ def summing_into(
         primals: the values the gradient is taken with respect to, as given to it.
         sums: their gradient sums so far, a tree like ``primals``.
         enabled: False: no scan adds a sum (the record says none was added).
-        gate: a boolean scalar (traced): where False, each scan leaves its sums as they are
-            (`Summing.gate`); None: always added.
+        gate: a boolean scalar, or None (always added): where False, each scan leaves its
+            sums as they are (`Summing.gate`), and its forward pass passes each layer's
+            input on uncomputed: for a caller that drops the forward's value, as
+            `vjp_summed` does.
 
     Yields:
         The `Summing` record: ``added_tree()`` says which gradients returned are new sums.
@@ -449,12 +453,13 @@ def _backward(
     """The reverse scan over the layers the forward pass ran: each layer fetched (ahead if
     the forward pass handed on a layer), its vjp taken, its gradient written home, or added
     to its sum where the forward pass handed on one (``taken``: the `Summing` record and
-    each leaf's position in it); the other layers' gradients zeros."""
+    each leaf's position in it), where the sums' gate is True. A window's float leaves all
+    have sums (`_check_window_summed`); its int leaves' gradients are float0 zeros."""
     consts, stacked, (inputs, last), (sums, gate), indices = saved
     homes, treedef = jax.tree.flatten(stacked)
-    window = len(indices) != homes[0].shape[0]  # some layers: each float leaf's sum taken
+    some = len(indices) != homes[0].shape[0]  # some layers: each float leaf's sum taken
 
-    # computed where ``gate`` is False too: a cond here held a layer more on the device
+    # computed where ``gate`` is False too: a cond here, tried, held about a layer more
     def body(carry: tuple[Any, Any, Any], params: Any, xs: Any) -> tuple[Any, Any]:
         (grad_x, grad_consts, sums), (x, index) = carry, xs
         _, vjp = jax.vjp(layer, params, x, *consts)
@@ -473,7 +478,7 @@ def _backward(
     for i, total in zip(positions, sums):  # these gradients are their new sums
         if total is not None:
             summing.added[i] = True
-    if window:  # an int stack's gradient (a float one's is its sum): float0 zeros
+    if some:  # an int stack's gradient (a float one's is its sum): float0 zeros
         ys = [y if y is None else np.zeros(h.shape, jax.dtypes.float0) for y, h in zip(ys, homes)]
     grads = [y if s is None else s for y, s in zip(ys, sums)]
     return grad_consts, jax.tree.unflatten(treedef, grads), grad_x
@@ -537,23 +542,23 @@ def streamed_scan(
     """
     one = fetch_layer(stacked, 0)  # a layer's slice, for tracing
     converted, consts = jax.closure_convert(layer, one, x)  # closed-over values differentiated too
-    indices = _window_indices(window, jax.tree.leaves(stacked)[0].shape[0])
+    leaves = jax.tree.leaves(stacked)
+    indices = _window_indices(window, leaves[0].shape[0])
     forward = functools.partial(_forward, converted, prefetch=prefetch, indices=indices)
 
     @jax.custom_vjp
     def run(consts: tuple[Any, ...], stacked: Any, x: Any) -> Any:
         return forward(consts, stacked, x)[0]
 
-    stacked_leaves = jax.tree.leaves(stacked)
     summing = _SUMMING.get()  # the sums of a micro-batch loop, taken here, at the loss's trace
-    positions = summing.claim(stacked) if summing else [None] * len(jax.tree.leaves(stacked))
+    positions = summing.claim(stacked) if summing else [None] * len(leaves)
     taken = (summing, positions)
 
     def run_forward(consts: tuple[Any, ...], stacked: Any, x: Any) -> tuple[Any, Any]:
         sums = _taken_sums(taken)
+        if len(indices) < leaves[0].shape[0]:  # some layers: their gradient added to sums
+            _check_window_summed(window, leaves, sums[0])
         y, residuals = forward(consts, stacked, x, gate=sums[1])
-        if window is not None and len(indices) < stacked_leaves[0].shape[0]:
-            _check_window_summed(window, stacked_leaves, sums[0])
         return y, (consts, stacked, residuals, sums, indices)
 
     run.defvjp(run_forward, functools.partial(_backward, converted, taken))
@@ -562,7 +567,8 @@ def streamed_scan(
 
 def _window_indices(window: tuple[Any, int] | None, layers: int) -> jax.Array:
     """The indices of `streamed_scan`'s ``window`` in a stack of ``layers``, or a
-    `ValueError` naming it; a traced start is clamped into the stack, as slicing clamps."""
+    `ValueError` naming it; a start given as an array (traced) is clamped into the stack, as
+    slicing clamps; one given as an int is checked."""
     if window is None:
         return jnp.arange(layers)
     start, size = window

@@ -446,3 +446,42 @@ def test_a_window_of_a_streamed_stack_runs_those_layers_alone(memory_kind):
     for window in [(3, 4), (0, 0), (-1, 2), (0, 2.0), (0, True)]:
         with pytest.raises(ValueError, match=r"`window`=.* for a stack of 6 layers; expected"):
             streamed_window(layer, (w, ids), x, policy="full", window=window)
+
+
+def test_a_gate_leaves_the_sums_as_they_are_and_skips_the_forward_layers():
+    """_streaming.vjp_summed(gate=) as a streamed pipeline's bubble tick calls it, on a layer
+    that gives NaN there (the log of a negative input): gate False returns both sums (the
+    stack's and the input's) bit for bit, its forward layers skipped in a cond; gate True
+    equals no gate, and the sums plus jax.vjp of the layers in a Python loop."""
+    from jaxga._streaming import streamed_scan, vjp_summed
+
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.normal(size=(3, D, D)).astype(np.float32))
+    x, dy = -jnp.ones((2, D)), jnp.asarray(rng.normal(size=(2, D)).astype(np.float32))
+    totals = (jnp.asarray(rng.normal(size=w.shape).astype(np.float32)), jnp.ones_like(x))
+
+    def layer(w, x):
+        return jnp.log(x) @ w  # NaN for the negative x given
+
+    def scanned(w, x):
+        return streamed_scan(layer, w, x)
+
+    def summed(w, x, gate):
+        return vjp_summed(scanned, (w, x), dy, totals, gate=gate)
+
+    kept = jax.jit(summed)(w, x, jnp.asarray(False))
+    np.testing.assert_array_equal(kept[0], totals[0])
+    np.testing.assert_array_equal(kept[1], totals[1])
+    assert "cond" in str(jax.make_jaxpr(summed)(w, x, jnp.asarray(False)))
+
+    positive = jnp.abs(x) + 0.5
+    added = jax.jit(summed)(w, positive, jnp.asarray(True))
+    chex.assert_trees_all_equal(added, jax.jit(summed)(w, positive, None))
+
+    def loop(w, x):
+        for layer_w in w:
+            x = layer(layer_w, x)
+        return x
+
+    want = jax.tree.map(jnp.add, totals, jax.vjp(loop, w, positive)[1](dy))
+    assert_rounding_close(added, want, atol=1e-5)
