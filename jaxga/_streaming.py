@@ -299,14 +299,14 @@ def _summed(total: Any, grad: Any, added: bool, gate: Any = None) -> Any:
     already (its backward pass added ``total``); ``total`` where ``gate`` is False."""
     if added:
         return grad
-    if gate is None:
-        return layerwise(lambda a, g: a + g.astype(a.dtype), total, grad)
-    return layerwise(_gated_sum, total, grad, consts=(gate,))
+    return layerwise(_plus, total, grad, consts=() if gate is None else (gate,))
 
 
-def _gated_sum(total: jax.Array, grad: jax.Array, gate: jax.Array) -> jax.Array:
-    """``total + grad`` where ``gate``, else ``total`` (whatever ``grad`` holds: NaN too)."""
-    return jnp.where(gate, total + grad.astype(total.dtype), total)
+def _plus(total: jax.Array, grad: jax.Array, gate: Any = None) -> jax.Array:
+    """``total + grad`` in ``total``'s dtype where ``gate`` (None: always), else ``total``
+    (whatever ``grad`` holds: NaN too)."""
+    new = total + grad.astype(total.dtype)
+    return new if gate is None else jnp.where(gate, new, total)
 
 
 def value_and_summed_grad(
@@ -489,9 +489,7 @@ def _added(total: jax.Array, grad: jax.Array, index: Any, gate: Any) -> jax.Arra
     where ``gate`` (None: always). ``grad`` is rounded alone first, as the loop rounds it:
     no matrix product fused with the addition."""
     grad = jax.lax.optimization_barrier(grad)
-    layer = fetch_layer(total, index)
-    new = layer + grad.astype(total.dtype) if gate is None else _gated_sum(layer, grad, gate)
-    return write_layer(total, new, index)
+    return write_layer(total, _plus(fetch_layer(total, index), grad, gate), index)
 
 
 def _taken_sums(taken: tuple[Any, Any]) -> tuple[list[Any], Any]:
