@@ -401,12 +401,12 @@ def _layer_scan(
     the last layer's again (the first of a pass the other way) at the end of a forward
     pass, the first layer's at the end of a reverse one (fetched with no layer left to use
     it)."""
-    indices = xs[1]
+    _, indices = xs
     ahead = -1 if reverse else 1
 
     def scanned(state: tuple[Any, Any], slices: tuple[Any, Any]) -> tuple[Any, Any]:
         carry, layer = state
-        index = slices[1]
+        _, index = slices
         if layer is None:  # not prefetched: fetched here, the layer waiting for its copy
             carry, y = body(carry, fetch_layer(stacked, index), slices)
             return (carry, None), y
@@ -553,11 +553,11 @@ def streamed_scan(
     taken = (summing, positions)
 
     def run_forward(consts: tuple[Any, ...], stacked: Any, x: Any) -> tuple[Any, Any]:
-        sums = _taken_sums(taken)
+        sums, gate = _taken_sums(taken)
         if len(indices) < leaves[0].shape[0]:  # some layers: their gradient added to sums
-            _check_window_summed(window, leaves, sums[0])
-        y, residuals = forward(consts, stacked, x, gate=sums[1])
-        return y, (consts, stacked, residuals, sums, indices)
+            _check_window_summed(window, leaves, sums)
+        y, residuals = forward(consts, stacked, x, gate=gate)
+        return y, (consts, stacked, residuals, (sums, gate), indices)
 
     run.defvjp(run_forward, functools.partial(_backward, converted, taken))
     return run(tuple(consts), stacked, x)
