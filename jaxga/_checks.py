@@ -85,7 +85,9 @@ def array_leaves(tree: Any, name: str, message: str = _NOT_ARRAY) -> list[tuple[
 
 
 def _wrong(name: str, expected: str, value: Any, error: type = TypeError) -> Exception:
-    return error(f"`{name}` must be {expected}; got {value!r} of type {type(value).__name__}.")
+    kind = type(value)  # numpy.bool, not bool, for np.True_
+    kind = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+    return error(f"`{name}` must be {expected}; got {value!r} of type {kind}.")
 
 
 def positive_int(value: Any, name: str, expected: str = "a positive int") -> int:

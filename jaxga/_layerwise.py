@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 from jaxga._cones import cone
-from jaxga._streaming import (
+from jaxga._host_stacks import (
     fetch_layer,
     is_streamed,
     on_device,
@@ -350,25 +350,35 @@ def check_elementwise(
         return
     with jax.ensure_compile_time_eval(), jax.disable_jit():  # op by op, scans as loops
         params = probe_like(access.params(state), 0)
-        made = on_device(access.tx.init(params))  # `with_offloaded_init`'s: in host memory
-        whole = split = access.rebuild(_scalars(state), params, made)
-        grouped = bool(states_in(access.opt_state(split))) or "end_group" in extra
-        for t in range(4):
-            probe = {k: jnp.asarray(t + 1, jax.typeof(v).dtype) for k, v in extra.items()}
-            probe = {k: v for k, v in probe.items() if k == "weight"}
-            probe |= {"end_group": jnp.asarray(t % 2 == 1)} if grouped else {}
-            probe_grads = probe_like(grads, t + 1, nan=t == 3)
-            whole = access.update(whole, probe_grads, **probe)
-            try:
-                split = split_update(access, split, probe_grads, kinds=kinds, **probe)
-            except (TypeError, ValueError, ZeroDivisionError) as e:  # muon: fan_out / fan_in
-                raise _fails_on_a_layer(e) from e
-            _check_same(_trees(access, split), _trees(access, whole), t)
+        # and from zeros, where the new parameters are the updates: a difference of an
+        # update is not lost in the rounding of parameters far larger than it (noise)
+        for start in (params, jax.tree.map(jnp.zeros_like, params)):
+            _check_probe(access, state, start, grads, kinds=kinds, extra=extra)
     check_same_operations(access, state, grads, kinds, **extra)
     if key is not None:
         if len(_PROBED) >= 64:
             _PROBED.clear()
         _PROBED[key] = None
+
+
+def _check_probe(
+    access: "OptimizerAccess", state: Any, params: Any, grads: Any, *, kinds: Any, extra: dict
+) -> None:
+    """`check_elementwise`'s four updates from the probe parameters ``params``."""
+    made = on_device(access.tx.init(params))  # `with_offloaded_init`'s: in host memory
+    whole = split = access.rebuild(_scalars(state), params, made)
+    grouped = bool(states_in(access.opt_state(split))) or "end_group" in extra
+    for t in range(4):
+        probe = {k: jnp.asarray(t + 1, jax.typeof(v).dtype) for k, v in extra.items()}
+        probe = {k: v for k, v in probe.items() if k == "weight"}
+        probe |= {"end_group": jnp.asarray(t % 2 == 1)} if grouped else {}
+        probe_grads = probe_like(grads, t + 1, nan=t == 3)
+        whole = access.update(whole, probe_grads, **probe)
+        try:
+            split = split_update(access, split, probe_grads, kinds=kinds, **probe)
+        except (TypeError, ValueError, ZeroDivisionError) as e:  # muon: fan_out / fan_in
+            raise _fails_on_a_layer(e) from e
+        _check_same(_trees(access, split), _trees(access, whole), t)
 
 
 def check_same_operations(
@@ -527,7 +537,7 @@ def first_difference(
     reads from ``split``'s tree paths."""
     got = jax.tree_util.tree_leaves_with_path(split)
     for (path, a), b in zip(got, jax.tree.leaves(whole), strict=True):
-        a, b = np.asarray(a), np.asarray(b)
+        a, b = _numpy(a), _numpy(b)
         if not jnp.issubdtype(a.dtype, jnp.inexact):
             same = np.array_equal(a, b)
         else:
@@ -538,6 +548,13 @@ def first_difference(
         if not same:
             return jax.tree_util.keystr(path), a, b
     return None
+
+
+def _numpy(x: Any) -> np.ndarray:
+    """``x`` as a NumPy array; a PRNG key (an optimiser's noise) as its data."""
+    if jax.dtypes.issubdtype(jax.typeof(x).dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
 
 
 # How far `check_elementwise`'s probe lets a layer's update round from the stack's: a
@@ -552,14 +569,31 @@ def _check_same(split: Any, whole: Any, t: int) -> None:
         return
     path, a, b = differs
     where = ("params" if path.startswith("[0]") else "opt_state") + path[3:]
+    a, b = np.ravel(a), np.ravel(b)
+    at = _furthest(a, b)
     raise StreamError(
         f'`stream`="layers" updates a layer at a time, exact only for an optimiser '
         f"that updates each element from its own values (sgd, adam, adamw, lion); "
         f"`tx` is not (it reduces across leaves or layers: clipping by global norm, "
-        f"trust ratios, factored moments; or {_BY_RANK}). On a probe, update {t + 1}'s {where} got "
-        f"{a.ravel()[:4].tolist()} a layer at a time; expected the whole-tree "
-        f"{b.ravel()[:4].tolist()}: {_FIX}."
+        f"trust ratios, factored moments; it draws noise for a whole leaf; or {_BY_RANK}). "
+        f"On a probe, update {t + 1}'s {where} got {a[at : at + 4].tolist()} (from element "
+        f"{at}) a layer at a time; expected the whole-tree {b[at : at + 4].tolist()}: {_FIX}."
     )
+
+
+def _furthest(a: np.ndarray, b: np.ndarray) -> int:
+    """The index of the element of ``a`` furthest from ``b``'s relative to what
+    `first_difference` allows there (NaN against a number the furthest, NaN against NaN
+    and equal infinities none)."""
+    if not a.size or a.dtype.kind not in "fc":
+        return int(np.argmax(a != b)) if a.size else 0
+    scale = np.max(np.abs(b[np.isfinite(b)]), initial=0.0)
+    with np.errstate(invalid="ignore"):
+        score = np.abs(a - b) / np.maximum(scale + np.abs(b), np.finfo(np.float64).tiny)
+    score = np.nan_to_num(score, nan=0.0)
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    score = np.where(nan_a & nan_b, 0.0, np.where(nan_a | nan_b, np.inf, score))
+    return int(np.argmax(score))
 
 
 def updated_by_layer(access: "OptimizerAccess", state: Any, grads: Any, **extra: Any) -> Any:

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxga._host_stacks import fetch_layer, is_streamed, made_by_layer
 from jaxga._layerwise import (
     STREAMED,
     StreamError,
@@ -18,7 +19,6 @@ from jaxga._layerwise import (
     probe_like,
     stand_in,
 )
-from jaxga._streaming import fetch_layer, is_streamed, made_by_layer
 
 # The optimiser's state made a layer at a time (`jaxga.sharding.with_offloaded_init`).
 _INIT = "jaxga.sharding.with_offloaded_init(tx)"
@@ -79,10 +79,8 @@ def _split_init(tx: Any, params: Any, kinds: Any, whole: Any) -> Any:
     stood = [stand_in(x) if k == STREAMED else x for x, k in zip(p, pk)]
     made, state_def = jax.tree.flatten(tx.init(jax.tree.unflatten(treedef, stood)))
     if state_def != whole_def:  # a rule of the leaves' sizes (a stand-in has none)
-        got = (
-            f"a state of another structure for stacks of no layers ({state_def.num_leaves} leaves)"
-        )
-        raise ValueError(f"`tx.init` makes {got} than for the stacks ({whole_def.num_leaves})")
+        got = "a state of another structure for stacks of no layers than for the stacks"
+        raise ValueError(f"`tx.init` makes {got} ({_apart(state_def, whole_def)})")
     sizes = {jnp.shape(x)[0] for x, k in zip(p, pk) if k == STREAMED} - {0}  # 0: made above
     for size in sorted(sizes):
         mine_p = [i for i, (x, k) in enumerate(zip(p, pk)) if k == STREAMED and x.shape[0] == size]
@@ -107,9 +105,25 @@ def _init_layer(
         one[i] = fetch_layer(p[i], layer)
     new, new_def = jax.tree.flatten(tx.init(jax.tree.unflatten(treedef, one)))
     if new_def != state_def:  # a rule of the leaves' ranks (a mask by ndim, say)
-        got = f"a state of another structure for one layer ({new_def.num_leaves} leaves)"
-        raise ValueError(f"`tx.init` makes {got} than for the stack ({state_def.num_leaves})")
+        got = "a state of another structure for one layer than for the stack"
+        raise ValueError(f"`tx.init` makes {got} ({_apart(new_def, state_def)})")
     return [new[i] for i in mine_o]
+
+
+def _apart(got: Any, want: Any) -> str:
+    """Where the state structures ``got`` and ``want`` (treedefs) part: their first leaf
+    path that differs, else the structures themselves (their nodes differ)."""
+    try:
+        paths = [
+            [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+            for tree in (jax.tree.unflatten(d, [0] * d.num_leaves) for d in (got, want))
+        ]
+    except Exception:  # a node that cannot hold ints: the structures say where
+        paths = [[], []]
+    for i, (mine, theirs) in enumerate(zip(*paths)):
+        if mine != theirs:
+            return f"leaf {i} is {mine} there, {theirs} for the stack"
+    return f"{str(got)[:300]} there, {str(want)[:300]} for the stack"
 
 
 def check_init(tx: Any, params: Any, kinds: Any) -> None:

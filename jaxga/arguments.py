@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.tree_util import keystr, tree_flatten_with_path
 
-from jaxga import _checks, collectives, modules
+from jaxga import _checks, collectives, meshes, modules
 from jaxga.loss import Mean, check_value
 from jaxga.microbatch import IndivisibleBatchError
 
@@ -264,6 +264,50 @@ def note_unsplit(error: Exception, fun: Any, options: Options, args: tuple, rows
             f"jaxga: `fun` reads arrays of the batch's {rows} rows whole, from outside its "
             f"arguments: {', '.join(closed)}; a micro-batch holds "
             f"{rows // options.num_microbatches} rows: pass them in the batch, split with it."
+        )
+
+
+def note_host_memory(error: Exception, args: tuple) -> None:
+    """Notes on ``error``, where JAX refused a value in host memory, the arguments' leaves
+    that lie there: a loss reads a stack in host memory through a streamed scan alone.
+
+    Args:
+        error: an exception raised while tracing the loss; noted only if its message holds
+            a type in host memory (JAX's ``float32<host>[...]``).
+        args: the loss's arguments.
+
+    Returns:
+        None.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxga.arguments import note_host_memory
+        >>> error = ValueError("... float32<host>[2] ...")
+        >>> note_host_memory(error, ({"w": jax.device_put(jnp.ones(2), jax.memory.Space.Host)},))
+        >>> error.__notes__[0][:52]
+        "jaxga: of the loss's arguments, these lie in host me"
+    """
+    if "<host>" not in str(error):  # JAX's type of a value in host memory: float32<host>[...]
+        return
+    found = [
+        f"args[{i}]{keystr(path)}"
+        for i, arg in enumerate(args)
+        for path, x in jax.tree_util.tree_leaves_with_path(arg)
+        if _checks.is_array(x)
+        and (
+            getattr(getattr(x, "sharding", None), "memory_kind", None) in meshes.HOST_KINDS
+            or meshes.memory_space(x) == jax.memory.Space.Host
+        )
+    ]
+    if found:
+        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+        error.add_note(
+            f"jaxga: of the loss's arguments, these lie in host memory: {', '.join(found[:3])}"
+            f"{more}. A loss reads a layer stack there through jaxga.remat_scan(..., "
+            "stream=True) or jaxga.pipeline_loss(..., stream=True) alone, which fetch a layer "
+            "at a time; anything else it reads (a leaf outside the stack, a layer indexed, a "
+            "jax.lax.scan or nnx.scan over it) must lie on the device: "
+            "jax.device_put(x, jax.memory.Space.Device)."
         )
 
 

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxga import meshes
-from jaxga._streaming import is_streamed, psum_by_layer
+from jaxga._host_stacks import is_streamed, psum_by_layer
 from jaxga.meshes import axes
 
 __all__ = ["axes", "find_route", "psum_varying", "varying", "varying_axes"]

@@ -9,7 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, arguments, auxiliary, collectives, meshes, modules
 from jaxga._branches import when, zeros_of
-from jaxga._streaming import is_streamed, layerwise, value_and_summed_grad, zeros_placed_like
+from jaxga._host_stacks import is_streamed, layerwise, zeros_placed_like
+from jaxga._streaming import value_and_summed_grad
 from jaxga.arguments import Options
 from jaxga.convolution import canonical_convolutions, rewrites
 from jaxga.loss import Mean, check_value
@@ -167,6 +168,7 @@ def micro_loss(fun: Callable[..., Any], options: Options, call: Call) -> Callabl
             if call.opened is not None:  # jaxga's shard_map passes it whole, over its devices
                 whole *= collectives.axis_size(call.route)
             arguments.note_unsplit(e, fun, options, call.args, whole)
+            arguments.note_host_memory(e, call.args)
             raise
         output = arguments.parse_output(out, options, threaded.user, rows=call.rows)
         module_state = {

@@ -165,7 +165,22 @@ def canonical_spec(spec: P) -> P:
 
 
 def type_spec(x: Any) -> P:
-    """``x``'s PartitionSpec as its type says (Explicit axes), else ``P()``."""
+    """``x``'s PartitionSpec as its type says on Explicit axes, its axes per dimension (no
+    stacked value jaxga lays out carries unreduced or reduced axes), else ``P()``.
+
+    Args:
+        x: an array or a traced value.
+
+    Returns:
+        A `jax.sharding.PartitionSpec`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, jaxga.meshes as m
+        >>> mesh = jax.make_mesh((1,), ["data"], axis_types=(jax.sharding.AxisType.Explicit,))
+        >>> x = jax.device_put(jnp.ones(2), jax.NamedSharding(mesh, jax.P("data")))
+        >>> m.type_spec(x) == jax.P("data"), m.type_spec(jnp.ones(2)) == jax.P()
+        (True, True)
+    """
     sharding = getattr(jax.typeof(x), "sharding", None)
     return P(*sharding.spec) if is_explicit(sharding) else P()
 

@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxga import (
     _checks,
-    _streaming,
+    _host_stacks,
     arguments,
     layouts,
     modules,
@@ -114,7 +114,7 @@ class NNXTrainStep(steps.JittedStep):
             return args
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(args)):
             args = planner.abstract(args)  # a copy: the plan's own shapes stay as they are
-        nnx.update(args[0], _streaming.on_device(nnx.state(args[0])))
+        nnx.update(args[0], _host_stacks.on_device(nnx.state(args[0])))
         return args
 
     def __call__(
@@ -355,8 +355,9 @@ def nnx_train_step(
             in the loop beside `axis_name`, so that each stage's variables, split over it by
             their sharding metadata, never move (as for `make_train_step`; docs/pipeline.md).
         stream: take the model's variables that live in pinned host memory (an `nnx.vmap`
-            stack moved there, `nnx.update(model.blocks, jax.device_put(nnx.state(
-            model.blocks), host))`) and keep them there: the loss gets them as they lie, to
+            stack's parameters moved there, `nnx.update(model.blocks, jax.device_put(
+            nnx.state(model.blocks, nnx.Param), host))`, after `nnx.Optimizer` made its
+            state) and keep them there: the loss gets them as they lie, to
             fetch layer by layer with [`jaxga.remat_scan(stream=True)`][jaxga.remat_scan];
             their gradient sums live in host memory too; the optimiser's update fetches the
             parameters and gradients whole and writes the parameters back (any `tx`).

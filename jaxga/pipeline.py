@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxga import collectives, meshes
 from jaxga._checks import check_arity, check_bool, leading_size, positive_int
-from jaxga._streaming import check_resident
+from jaxga._host_stacks import check_resident
 from jaxga.loss import Mean
 from jaxga.pipeline_schedules import SCHEDULES, Inputs, Schedule, Stages, checked_mean, pipelined
 from jaxga.remat import Policy, stack_length
@@ -101,6 +101,7 @@ class Checked(NamedTuple):
     stages: Stages  # what every stage runs
     route_kind: str  # the stage axis ``"manual"`` here, or to be ``"opened"`` (`Route.kind`'s)
     mesh: Any  # the mesh of the stage axis
+    stacked_params: Any  # the stack; one on no mesh put over an Explicit stage axis
 
 
 def stages_of(
@@ -119,7 +120,7 @@ def stages_of(
     stream: bool = False,
 ) -> Checked:
     """A pipeline's arguments checked: its `Stages`, whether the stage axis is
-    ``"manual"`` here or to be ``"opened"``, and the mesh."""
+    ``"manual"`` here or to be ``"opened"``, the mesh, and the stack laid out on it."""
     repeats = positive_int(repeats, "repeats")
     _check_streamed(check_bool(stream, "stream"), stacked_params, schedule)
     names = tuple(n for n, row in SCHEDULES.items() if head_fn or not row.manual)
@@ -143,10 +144,12 @@ def stages_of(
         raise ValueError(f"`num_microbatches`={m}; it must be {need} (and divide x's rows).")
     if route_kind == "manual":
         _check_split(stacked_params, axis_name)
+    elif axis_name in meshes.explicit_axes(mesh):
+        stacked_params = _laid_out(stacked_params, axis_name, mesh)
     layers = stack_length(stacked_params) * (plan.stages if route_kind == "manual" else 1)  # L
     check_layers(layers, plan.stages, repeats)
     stages = Stages(layer_fn, policy, plan, axis_name, head_fn, embed_fn, stream)
-    return Checked(stages, route_kind, mesh)
+    return Checked(stages, route_kind, mesh, stacked_params)
 
 
 def _check_streamed(stream: bool, stacked_params: Any, schedule: str) -> None:
@@ -183,6 +186,29 @@ def _check_split(stacked_params: Any, axis_name: str) -> None:
         more = f" (and {len(same) - 1} more)" if len(same) > 1 else ""
         got = f"`stacked_params`{same[0]}{more}"
         raise ValueError(f"{got} is the same on every stage of {axis_name!r}: {fix}.")
+
+
+def _laid_out(stacked_params: Any, axis_name: str, mesh: Any) -> Any:
+    """``stacked_params`` split over the Explicit stage axis ``axis_name`` of ``mesh``, as the
+    ``shard_map`` over the stages takes it: a leaf on the device and on no mesh (a NumPy
+    array, an uncommitted one) put there; any other leaf whose type does not split its
+    layer axis over it is refused, by name (a `ValueError`)."""
+
+    def placed(x: Any) -> Any:
+        on_no_mesh = jax.typeof(x).sharding.mesh.empty
+        if on_no_mesh and meshes.memory_space(x) != jax.memory.Space.Host:
+            return jax.device_put(x, jax.NamedSharding(mesh, jax.P(axis_name)))
+        return x
+
+    stacked_params = jax.tree.map(placed, stacked_params)
+    for path, x in jax.tree_util.tree_leaves_with_path(stacked_params):
+        if axis_name not in meshes.layer_split(x):
+            got = f"`stacked_params`{jax.tree_util.keystr(path)} is laid out as "
+            got += f"{meshes.type_spec(x)}, its layers not split over the stages"
+            fix = f"jax.device_put(stack, jax.NamedSharding(mesh, jax.P({axis_name!r})))"
+            want = f"its layer axis split over the Explicit stage axis {axis_name!r}: {fix}"
+            raise ValueError(f"{got}; expected {want} (memory_kind='pinned_host' to stream it).")
+    return stacked_params
 
 
 _UNCHECKED = (
@@ -248,7 +274,7 @@ def pipeline_scan(
     options = {"num_microbatches": num_microbatches, "axis_name": axis_name, "policy": policy}
     options |= {"schedule": schedule, "repeats": repeats, "rng": rng, "mesh": mesh}
     checked = stages_of(layer_fn, stacked_params, **options)
-    inputs = Inputs(stacked_params, None, x, None, rng)
+    inputs = Inputs(checked.stacked_params, None, x, None, rng)
     return pipelined(checked.stages, checked.route_kind, checked.mesh, inputs)
 
 
@@ -340,6 +366,7 @@ def pipeline_loss(
     scanned = schedule in SCHEDULES and not SCHEDULES[schedule].manual  # the head after it
     heads = {} if scanned else {"head_fn": head_fn, "embed_fn": embed_fn}
     checked = stages_of(layer_fn, stacked_params, **heads, **options, stream=stream)
+    stacked_params = checked.stacked_params
     if scanned:
         x = x if embed_fn is None else embed_fn(embed_params, x)
         inputs = Inputs(stacked_params, None, x, None, rng)

@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 from jaxga import collectives, meshes
 from jaxga._branches import when
 from jaxga._checks import positive_int
-from jaxga._streaming import layerwise, vjp_summed, zeros_placed_like
+from jaxga._host_stacks import layerwise, zeros_placed_like
+from jaxga._streaming import vjp_summed
 from jaxga.convolution import with_vjp
 from jaxga.loss import Mean
 from jaxga.microbatch import IndivisibleBatchError, merge_microbatches, split_microbatches

@@ -12,7 +12,8 @@ from jax.extend import core
 
 from jaxga import convolution, modules
 from jaxga._checks import check_arity, check_bool, leading_size, positive_int
-from jaxga._streaming import check_resident, streamed_scan, summed_here
+from jaxga._host_stacks import check_resident
+from jaxga._streaming import streamed_scan, summed_here
 
 Policy = str | Sequence[str] | Callable[..., Any] | None
 _STACK = "jax.tree.map(lambda *p: jnp.stack(p), *layers)"

@@ -15,9 +15,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSh
 from jax.sharding import PartitionSpec as P
 
 from jaxga import _checks, meshes, modules
+from jaxga._host_stacks import made_by_layer
 from jaxga._layerwise import UnmappedState, map_mirrors
 from jaxga._layerwise_init import init_by_layer
-from jaxga._streaming import made_by_layer
 from jaxga.microbatch import IndivisibleBatchError  # noqa: F401 (importable from here too)
 
 
@@ -265,7 +265,12 @@ def offload(
         moved = _MOVED[treedef]
         moved = [m and bool(select) for m in moved]
     if keep is not None:
-        moved = [m and not k for m, k in zip(moved, jax.tree.leaves(keep), strict=True)]
+        kept, kept_def = jax.tree.flatten(keep)
+        if kept_def != treedef:
+            got = f"another structure than `state` (leaves: {len(kept)} against {len(flat)})"
+            want = "a bool for each leaf of `state`: jax.tree.map(lambda x: False, state), say"
+            raise ValueError(f"`keep` has {got}; expected {want}.")
+        moved = [m and not k for m, k in zip(moved, kept)]
 
     def move(x: Any) -> Any:
         if isinstance(x, jax.core.Tracer):  # moved unless its type says it is there
@@ -445,7 +450,8 @@ def stacked_on_host(init_layer: Callable[[Any], Any], keys: Any) -> Any:
     Raises:
         TypeError: ``init_layer`` is not callable or returns what is not a pytree of
             arrays, or ``keys`` holds a leaf that is not an array, or no leaves, or leaves
-            without one leading size.
+            without one leading size, or no layer, or is one raw key (``uint32[2]``) that
+            ``init_layer`` fails on.
         ValueError: a leaf of ``keys`` is split over its mesh; or ``keys`` lie on two meshes.
 
     Examples:
@@ -465,6 +471,9 @@ def stacked_on_host(init_layer: Callable[[Any], Any], keys: Any) -> Any:
         if isinstance(keys, int):  # a number of layers
             got = f"{keys}, a number: for {keys} layers, pass jax.random.split(key, {keys})"
         raise TypeError(f"`keys` must hold arrays of one leading (layer) axis; got {got}.")
+    want = "a key for each layer: jax.random.split(key, num_layers)"
+    if sizes == {0}:
+        raise TypeError(f"`keys` holds no layer; expected {want}.")
     for path, x in leaves:
         if (spec := _split_by(x)) is not None:
             got = f"`keys{jax.tree_util.keystr(path)}` is split over its mesh by {spec}"
@@ -472,6 +481,9 @@ def stacked_on_host(init_layer: Callable[[Any], Any], keys: Any) -> Any:
     try:
         layer = jax.eval_shape(init_layer, jax.tree.map(operator.itemgetter(0), keys))
     except TypeError as e:
+        if jnp.shape(keys) == (2,) and jnp.result_type(keys) == jnp.uint32:  # as 2 layers
+            got = "one raw key, uint32[2] (jax.random.PRNGKey's), which `init_layer` fails on"
+            raise TypeError(f"`keys` holds {got} as 2 layers; expected {want}.") from e
         raise TypeError(f"`init_layer` must return a pytree of arrays; on one key: {e}") from e
     if not jax.tree.leaves(layer):
         raise TypeError(f"`init_layer` must return a pytree of arrays; got {layer!r:.60}.")

@@ -12,8 +12,8 @@ import optax
 
 from jaxga import collectives, layouts, sharding
 from jaxga._branches import when
+from jaxga._host_stacks import global_norm, layerwise, on_device, placed_like
 from jaxga._layerwise import StreamError, streamed_leaves, updated_by_layer
-from jaxga._streaming import global_norm, layerwise, on_device, placed_like
 from jaxga.engine import Accumulated
 from jaxga.multistep import MultiStepsTransformation, states_in
 from jaxga.steps import Metrics, StepOptions

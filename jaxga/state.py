@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
-from jaxga import _checks, meshes, modules, sharding
+from jaxga import _checks, _host_stacks, meshes, modules, sharding
 from jaxga.arguments import is_key
 
 
@@ -56,9 +56,8 @@ class TrainState(train_state.TrainState):
         # Flax's create runs `tx.init`; jitted where parameters live in host memory (streamed
         # stacks: an eager zeros_like cannot make host arrays), the state made on the device
         init = tx
-        if any(meshes.memory_space(x) == jax.memory.Space.Host for x in jax.tree.leaves(params)):
-            jitted = functools.partial(sharding.init_on_mesh, tx, tx.init)  # on their mesh
-            init = optax.GradientTransformation(jitted, tx.update)
+        if any(_kind(x) in meshes.HOST_KINDS for x in jax.tree.leaves(params)):
+            init = optax.GradientTransformation(_jitted_init(tx, params), tx.update)
         given = {"apply_fn": apply_fn, "params": params, "model_state": model_state, "rng": rng}
         if isinstance(params, Mapping | jax.Array):  # Flax's reads a dict's keys (fp8)
             state = super().create(tx=init, **given, **kwargs)
@@ -127,8 +126,39 @@ def check_arrays(tree: Any, name: str, empty_ok: bool = False) -> None:
 
 
 def copy(x: Any) -> Any:
-    """A copy of the same kind (host arrays stay on the host, for ``jax.distributed``)."""
-    return x.copy() if isinstance(x, np.ndarray) else jnp.array(x, copy=True)
+    """A copy of the same kind, in the same memory (NumPy arrays stay NumPy arrays, for
+    ``jax.distributed``; an array in host memory, pinned or not, stays there)."""
+    if isinstance(x, np.ndarray):
+        return x.copy()
+    if _kind(x) in meshes.HOST_KINDS:
+        return jax.device_put(x, x.sharding, may_alias=False)
+    return jnp.array(x, copy=True)
+
+
+def _jitted_init(tx: optax.GradientTransformation, params: Any) -> Callable[[Any], Any]:
+    """``tx.init`` jitted on ``params``' mesh (`sharding.init_on_mesh`); where it computes
+    on parameters that lie in host memory (DoG's distances), which JAX refuses, on them
+    fetched to the device instead (a ``with_offloaded_init`` state, made a layer at a
+    time, and any other, as they were made)."""
+    jitted = functools.partial(sharding.init_on_mesh, tx, tx.init)
+    try:
+        jax.eval_shape(jitted, params)
+    except ValueError as e:
+        if "<host>" not in str(e):  # JAX's type of a value in host memory
+            raise
+        fetched = functools.partial(_init_on_device, tx.init)
+        jitted = functools.partial(sharding.init_on_mesh, tx, fetched)
+    return jitted
+
+
+def _init_on_device(init: Callable[[Any], Any], params: Any) -> Any:
+    """``init`` of ``params`` fetched to the device."""
+    return init(_host_stacks.on_device(params))
+
+
+def _kind(x: Any) -> str | None:
+    """The memory kind ``x`` lies in (JAX types an unpinned host array as the device's)."""
+    return getattr(getattr(x, "sharding", None), "memory_kind", None)
 
 
 def as_key(rng: Any) -> jax.Array:

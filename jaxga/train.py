@@ -11,7 +11,17 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.training import train_state
 
-from jaxga import _checks, _streaming, layouts, meshes, modules, planner, sharding, skeleton, steps
+from jaxga import (
+    _checks,
+    _host_stacks,
+    layouts,
+    meshes,
+    modules,
+    planner,
+    sharding,
+    skeleton,
+    steps,
+)
 from jaxga.accumulation import Accumulate
 from jaxga.arguments import StateStructureError, is_inexact, shape_and_dtype
 from jaxga.engine import Accumulated
@@ -92,7 +102,7 @@ class TrainStep(steps.JittedStep):
     def _fetched(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         if self.options.stream != "auto" or not isinstance(args[0], train_state.TrainState):
             return args
-        return (args[0].replace(params=_streaming.on_device(args[0].params)), *args[1:])
+        return (args[0].replace(params=_host_stacks.on_device(args[0].params)), *args[1:])
 
     def __call__(
         self, state: Any, batch: Any, num_real_microbatches: Any = None, *, end_group: Any = None

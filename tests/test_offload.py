@@ -101,6 +101,23 @@ def test_offload_of_an_optimiser_without_state_moves_nothing():
     chex.assert_trees_all_equal(host_arrays(state.params), host_arrays(expected.params))
 
 
+def test_offload_keeps_the_leaves_keep_names_and_refuses_a_keep_of_another_shape():
+    state = jaxga.TrainState.create(params={"w": jnp.ones(3), "b": jnp.ones(2)}, tx=optax.adam(0.1))
+    keep = jax.tree.map(lambda x: False, state)
+    keep = keep.replace(
+        opt_state=(keep.opt_state[0]._replace(mu={"w": True, "b": False}), *keep.opt_state[1:])
+    )
+    moved = jaxga.sharding.offload(state, keep=keep)
+    kinds = jax.tree.map(lambda x: x.sharding.memory_kind, moved.opt_state[0])
+    assert kinds.mu == {"w": "device", "b": "pinned_host"}
+    assert kinds.nu == {"w": "pinned_host", "b": "pinned_host"}
+    assert moved.params["w"].sharding.memory_kind == "device"
+    chex.assert_trees_all_equal(jaxga.sharding.offload(moved, "device"), state)
+    message = r"`keep` has another structure than `state` \(leaves: 1 against 9\); expected a bool"
+    with pytest.raises(ValueError, match=message):
+        jaxga.sharding.offload(state, keep={"w": True})
+
+
 def test_nnx_offload_of_an_optimiser_without_state_is_refused():
     """NNX: an `nnx.Optimizer` over `optax.sgd` has no state to offload; `offload=True` says
     so, naming the argument (its rule would otherwise take the model's variables)."""

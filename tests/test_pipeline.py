@@ -504,6 +504,52 @@ def test_pipeline_loss_names_bad_input():
         )(params)
 
 
+@pytest.mark.parametrize("placed", ["replicated", "host"])
+def test_pipeline_loss_names_a_stack_not_laid_out_over_the_stages(placed):
+    """On an Explicit stage axis the pipeline's shard_map takes the stack as it lies: one
+    typed otherwise than split over the stages is named (JAX's own error was a mismatch of
+    in_specs; a stack on no mesh is put over the stages, the next test)."""
+    mesh = stage_mesh(2)
+    where = {
+        "replicated": NamedSharding(mesh, P()),
+        "host": jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"),
+    }[placed]
+    params = jax.device_put(stack(), where)
+    x, targets = jnp.ones((8, D)), {"labels": jnp.zeros(8, jnp.int32), "mask": jnp.ones(8)}
+
+    def total(params):
+        pair, options = (params, jnp.ones((D, 5))), {"num_microbatches": 2, "mesh": mesh}
+        options |= {"schedule": "1f1b", "stream": placed == "host"}
+        loss = jaxga.pipeline_loss(layer, head_fn, pair, x, targets, **options)
+        return loss.total
+
+    message = r"`stacked_params`\['b'\] is laid out as .*its layers not split over the stages; "
+    message += r"expected its layer axis split over the Explicit stage axis 'stage'"
+    with pytest.raises(ValueError, match=message):
+        jax.jit(jax.grad(total))(params)
+
+
+@pytest.mark.parametrize("shape", [(2,), (2, 2)], ids=["stages", "stages_and_data"])
+def test_a_stack_on_no_mesh_is_put_over_the_explicit_stage_axis(shape):
+    """A NumPy stack with `mesh=`: put over the stage axis, on a mesh of the stages alone
+    too (where it was JAX's mismatch of in_specs); the gradient is `jax.grad` of one scan's."""
+    names = ("stage", "data")[: len(shape)]
+    mesh = jax.make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))])
+    params, head = stack(), np.random.default_rng(3).normal(size=(D, 5)).astype(np.float32)
+    batch = skewed_batch()
+
+    def total(params, mesh=mesh):
+        options = {"num_microbatches": 4, "mesh": mesh, "schedule": "1f1b"}
+        loss = jaxga.pipeline_loss(layer, head_fn, (params, head), batch["x"], batch, **options)
+        return loss.value
+
+    def reference(params):
+        return head_fn(head, jaxga.remat_scan(layer, params, batch["x"]), batch).value
+
+    got = jax.jit(jax.value_and_grad(total))(params)
+    chex.assert_trees_all_close(got, jax.value_and_grad(reference)(params), rtol=1e-4, atol=1e-6)
+
+
 def test_interleaved_1f1b_and_a_head_schedule_name_bad_input():
     params, x = on_stages(stack(), stage_mesh(4), 2), jnp.ones((24, D))
     targets = {"labels": jnp.zeros(24, jnp.int32), "mask": jnp.ones(24)}

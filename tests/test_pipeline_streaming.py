@@ -349,9 +349,9 @@ def test_streaming_a_pipeline_refuses_what_it_does_not_take():
 
 
 def test_layerwise_refuses_stacks_laid_out_apart():
-    """_streaming.layerwise over a stack split by stage and one that is not: each device
+    """_host_stacks.layerwise over a stack split by stage and one that is not: each device
     would read the first layers of the other (a review's silent wrong result), so it raises."""
-    from jaxga._streaming import layerwise
+    from jaxga._host_stacks import layerwise
 
     mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
     split = on_stages(stack(), mesh, "pinned_host")["b"]

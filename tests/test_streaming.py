@@ -380,6 +380,57 @@ def test_stream_names_a_stack_in_unpinned_host_memory(mesh):
         step(state, batch_of(0))
 
 
+def test_a_parameter_in_host_memory_read_outside_a_streamed_scan_is_named():
+    """A leaf the loss reads whole in host memory (here the embedding and the head) gets
+    JAX's error with a note naming the leaves there and what reads a stack there."""
+    loss = functools.partial(step_loss, stream=True, policy="full")
+    step = jaxga.make_train_step(loss, 2, stream=True)
+    state = jaxga.TrainState.create(params=jax.device_put(model_params(), HOST), tx=optimizer())
+    with pytest.raises(ValueError) as raised:  # JAX's own error, a memory space mismatch
+        step(state, batch_of(0))
+    (note,) = [n for n in raised.value.__notes__ if n.startswith("jaxga:")]
+    assert "these lie in host memory: args[0]['embed'], args[0]['head'], args[0]['layers']" in note
+    assert "through jaxga.remat_scan(..., stream=True)" in note
+
+
+def test_create_runs_an_init_that_reads_the_parameters_on_a_stack_in_host_memory():
+    """DoG's ``init`` computes on the parameters (its first distances): `TrainState.create`
+    of parameters in host memory fetches them for it inside its jit (it was JAX's refusal
+    to add a host array to a device one), and the streamed step from that state is the
+    resident step from one made on the device, bit for bit."""
+    tx = optax.contrib.dog(1.0)
+    params = model_params()
+    on_host = params | {"layers": jax.device_put(params["layers"], HOST)}
+    state = jaxga.TrainState.create(params=on_host, tx=tx)
+    resident = jaxga.TrainState.create(params=params, tx=tx)
+    assert_equal(state.opt_state, resident.opt_state)
+    assert kinds(state.params["layers"]) == {"pinned_host"}
+    streamed_loss = functools.partial(step_loss, stream=True, policy="full")
+    resident_loss = functools.partial(step_loss, stream=False, policy="full")
+    with jax.default_matmul_precision("highest"):
+        state, metrics = jaxga.make_train_step(streamed_loss, 2, stream=True)(state, batch_of(0))
+        resident, resident_metrics = jaxga.make_train_step(resident_loss, 2)(resident, batch_of(0))
+    assert_equal((state.params, state.opt_state), (resident.params, resident.opt_state))
+    assert_equal(metrics, resident_metrics)
+
+
+def test_create_keeps_a_stack_in_the_host_memory_it_was_given():
+    """`TrainState.create` copies each parameter in its own memory, as Flax's keeps it: a
+    stack in unpinned host memory stays there (it was moved to the device, silently, and
+    every step then ran it resident), and the step names it."""
+    unpinned = HOST.with_memory_kind("unpinned_host")
+    params = model_params()
+    params = params | {"layers": jax.device_put(params["layers"], unpinned)}
+    state = jaxga.TrainState.create(params=params, tx=optimizer())
+    kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.params["layers"])}
+    assert kinds == {"unpinned_host"}
+    assert state.params["head"].sharding.memory_kind == "device"
+    loss = functools.partial(step_loss, stream=True, policy="full")
+    step = jaxga.make_train_step(loss, 2, stream=True)
+    with pytest.raises(ValueError, match=r"\(unpinned_host\); `stream` takes pinned_host alone"):
+        step(state, batch_of(0))
+
+
 @pytest.mark.parametrize("stream, offload", [(True, True), ("layers", True), ("layers", False)])
 def test_streamed_step_on_a_one_device_mesh_is_the_step_without_one(stream, offload):
     """On a mesh (here one device; eight in tests/multidevice/dp_checks.py) each device
@@ -650,8 +701,9 @@ def test_the_update_by_layer_takes_an_optimiser_that_leaves_parameters_out(name)
         optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
         optax.lamb(1e-3),
         jaxga.MultiSteps(optax.adam(1e-3), every_k=2, should_skip_update_fn=jaxga.skip_not_finite),
+        optax.chain(optax.add_noise(0.01, 0.55, 0), optax.sgd(1e-3)),  # a layer's noise drawn
     ],
-    ids=["clip_by_global_norm", "lamb", "multisteps_skip_not_finite"],
+    ids=["clip_by_global_norm", "lamb", "multisteps_skip_not_finite", "add_noise"],
 )
 def test_the_update_by_layer_refuses_an_optimiser_that_reduces_across_leaves(tx):
     message = (
@@ -832,7 +884,7 @@ def test_the_streamed_norm_is_optaxs_for_narrow_and_complex_stacks(dtype):
     """The `grad_norm` of a host-memory stack, summed a layer at a time: the layers' sums
     kept in float32 (a bfloat16 total drifts by 7 % over 256 layers) and a complex leaf's
     squares |x|², as `optax.tree.norm` computes them on the whole leaf."""
-    from jaxga._streaming import global_norm
+    from jaxga._host_stacks import global_norm
 
     values = jax.random.normal(jax.random.key(0), (256, 64)) * 0.02
     stack = values * (1 + 1j) if jnp.issubdtype(dtype, jnp.complexfloating) else values

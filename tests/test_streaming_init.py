@@ -90,6 +90,10 @@ def test_a_state_made_in_host_memory_trains_as_one_made_on_the_device(name):
     loss = functools.partial(step_loss, stream=True, policy="full")
     step = jaxga.make_train_step(loss, 4, stream="layers", offload=True)
     made = jaxga.TrainState.create(params=host_params(), tx=jaxga.sharding.with_offloaded_init(tx))
+    made_copies = [
+        x for s, x in zip(stack_paths(made.opt_state), jax.tree.leaves(made.opt_state)) if s
+    ]
+    assert made_copies and kinds(made_copies) == {"pinned_host"}  # made there by `create`
     moved = jaxga.TrainState.create(params=model_params(), tx=tx)
     moved = moved.replace(params=host_params())
     with jax.default_matmul_precision("highest"):
@@ -378,6 +382,17 @@ def _nothing(key):
             r"\(3,\), \"keys\['b'\]\": \(4,\)\}",
         ),
         (
+            (_random_layer, jax.random.PRNGKey(0)),
+            TypeError,
+            r"`keys` holds one raw key, uint32\[2\] \(jax.random.PRNGKey's\), which `init_layer` "
+            r"fails on as 2 layers; expected a key for each layer: jax.random.split\(key, num_",
+        ),
+        (
+            (_random_layer, jax.random.split(jax.random.key(0), 2)[:0]),
+            TypeError,
+            r"`keys` holds no layer; expected a key for each layer",
+        ),
+        (
             (_a_function, jax.random.split(jax.random.key(0), 2)),
             TypeError,
             r"`init_layer` must return a pytree of arrays; on one key: ",
@@ -393,6 +408,8 @@ def _nothing(key):
         "not_an_array",
         "no_layer_axis",
         "unlike_sizes",
+        "one_raw_key",
+        "no_layer",
         "returns_a_function",
         "returns_nothing",
     ],

@@ -92,12 +92,12 @@ def test_stream_layers_is_the_resident_step_to_rounding(k, monkeypatch):
     np.testing.assert_allclose(*norms, rtol=1e-6)  # the squares summed a layer at a time
     assert_rounding(metrics, resident_metrics)
     assert kinds(params["blocks"]) == kinds(moments(opt_state)) == {"pinned_host"}
-    assert len(probed) == 4  # the probe's four updates, at the one trace
+    assert len(probed) == 8  # the probe's four updates from each start, at the one trace
     # A new step of the same `tx`, traced again: the probe is not rerun; no stack moves whole.
     model, opt = model_and_optimizer("layers", tx)
     step = jaxga.nnx_train_step(nnx_loss, 2, stream="layers", offload=True)
     traced = step.trace(model, opt, batch_of(0))
-    assert len(probed) == 4
+    assert len(probed) == 8
     stacks = {x.shape for x in jax.tree.leaves(nnx.state(model.blocks))}
     moves = {shape for shape, _ in _device_puts(traced.jaxpr.jaxpr)}
     assert {shape[1:] for shape in stacks} <= moves and not moves & stacks, (moves, stacks)
