@@ -287,7 +287,7 @@ def note_host_memory(error: Exception, args: tuple) -> None:
         >>> error.__notes__[0][:52]
         "jaxga: of the loss's arguments, these lie in host me"
     """
-    if "<host>" not in str(error):  # JAX's type of a value in host memory: float32<host>[...]
+    if not meshes.refuses_host_memory(error):
         return
     found = [
         f"args[{i}]{keystr(path)}"
@@ -295,7 +295,7 @@ def note_host_memory(error: Exception, args: tuple) -> None:
         for path, x in jax.tree_util.tree_leaves_with_path(arg)
         if _checks.is_array(x)
         and (
-            getattr(getattr(x, "sharding", None), "memory_kind", None) in meshes.HOST_KINDS
+            meshes.memory_kind(x) in meshes.HOST_KINDS
             or meshes.memory_space(x) == jax.memory.Space.Host
         )
     ]

@@ -261,6 +261,36 @@ def memory_space(leaf: Any) -> Any:
     return getattr(jax.typeof(leaf), "memory_space", jax.memory.Space.Device)
 
 
+def memory_kind(x: Any) -> str | None:
+    """The memory kind ``x`` lies in by its sharding (``"pinned_host"``, ``"unpinned_host"``,
+    ``"device"``), or None (no sharding: a NumPy array, a tracer). JAX types an unpinned
+    host array as the device's (`memory_space`): this tells them apart.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np, jaxga.meshes as m
+        >>> host = jax.device_put(jnp.ones(2), jax.memory.Space.Host)
+        >>> m.memory_kind(host), m.memory_kind(np.ones(2))
+        ('pinned_host', None)
+    """
+    return getattr(getattr(x, "sharding", None), "memory_kind", None)
+
+
+def refuses_host_memory(error: Exception) -> bool:
+    """Whether ``error`` is JAX's refusal of a value in host memory where it computes: its
+    message shows the value's type, ``float32<host>[...]``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, jaxga.meshes as m
+        >>> host = jax.device_put(jnp.ones(2), jax.memory.Space.Host)
+        >>> try:
+        ...     jax.jit(lambda x, y: x + y)(host, jnp.ones(2))
+        ... except ValueError as e:
+        ...     print(m.refuses_host_memory(e))
+        True
+    """
+    return "<host>" in str(error)
+
+
 def mesh_of(tree: Any, name: str) -> Mesh | None:
     """The one mesh the concrete leaves of ``tree`` laid out by a `NamedSharding` share, or
     ``None``: a traced leaf (the enclosing jit places them), no such leaf.

@@ -56,7 +56,7 @@ class TrainState(train_state.TrainState):
         # Flax's create runs `tx.init`; jitted where parameters live in host memory (streamed
         # stacks: an eager zeros_like cannot make host arrays), the state made on the device
         init = tx
-        if any(_kind(x) in meshes.HOST_KINDS for x in jax.tree.leaves(params)):
+        if any(meshes.memory_kind(x) in meshes.HOST_KINDS for x in jax.tree.leaves(params)):
             init = optax.GradientTransformation(_jitted_init(tx, params), tx.update)
         given = {"apply_fn": apply_fn, "params": params, "model_state": model_state, "rng": rng}
         if isinstance(params, Mapping | jax.Array):  # Flax's reads a dict's keys (fp8)
@@ -130,7 +130,7 @@ def copy(x: Any) -> Any:
     ``jax.distributed``; an array in host memory, pinned or not, stays there)."""
     if isinstance(x, np.ndarray):
         return x.copy()
-    if _kind(x) in meshes.HOST_KINDS:
+    if meshes.memory_kind(x) in meshes.HOST_KINDS:
         return jax.device_put(x, x.sharding, may_alias=False)
     return jnp.array(x, copy=True)
 
@@ -144,7 +144,7 @@ def _jitted_init(tx: optax.GradientTransformation, params: Any) -> Callable[[Any
     try:
         jax.eval_shape(jitted, params)
     except ValueError as e:
-        if "<host>" not in str(e):  # JAX's type of a value in host memory
+        if not meshes.refuses_host_memory(e):
             raise
         fetched = functools.partial(_init_on_device, tx.init)
         jitted = functools.partial(sharding.init_on_mesh, tx, fetched)
@@ -154,11 +154,6 @@ def _jitted_init(tx: optax.GradientTransformation, params: Any) -> Callable[[Any
 def _init_on_device(init: Callable[[Any], Any], params: Any) -> Any:
     """``init`` of ``params`` fetched to the device."""
     return init(_host_stacks.on_device(params))
-
-
-def _kind(x: Any) -> str | None:
-    """The memory kind ``x`` lies in (JAX types an unpinned host array as the device's)."""
-    return getattr(getattr(x, "sharding", None), "memory_kind", None)
 
 
 def as_key(rng: Any) -> jax.Array:

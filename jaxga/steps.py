@@ -62,7 +62,7 @@ def check_on_device(
     another leaf unless ``offload`` (a function: any leaf). A traced leaf's type says host
     memory but not which kind: taken as pinned."""
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+        kind = meshes.memory_kind(x)
         if isinstance(x, jax.core.Tracer) and meshes.memory_space(x) == jax.memory.Space.Host:
             kind = "pinned_host"  # inside an enclosing jit its type says host memory
         where = f"`{name}`{jax.tree_util.keystr(path)} is in host memory ({kind})"
@@ -116,7 +116,7 @@ def mistyped(x: Any) -> bool:
         >>> jaxga.steps.mistyped(jax.device_put(jnp.ones(3), host))
         False
     """
-    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+    kind = meshes.memory_kind(x)
     if kind != "pinned_host" or isinstance(x, jax.core.Tracer):  # JAX types unpinned as device
         return False
     return meshes.memory_space(x) != jax.memory.Space.Host
